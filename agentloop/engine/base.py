@@ -1,0 +1,87 @@
+"""The token-level engine contract: token ids in, token ids and logprobs out.
+
+Logprob definition (shared by every engine and by the trainer): the value returned for a sampled
+token is ``log_softmax(logits)[token]`` of the model's raw logits at that position, *before*
+temperature, top-p or top-k are applied. The trainer computes exactly this quantity from its own
+forward pass, so the two can be compared token by token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(BaseModel):
+    """How to sample one response."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_tokens: int = Field(256, ge=1, description="Upper bound on generated tokens.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra ids that end generation.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end generation (kept in output).")
+    seed: int | None = Field(None, description="Per-request seed; same seed, same tokens.")
+    logprobs: bool = Field(True, description="Return the logprob of each sampled token.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+
+
+class TokenOutput(BaseModel):
+    """The engine's answer to one generate call."""
+
+    model_config = ConfigDict(frozen=True)
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason
+    weights_version: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What the proxy and the trainer need from an inference engine."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (with chat template) the engine serves with."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + response) one sequence may hold."""
+        ...
+
+    @property
+    def weights_version(self) -> int:
+        """Bumped by every update_weights."""
+        ...
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> TokenOutput:
+        """Generate a response; raises ContextLengthExceededError, RequestAbortedError, EngineError."""
+        ...
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
+        """Load new weights between decode steps; returns the new weights version."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request; True when it was found."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests, generated tokens, batch sizes, cache hits."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,106 @@
+"""The one exception tree of agentloop.
+
+::
+
+    AgentLoopError
+    ├── NotFoundError            an id (rollout, attempt, resources) the store does not know
+    ├── InvalidTransitionError   a lifecycle change the state machine forbids
+    │   └── StaleAttemptError    a write from an attempt that is no longer the latest one
+    ├── AgentError               an agent returned something that is not a reward
+    ├── RolloutContextError      a rollout-only helper called outside a rollout
+    ├── EngineError              the inference engine failed
+    │   ├── ContextLengthExceededError  the prompt does not fit the model's context
+    │   └── RequestAbortedError         the request was aborted before it finished
+    ├── ModelResolutionError     a model alias, folder or package could not be found
+    ├── StoreUnavailableError    the HTTP store could not be reached
+    ├── InvalidRequestError      a bad argument to a store call (also a ValueError)
+    └── ToolError                a tool was defined, looked up or called wrongly
+        ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
+        ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)
+        └── ToolArgumentError    the model's arguments do not fit the tool (also a ValueError)
+
+Validation errors on public calls are pydantic's ``ValidationError``; they name the field.
+"""
+
+from __future__ import annotations
+
+
+class AgentLoopError(Exception):
+    """Base of every error agentloop raises on purpose."""
+
+
+class NotFoundError(AgentLoopError, KeyError):
+    """An id the store does not know."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else "not found"
+
+
+class InvalidTransitionError(AgentLoopError):
+    """A lifecycle change that the state machine forbids."""
+
+
+class StaleAttemptError(InvalidTransitionError):
+    """A write from an attempt that has been superseded or has already finished."""
+
+
+class AgentError(AgentLoopError):
+    """An agent broke its contract (for example it returned a non-reward value)."""
+
+
+class RolloutContextError(AgentLoopError):
+    """A helper that needs the current rollout was called outside one."""
+
+
+class EngineError(AgentLoopError):
+    """The inference engine failed to serve a request."""
+
+
+class ContextLengthExceededError(EngineError):
+    """The prompt (plus max_tokens where required) does not fit the model's context window."""
+
+
+class RequestAbortedError(EngineError):
+    """The request was aborted (by `abort` or by a weight update) before it finished."""
+
+
+class ModelResolutionError(AgentLoopError):
+    """A model alias, folder or package could not be resolved."""
+
+
+class StoreUnavailableError(AgentLoopError):
+    """The HTTP store could not be reached or answered with a server error."""
+
+
+class InvalidRequestError(AgentLoopError, ValueError):
+    """A store call got a bad argument (wrong type, unknown enum value, not JSON-serialisable).
+
+    Over HTTP, a server-side validation failure comes back as this error.
+    """
+
+
+class ToolError(AgentLoopError):
+    """A tool was defined, looked up or called wrongly."""
+
+
+class ToolDefinitionError(ToolError):
+    """A function, class or YAML entry cannot become a tool (bad signature, duplicate name, ...)."""
+
+
+class ToolNotFoundError(ToolError, KeyError):
+    """A tool name the registry does not know."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else "tool not found"
+
+
+class ToolArgumentError(ToolError, ValueError):
+    """The arguments a model gave a tool do not match its parameters; the message is for the model."""
+
+
+class ConfigError(AgentLoopError, ValueError):
+    """A trainer config (or an algorithm name) is not valid; the message names the dotted key."""
+
+
+class EmptyBatchError(AgentLoopError, ValueError):
+    """No usable training sample: no triplets came, or every one was dropped (the message says why)."""

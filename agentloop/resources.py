@@ -1,0 +1,102 @@
+"""Resources handed to agents: LLM endpoints, prompt templates, versioned together."""
+
+from __future__ import annotations
+
+import string
+import time
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Resource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LLM(_Resource):
+    """An OpenAI-compatible endpoint an agent talks to."""
+
+    resource_type: Literal["llm"] = "llm"
+    base_url: str = Field(description="OpenAI-compatible base URL, ending in /v1.")
+    model: str = Field(description="Model name sent in requests.")
+    api_key: str = Field("EMPTY", description="Bearer token; the proxy accepts anything unless it has a key.")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
+
+
+class _HasAttempt(Protocol):
+    @property
+    def rollout_id(self) -> str: ...
+
+    @property
+    def attempt(self) -> Any: ...
+
+
+_PLACEHOLDERS = ("{rollout_id}", "{attempt_id}")
+
+
+class ProxyLLM(_Resource):
+    """An LLM behind the agentloop proxy; its URL template is resolved per rollout attempt."""
+
+    resource_type: Literal["proxy_llm"] = "proxy_llm"
+    url_template: str = Field(description="URL with the placeholders {rollout_id} and {attempt_id}.")
+    model: str
+    api_key: str = "EMPTY"
+    sampling: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("url_template")
+    @classmethod
+    def _has_placeholders(cls, value: str) -> str:
+        missing = [p for p in _PLACEHOLDERS if p not in value]
+        if missing:
+            raise ValueError(f"url_template must contain {' and '.join(_PLACEHOLDERS)}; missing {missing}")
+        return value
+
+    def get_base_url(self, rollout_id: str, attempt_id: str) -> str:
+        """The base URL for one attempt of one rollout."""
+        if not rollout_id or not attempt_id:
+            raise ValueError(f"rollout_id and attempt_id must be non-empty, got {rollout_id!r}, {attempt_id!r}")
+        return self.url_template.replace("{rollout_id}", rollout_id).replace("{attempt_id}", attempt_id)
+
+    def resolve(self, rollout: _HasAttempt) -> LLM:
+        """A plain LLM pointed at this attempt's URL (``rollout`` is an AttemptedRollout)."""
+        url = self.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        return LLM(base_url=url, model=self.model, api_key=self.api_key, sampling=dict(self.sampling))
+
+
+class PromptTemplate(_Resource):
+    """A prompt with ``{name}`` fields (str.format syntax)."""
+
+    resource_type: Literal["prompt_template"] = "prompt_template"
+    template: str
+
+    @property
+    def fields(self) -> list[str]:
+        return [name for _, name, _, _ in string.Formatter().parse(self.template) if name]
+
+    def format(self, **values: Any) -> str:
+        missing = [f for f in self.fields if f not in values]
+        if missing:
+            raise KeyError(f"PromptTemplate.format is missing values for {missing}")
+        return self.template.format(**values)
+
+
+Resource = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resource_type")]
+
+
+class Resources(_Resource):
+    """A named set of resources; the store gives each added set the next version number."""
+
+    version: int | None = Field(None, description="Assigned by the store on add_resources.")
+    items: dict[str, Resource] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time)
+
+    def get_llm(self, name: str | None = None) -> LLM | ProxyLLM:
+        """The LLM named ``name``, or the only/first LLM when no name is given."""
+        llms = {k: v for k, v in self.items.items() if isinstance(v, LLM | ProxyLLM)}
+        if name is not None:
+            if name not in llms:
+                raise KeyError(f"no LLM resource named {name!r}; have {sorted(llms)}")
+            return llms[name]
+        if not llms:
+            raise KeyError(f"resources version {self.version} hold no LLM; have {sorted(self.items)}")
+        return next(iter(llms.values()))

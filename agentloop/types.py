@@ -1,0 +1,245 @@
+"""The data model: rollouts, attempts, spans, LLM calls and training triplets.
+
+Every model is pydantic v2; a wrong type raises ``pydantic.ValidationError`` naming the field.
+Lifecycles are ordered enums and the legal transitions live in :mod:`agentloop.store.state`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from agentloop.resources import Resources
+
+JSON = Any  # a JSON-serialisable value
+
+
+def new_rollout_id() -> str:
+    """An unguessable rollout id (128 random bits)."""
+    return "ro-" + secrets.token_hex(16)
+
+
+def new_attempt_id() -> str:
+    """An unguessable attempt id (128 random bits)."""
+    return "at-" + secrets.token_hex(16)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------- lifecycles
+
+
+class RolloutStatus(StrEnum):
+    QUEUED = "queued"  # waiting in the FIFO queue for its first attempt
+    RUNNING = "running"  # an attempt has been dequeued and has not finished
+    REQUEUED = "requeued"  # the last attempt failed and may be retried; back of the queue
+    SUCCEEDED = "succeeded"  # terminal: an attempt succeeded
+    FAILED = "failed"  # terminal: attempts exhausted or the failure is not retried
+    CANCELLED = "cancelled"  # terminal: cancelled by the user
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL_ROLLOUT
+
+
+class AttemptStatus(StrEnum):
+    PREPARING = "preparing"  # dequeued; the agent has not produced a span yet
+    RUNNING = "running"  # the first span (heartbeat) arrived
+    SUCCEEDED = "succeeded"  # terminal: the agent returned normally
+    FAILED = "failed"  # terminal: the agent raised or broke its contract
+    TIMEOUT = "timeout"  # terminal: older than RolloutConfig.timeout_s
+    UNRESPONSIVE = "unresponsive"  # terminal: no heartbeat for RolloutConfig.unresponsive_s
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (AttemptStatus.PREPARING, AttemptStatus.RUNNING)
+
+
+_TERMINAL_ROLLOUT = frozenset({RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED})
+
+RolloutMode = Literal["train", "val", "test"]
+
+
+class RolloutConfig(_Model):
+    """How long an attempt may take and when a rollout is retried."""
+
+    timeout_s: float | None = Field(None, gt=0, description="Wall time one attempt may take; None: no limit.")
+    unresponsive_s: float | None = Field(
+        None, gt=0, description="Silence (no span or heartbeat) after which an attempt is unresponsive."
+    )
+    max_attempts: int = Field(1, ge=1, description="Attempts per rollout, the first one included.")
+    retry_on: set[AttemptStatus] = Field(
+        default_factory=lambda: {AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE},
+        description="Terminal attempt statuses that requeue the rollout while attempts remain.",
+    )
+
+    @field_validator("retry_on")
+    @classmethod
+    def _only_terminal(cls, value: set[AttemptStatus]) -> set[AttemptStatus]:
+        bad = sorted(s.value for s in value if not s.is_terminal or s is AttemptStatus.SUCCEEDED)
+        if bad:
+            raise ValueError(f"retry_on takes failed / timeout / unresponsive, got {bad}")
+        return value
+
+
+class ErrorInfo(_Model):
+    """An exception recorded on an attempt."""
+
+    type: str
+    message: str
+    traceback: str | None = None
+
+
+class Attempt(_Model):
+    """One try at running a rollout."""
+
+    rollout_id: str
+    attempt_id: str = Field(default_factory=new_attempt_id)
+    sequence_id: int = Field(1, ge=1, description="1 for the first attempt, +1 per retry.")
+    worker_id: str | None = None
+    status: AttemptStatus = AttemptStatus.PREPARING
+    start_time: float = Field(default_factory=time.time)
+    end_time: float | None = None
+    last_heartbeat_time: float = Field(default_factory=time.time)
+    error: ErrorInfo | None = None
+
+
+class Rollout(_Model):
+    """One task to run through an agent, with its lifecycle."""
+
+    rollout_id: str = Field(default_factory=new_rollout_id)
+    input: JSON
+    mode: RolloutMode = "train"
+    status: RolloutStatus = RolloutStatus.QUEUED
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    resources_version: int | None = Field(None, description="Resources version the latest attempt ran with.")
+    enqueue_time: float = Field(default_factory=time.time)
+    start_time: float | None = None
+    end_time: float | None = None
+    num_attempts: int = 0
+    metadata: dict[str, JSON] = Field(default_factory=dict)
+
+
+class AttemptedRollout(Rollout):
+    """What a worker gets from ``dequeue_rollout``: the rollout, its new attempt and the resources."""
+
+    attempt: Attempt
+    resources: Resources | None = None
+
+
+# ---------------------------------------------------------------- spans
+
+
+class LLMCall(_Model):
+    """One request to the model: the exact token ids it saw and produced."""
+
+    kind: Literal["llm_call"] = "llm_call"
+    prompt_ids: list[int] = Field(default_factory=list)
+    response_ids: list[int] = Field(default_factory=list)
+    response_logprobs: list[float] | None = Field(
+        None, description="log-softmax of the raw logits (before temperature) at each sampled token."
+    )
+    messages: list[dict[str, JSON]] = Field(default_factory=list)
+    tools: list[dict[str, JSON]] | None = None
+    response_message: dict[str, JSON] | None = None
+    finish_reason: str | None = None
+    sampling: dict[str, JSON] = Field(default_factory=dict)
+    latency_s: float | None = None
+    weights_version: int | None = None
+    model: str | None = None
+    error: str | None = Field(None, description="e.g. 'context_length_exceeded'; no tokens to train on.")
+    ledger_break: str | None = Field(None, description="Why delta tokenization fell back to a full render.")
+    tool_call_parse_error: bool = False
+
+    @model_validator(mode="after")
+    def _logprobs_match(self) -> LLMCall:
+        if self.response_logprobs is not None and len(self.response_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"response_logprobs has {len(self.response_logprobs)} entries, "
+                f"response_ids has {len(self.response_ids)}; they must match"
+            )
+        return self
+
+
+class Reward(_Model):
+    """A reward emitted by the agent (``al.emit_reward``) or the runner (the returned value)."""
+
+    kind: Literal["reward"] = "reward"
+    value: float
+    name: str | None = None
+
+
+class ToolCall(_Model):
+    """A tool execution inside an agent."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    name: str
+    arguments: JSON = None
+    result: JSON = None
+    error: str | None = None
+    latency_s: float | None = None
+
+
+class Log(_Model):
+    """A free-form event."""
+
+    kind: Literal["log"] = "log"
+    message: str
+    level: str = "info"
+    fields: dict[str, JSON] = Field(default_factory=dict)
+
+
+SpanPayload = Annotated[LLMCall | Reward | ToolCall | Log, Field(discriminator="kind")]
+SpanKind = Literal["llm_call", "reward", "tool_call", "log"]
+
+
+class Span(_Model):
+    """One recorded event of an attempt; ``sequence_id`` orders the spans of one attempt.
+
+    Leave ``sequence_id`` as None and the store assigns the next number.
+    """
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int | None = Field(None, ge=1)
+    payload: SpanPayload
+    timestamp: float = Field(default_factory=time.time)
+
+    @property
+    def kind(self) -> SpanKind:
+        return self.payload.kind
+
+
+# ---------------------------------------------------------------- training data
+
+
+class Triplet(_Model):
+    """One training sample: prompt, response and the reward it earned."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] | None = None
+    response_mask: list[int] | None = Field(
+        None, description="1 where the model produced the token (trained), 0 on tool/observation tokens."
+    )
+    reward: float | None = None
+    metadata: dict[str, JSON] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _lengths_match(self) -> Triplet:
+        n = len(self.response_ids)
+        if self.response_mask is None:
+            self.__dict__["response_mask"] = [1] * n
+        elif len(self.response_mask) != n:
+            raise ValueError(f"response_mask has {len(self.response_mask)} entries, response_ids has {n}")
+        elif any(m not in (0, 1) for m in self.response_mask):
+            raise ValueError("response_mask takes only 0 and 1")
+        if self.response_logprobs is not None and len(self.response_logprobs) != n:
+            raise ValueError(f"response_logprobs has {len(self.response_logprobs)} entries, response_ids has {n}")
+        return self

@@ -1,0 +1,1 @@
+"""Integrations of agentloop with agent frameworks (LangGraph, the openai client)."""
