@@ -14,6 +14,8 @@
     ├── ModelResolutionError     a model alias, folder or package could not be found
     ├── StoreUnavailableError    the HTTP store could not be reached
     ├── InvalidRequestError      a bad argument to a store call (also a ValueError)
+    ├── ConfigError              a trainer config key or value is not valid (also a ValueError)
+    ├── EmptyBatchError          no usable training sample in a batch (also a ValueError)
     └── ToolError                a tool was defined, looked up or called wrongly
         ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
         ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)

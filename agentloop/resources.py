@@ -54,7 +54,9 @@ class ProxyLLM(_Resource):
     def get_base_url(self, rollout_id: str, attempt_id: str) -> str:
         """The base URL for one attempt of one rollout."""
         if not rollout_id or not attempt_id:
-            raise ValueError(f"rollout_id and attempt_id must be non-empty, got {rollout_id!r}, {attempt_id!r}")
+            raise ValueError(
+                f"rollout_id and attempt_id must be non-empty, got {rollout_id!r}, {attempt_id!r}"
+            )
         return self.url_template.replace("{rollout_id}", rollout_id).replace("{attempt_id}", attempt_id)
 
     def resolve(self, rollout: _HasAttempt) -> LLM:

@@ -241,5 +241,7 @@ class Triplet(_Model):
         elif any(m not in (0, 1) for m in self.response_mask):
             raise ValueError("response_mask takes only 0 and 1")
         if self.response_logprobs is not None and len(self.response_logprobs) != n:
-            raise ValueError(f"response_logprobs has {len(self.response_logprobs)} entries, response_ids has {n}")
+            raise ValueError(
+                f"response_logprobs has {len(self.response_logprobs)} entries, response_ids has {n}"
+            )
         return self
