@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Every `async def` test runs under anyio without a per-test marker.
-    for item in items:
-        fn = getattr(item, "function", None)
-        if fn is not None and inspect.iscoroutinefunction(fn):
-            item.add_marker(pytest.mark.anyio)
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    # Every `async def` test runs under anyio without a per-test marker. Marking here, before the
+    # items exist, lets anyio's own hook see the marker (parametrized tests included).
+    if collector.funcnamefilter(name) and inspect.iscoroutinefunction(obj):  # type: ignore[attr-defined]
+        pytest.mark.anyio(obj)
 
 
 @pytest.fixture
