@@ -127,7 +127,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_curves(metrics_path: Path, out_path: Path, keys: Iterable[str] = ("reward/mean", "val/accuracy")) -> Path:
+def plot_curves(
+    metrics_path: Path, out_path: Path, keys: Iterable[str] = ("reward/mean", "val/accuracy")
+) -> Path:
     """Plot the given keys of a metrics.jsonl against the step into a PNG."""
     import matplotlib
 

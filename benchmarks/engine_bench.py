@@ -1,0 +1,135 @@
+"""Generated tokens/s: TorchEngine (continuous batching) vs Hugging Face ``model.generate`` with left
+padding, on the same workload (N chat prompts x M new tokens, sampling, eos ignored so both produce
+exactly N*M tokens), measured in one run. Prints JSON.
+
+    python benchmarks/engine_bench.py [--model smollm2-135m-instruct] [--device cpu] [--prompts 32] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+from agentloop.engine.base import SamplingParams
+from agentloop.engine.models import pick_device, resolve_model
+from agentloop.engine.torch_engine import TorchEngine
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one paragraph.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "What is 17 times 23?",
+    "Give me three tips for better sleep.",
+    "Summarise the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+]
+
+
+def prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)] + (" Please answer carefully." * (i % 4))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out
+
+
+def bench_hf(model: Any, tok: Any, batch: list[list[int]], new_tokens: int, sp: SamplingParams) -> float:
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": batch}, return_tensors="pt").to(model.device)
+    kw = dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+    with torch.inference_mode():
+        model.generate(**enc, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        dt = time.perf_counter() - t0
+    n = (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    assert n == len(batch) * new_tokens, (n, len(batch), new_tokens)
+    return n / dt
+
+
+async def bench_engine(
+    engine: TorchEngine, batch: list[list[int]], new_tokens: int, sp: SamplingParams
+) -> float:
+    await engine.generate(batch[0], sp.model_copy(update={"max_tokens": 4}))  # warm-up
+    engine._prefix.clear()  # measure without the warm-up's prefix
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(
+        *[engine.generate(p, sp.model_copy(update={"seed": i})) for i, p in enumerate(batch)]
+    )
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    assert n == len(batch) * new_tokens, (n, len(batch), new_tokens)
+    return n / dt
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = pick_device(args.device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    path = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    batch = prompts(tok, args.prompts)
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.new_tokens,
+        ignore_eos=True,
+        logprobs=True,
+    )
+    engine = TorchEngine(path, device=device, dtype=dtype, max_batch_size=max(args.prompts, 1))
+    engine_tps = await bench_engine(engine, batch, args.new_tokens, sp)
+    await engine.stop()
+    del engine
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    hf_tps = bench_hf(hf, tok, batch, args.new_tokens, sp)
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    if device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    result = {
+        "model": args.model,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "workload": {
+            "prompts": args.prompts,
+            "new_tokens": args.new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "ignore_eos": True,
+            "prompt_tokens_min_max": [min(map(len, batch)), max(map(len, batch))],
+        },
+        "torch_engine_tokens_per_s": round(engine_tps, 1),
+        "hf_generate_left_padding_tokens_per_s": round(hf_tps, 1),
+        "ratio": round(engine_tps / hf_tps, 2),
+        "machine": machine,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

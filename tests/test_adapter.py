@@ -1,0 +1,195 @@
+"""Adapter: spans -> triplets with the identical and per_call strategies, on hand-built spans and a real store."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+
+from agentloop.adapter import AdapterStats, TraceAdapter, spans_to_triplets, triplets_for_rollouts
+from agentloop.agent import emit_reward, rollout
+from agentloop.runner import Runner
+from agentloop.store.memory import MemoryStore
+from agentloop.types import AttemptedRollout, LLMCall, Log, Reward, Rollout, Span
+
+RID, AID = "ro-test", "at-test"
+
+
+class _Trace:
+    """Builds the spans of one attempt in sequence order."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+
+    def _add(self, payload: Any) -> _Trace:
+        self.spans.append(
+            Span(rollout_id=RID, attempt_id=AID, sequence_id=len(self.spans) + 1, payload=payload)
+        )
+        return self
+
+    def call(self, n: int = 2, error: str | None = None, version: int | None = 3) -> _Trace:
+        ids = [] if error else list(range(10 * n, 10 * n + n))
+        return self._add(
+            LLMCall(
+                prompt_ids=[1, 2, n] if not error else [1, 2, 3],
+                response_ids=ids,
+                response_logprobs=[-0.5] * len(ids),
+                finish_reason="stop" if not error else None,
+                weights_version=version,
+                error=error,
+            )
+        )
+
+    def reward(self, value: float, name: str | None = None) -> _Trace:
+        return self._add(Reward(value=value, name=name))
+
+    def log(self) -> _Trace:
+        return self._add(Log(message="tool ran"))
+
+
+def _rewards(spans: list[Span], **kwargs: Any) -> list[float | None]:
+    return [t.reward for t in spans_to_triplets(spans, **kwargs).triplets]
+
+
+def test_identical_gives_the_summed_reward_to_every_call() -> None:
+    trace = _Trace().call(1).log().call(2).reward(0.25).call(3).reward(1.0, "final")
+    result = spans_to_triplets(trace.spans)
+    assert [t.reward for t in result.triplets] == [1.25, 1.25, 1.25]
+    assert [t.response_ids for t in result.triplets] == [[10], [20, 21], [30, 31, 32]]
+    assert result.triplets[1].response_mask == [1, 1] and result.triplets[1].response_logprobs == [-0.5, -0.5]
+    assert (
+        result.stats.model_dump()
+        == AdapterStats(rollouts=1, spans=6, llm_calls=3, triplets=3, rewards=2).model_dump()
+    )
+
+
+def test_identical_with_one_reward_is_that_reward() -> None:
+    assert _rewards(_Trace().call().call().reward(0.7).spans) == [0.7, 0.7]
+
+
+def test_spans_are_ordered_by_sequence_id() -> None:
+    trace = _Trace().call(1).call(2).reward(1.0)
+    shuffled = [trace.spans[2], trace.spans[0], trace.spans[1]]
+    result = spans_to_triplets(shuffled, strategy="per_call", discount=0.0)
+    assert [t.metadata["call_index"] for t in result.triplets] == [0, 1]
+    assert [t.reward for t in result.triplets] == [0.0, 1.0]
+
+
+def test_per_call_without_discount_keeps_rewards_where_they_were_given() -> None:
+    trace = _Trace().call().reward(0.1).call().call().reward(0.3).reward(1.0).call()
+    # call 0 owns 0.1; call 1 nothing; call 2 owns 0.3 and the final 1.0; call 3 comes after the last reward
+    assert _rewards(trace.spans, strategy="per_call", discount=0.0) == [0.1, 0.0, 1.3, 0.0]
+
+
+def test_per_call_discount_flows_final_reward_back() -> None:
+    trace = _Trace().call().reward(0.1).call().call().reward(1.0)
+    got = _rewards(trace.spans, strategy="per_call", discount=0.5)
+    assert got == pytest.approx([0.1 + 0.25, 0.5, 1.0])
+    assert _rewards(trace.spans, strategy="per_call") == pytest.approx([1.1, 1.0, 1.0])  # discount 1.0
+
+
+def test_per_call_reward_before_first_call_belongs_to_first_call() -> None:
+    trace = _Trace().reward(0.5).call().call().reward(1.0)
+    result = spans_to_triplets(trace.spans, strategy="per_call", discount=0.0)
+    assert [t.reward for t in result.triplets] == [0.5, 1.0]
+    assert result.stats.rewards_before_first_call == 1
+
+
+def test_calls_without_ids_are_counted_and_logged() -> None:
+    trace = _Trace().call(1).call(error="context_length_exceeded").call(2).reward(1.0)
+    trace.spans.append(
+        Span(rollout_id=RID, attempt_id=AID, sequence_id=5, payload=LLMCall(prompt_ids=[], response_ids=[]))
+    )
+    with structlog.testing.capture_logs() as logs:
+        result = spans_to_triplets(trace.spans)
+    assert len(result.triplets) == 2
+    assert result.stats.llm_calls == 4 and result.stats.calls_without_ids == 2
+    assert [(c["sequence_id"], c["call_index"], c["reason"]) for c in result.stats.skipped_calls] == [
+        (2, 1, "context_length_exceeded"),
+        (5, 3, "empty prompt_ids"),
+    ]
+    (event,) = [e for e in logs if e["event"] == "llm_calls_without_token_ids"]
+    assert event["log_level"] == "warning" and event["count"] == 2
+    # the skipped call still counts as a turn for per-call discounting
+    assert _rewards(trace.spans, strategy="per_call", discount=0.5) == [0.25, 1.0]
+
+
+def test_no_reward_gives_none_and_is_counted() -> None:
+    with structlog.testing.capture_logs() as logs:
+        result = spans_to_triplets(_Trace().call().call().spans)
+    assert [t.reward for t in result.triplets] == [None, None]
+    assert result.stats.attempts_without_reward == 1
+    assert any(e["event"] == "attempt_without_reward" for e in logs)
+
+
+def test_metadata_carries_ids_and_rollout_input() -> None:
+    trace = _Trace().call(version=7).reward(1.0)
+    ro = Rollout(rollout_id=RID, input={"question": "2+2"}, mode="val")
+    (triplet,) = spans_to_triplets(trace.spans, rollout=ro).triplets
+    assert triplet.metadata == {
+        "rollout_id": RID,
+        "attempt_id": AID,
+        "sequence_id": 1,
+        "call_index": 0,
+        "num_calls": 1,
+        "weights_version": 7,
+        "finish_reason": "stop",
+        "input": {"question": "2+2"},
+        "mode": "val",
+    }
+    json.dumps(triplet.metadata)  # travels as JSON
+
+
+def test_bad_input_is_rejected_with_clear_errors() -> None:
+    spans = _Trace().call().reward(1.0).spans
+    with pytest.raises(ValueError, match=r"strategy must be one of \['identical', 'per_call'\], got 'sum'"):
+        spans_to_triplets(spans, strategy="sum")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"discount must be a number in \[0, 1\], got 1.5"):
+        spans_to_triplets(spans, discount=1.5)
+    with pytest.raises(TypeError, match="spans must be a list of Span"):
+        spans_to_triplets("spans")  # type: ignore[arg-type]
+    other = Span(rollout_id="ro-other", attempt_id=AID, sequence_id=9, payload=Log(message="x"))
+    with pytest.raises(ValueError, match="spans must come from one attempt, got 2"):
+        spans_to_triplets([*spans, other])
+    unnumbered = Span(rollout_id=RID, attempt_id=AID, payload=Log(message="x"))
+    with pytest.raises(ValueError, match="no sequence_id"):
+        spans_to_triplets([*spans, unnumbered])
+    with pytest.raises(ValueError, match=r"repeat sequence ids: \[1\]"):
+        spans_to_triplets([spans[0], spans[0]])
+    assert spans_to_triplets([]).triplets == []
+
+
+async def test_triplets_for_rollouts_from_a_real_store() -> None:
+    store = MemoryStore()
+
+    @rollout
+    async def agent(task: dict[str, Any], llm: Any, rollout: AttemptedRollout) -> float | None:
+        if task["fail"]:
+            raise RuntimeError("no triplets from me")
+        for turn in range(2):  # what the proxy records on each LLM call
+            await store.add_span(
+                Span(
+                    rollout_id=rollout.rollout_id,
+                    attempt_id=rollout.attempt.attempt_id,
+                    payload=LLMCall(prompt_ids=[1, turn], response_ids=[5 + turn], response_logprobs=[-0.1]),
+                )
+            )
+            await emit_reward(0.5)
+        return None
+
+    good = await store.enqueue_rollout({"fail": False})
+    bad = await store.enqueue_rollout({"fail": True})
+    with anyio.fail_after(5):
+        await Runner(agent, store, concurrency=2).run(max_rollouts=2)
+    result = await triplets_for_rollouts(
+        store, [good.rollout_id, bad.rollout_id], strategy="per_call", discount=0.0
+    )
+    assert [t.reward for t in result.triplets] == [0.5, 0.5]
+    assert [t.prompt_ids for t in result.triplets] == [[1, 0], [1, 1]]
+    assert all(t.metadata["input"] == {"fail": False} for t in result.triplets)
+    assert (result.stats.rollouts, result.stats.rollouts_skipped, result.stats.triplets) == (1, 1, 2)
+    identical = await TraceAdapter().from_store(store, [good.rollout_id])
+    assert [t.reward for t in identical.triplets] == [1.0, 1.0]

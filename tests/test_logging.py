@@ -1,0 +1,80 @@
+"""configure_logging: JSON lines off a TTY, console on a TTY, level filtering, idempotence."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from agentloop import logging as al_logging
+from agentloop.logging import configure_logging, get_logger
+
+
+class _TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+    al_logging._configured = None
+
+
+def test_json_lines_when_not_a_tty() -> None:
+    out = io.StringIO()
+    configure_logging("INFO", stream=out)  # json=None: StringIO is not a TTY
+    get_logger("agentloop.test").info("attempt_finished", rollout_id="ro-1", reward=0.5)
+    record = json.loads(out.getvalue().strip())
+    assert record["event"] == "attempt_finished"
+    assert record["logger"] == "agentloop.test" and record["level"] == "info"
+    assert record["rollout_id"] == "ro-1" and record["reward"] == 0.5 and "timestamp" in record
+
+
+def test_console_renderer_on_a_tty() -> None:
+    out = _TTY()
+    configure_logging("INFO", stream=out)
+    get_logger("agentloop.test").warning("runner_signal", signal="SIGTERM")
+    line = out.getvalue()
+    assert "runner_signal" in line and "signal" in line and "SIGTERM" in line
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(line)
+
+
+def test_level_filters_and_exceptions_are_rendered() -> None:
+    out = io.StringIO()
+    configure_logging("warning", json=True, stream=out)
+    log = get_logger("agentloop.test")
+    log.info("hidden")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed")
+    (record,) = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert record["event"] == "failed" and "ValueError: boom" in record["exception"]
+
+
+def test_idempotent_and_env_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    configure_logging("INFO", json=True, stream=out)
+    config = structlog.get_config()
+    configure_logging("INFO", json=True, stream=out)
+    assert structlog.get_config() == config  # the same configuration, not rebuilt
+    monkeypatch.setenv("AGENTLOOP_LOG_LEVEL", "ERROR")
+    configure_logging(stream=out)
+    get_logger("x").warning("filtered")
+    get_logger("x").error("shown")
+    events = [json.loads(line)["event"] for line in out.getvalue().splitlines()]
+    assert events == ["shown"]
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"level must be one of .* got 'LOUD'"):
+        configure_logging("LOUD")
+    with pytest.raises(ValueError, match="logger name must be a non-empty string"):
+        get_logger("")

@@ -1,0 +1,239 @@
+"""Triplets -> padded batches: layout, masks, groups, drops, trajectory merging, micro/mini-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentloop.errors import AgentLoopError, EmptyBatchError
+from agentloop.types import Triplet
+from trainer.batch import Batch, build_batch, merge_trajectory, split_by_token_budget, split_mini_batches
+
+PAD = 0
+
+
+def trip(prompt: list[int], resp: list[int], reward: float | None = 1.0, **kw: object) -> Triplet:
+    return Triplet(prompt_ids=prompt, response_ids=resp, reward=reward, **kw)  # type: ignore[arg-type]
+
+
+def test_layout_left_padded_prompts_right_padded_responses() -> None:
+    triplets = [
+        trip([11, 12, 13], [21, 22], 1.0, response_logprobs=[-0.1, -0.2], metadata={"input": {"q": "a"}}),
+        trip(
+            [14],
+            [23, 24, 25],
+            0.0,
+            response_logprobs=[-0.3, -9.0, -0.5],
+            response_mask=[1, 0, 1],
+            metadata={"input": {"q": "b"}},
+        ),
+        trip([15, 16], [26], 0.5, response_logprobs=[-0.6], metadata={"input": {"q": "a"}, "k": 1}),
+    ]
+    batch, stats = build_batch(triplets, max_prompt_length=8, max_response_length=8)
+    assert len(batch) == 3 and batch.prompt_length == 3 and batch.response_length == 3
+    assert batch.input_ids.tolist() == [
+        [11, 12, 13, 21, 22, PAD],
+        [PAD, PAD, 14, 23, 24, 25],
+        [PAD, 15, 16, 26, PAD, PAD],
+    ]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3], [0, 0, 1, 2, 2, 2]]
+    # 0 on padding and on the tool token (Triplet.response_mask); logprobs 0 where masked
+    assert batch.response_mask.tolist() == [[1, 1, 0], [1, 0, 1], [1, 0, 0]]
+    assert batch.engine_logprobs is not None
+    torch.testing.assert_close(
+        batch.engine_logprobs, torch.tensor([[-0.1, -0.2, 0], [-0.3, 0, -0.5], [-0.6, 0, 0]])
+    )
+    assert batch.responses.tolist() == [[21, 22, PAD], [23, 24, 25], [26, PAD, PAD]]
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.5]
+    assert batch.group_ids.tolist() == [0, 1, 0]  # same input, same group
+    assert batch.metadata[2] == {"input": {"q": "a"}, "k": 1}
+    assert stats["num_samples"] == 3 and stats["ungrouped"] == 0
+
+
+def test_groups_by_explicit_group_id_else_input_else_alone() -> None:
+    triplets = [
+        trip([1], [2], metadata={"group_id": "g", "input": 1}),
+        trip([1], [2], metadata={"group_id": "g", "input": 2}),
+        trip([1], [2], metadata={"input": {"b": 1, "a": 2}}),
+        trip([1], [2], metadata={"input": {"a": 2, "b": 1}}),  # same input, other key order
+        trip([1], [2]),
+        trip([1], [2]),
+    ]
+    batch, stats = build_batch(triplets, max_prompt_length=4, max_response_length=4)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 3]
+    assert stats["ungrouped"] == 2
+
+
+def test_bad_samples_are_dropped_and_counted_never_raised() -> None:
+    triplets = [
+        trip([1, 2, 3, 4, 5], [6]),  # prompt too long
+        trip([1], [2, 3, 4, 5, 6]),  # response too long
+        trip([], [2]),  # empty prompt
+        trip([1], []),  # empty response
+        trip([1], [2, 3], response_mask=[0, 0]),  # nothing the model produced
+        trip([1], [2], reward=None),  # no reward
+        trip([7, 8], [9], 0.25),  # the one good sample
+    ]
+    batch, stats = build_batch(triplets, max_prompt_length=4, max_response_length=4)
+    assert len(batch) == 1 and batch.input_ids.tolist() == [[7, 8, 9]] and batch.rewards.tolist() == [0.25]
+    assert stats == {
+        "num_triplets": 7,
+        "num_samples": 1,
+        "dropped_prompt_too_long": 1,
+        "dropped_response_too_long": 1,
+        "dropped_empty": 2,
+        "dropped_no_trainable_tokens": 1,
+        "dropped_no_reward": 1,
+        "ungrouped": 1,
+    }
+    assert batch.engine_logprobs is None  # the sample had no logprobs
+
+
+def test_empty_batch_raises_only_when_asked() -> None:
+    batch, stats = build_batch([trip([1, 2, 3], [4])], max_prompt_length=2, max_response_length=2)
+    assert len(batch) == 0 and batch.input_ids.shape == (0, 0) and stats["dropped_prompt_too_long"] == 1
+    with pytest.raises(
+        EmptyBatchError, match=r"no usable training sample out of 1 triplets \(dropped: dropped_prompt"
+    ):
+        build_batch([trip([1, 2, 3], [4])], max_prompt_length=2, max_response_length=2, require_nonempty=True)
+    with pytest.raises(EmptyBatchError, match=r"out of 0 triplets .*did the agent call the LLM") as e:
+        build_batch([], max_prompt_length=2, max_response_length=2, require_nonempty=True)
+    assert isinstance(e.value, AgentLoopError)
+
+
+def test_input_validation() -> None:
+    with pytest.raises(TypeError, match=r"takes agentloop\.types\.Triplet objects, got dict"):
+        build_batch([{"prompt_ids": [1]}], max_prompt_length=2, max_response_length=2)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        build_batch([], max_prompt_length=0, max_response_length=2)
+
+
+def test_engine_logprobs_absent_when_any_sample_lacks_them() -> None:
+    triplets = [trip([1], [2], response_logprobs=[-1.0]), trip([1], [3])]
+    batch, _ = build_batch(triplets, max_prompt_length=2, max_response_length=2)
+    assert batch.engine_logprobs is None
+
+
+# ---------------------------------------------------------------- trajectory mode
+
+
+def test_merge_trajectory_masks_the_tokens_the_model_did_not_produce() -> None:
+    calls = [
+        trip([1, 2], [3, 4], None, response_logprobs=[-0.3, -0.4], metadata={"call": 0, "input": "x"}),
+        # prompt = previous prompt + response + tool output [5, 6]
+        trip(
+            [1, 2, 3, 4, 5, 6],
+            [7, 8],
+            1.0,
+            response_logprobs=[-0.7, -0.8],
+            response_mask=[1, 0],
+            metadata={"call": 1},
+        ),
+        trip([1, 2, 3, 4, 5, 6, 7, 8], [10], None, response_logprobs=[-0.1], metadata={"call": 2}),
+        trip([9, 9], [11], 0.5, response_logprobs=[-0.2]),  # does not extend: a new sample
+    ]
+    merged = merge_trajectory(calls)
+    assert len(merged) == 2
+    first, second = merged
+    assert first.prompt_ids == [1, 2]
+    assert first.response_ids == [3, 4, 5, 6, 7, 8, 10]
+    assert first.response_mask == [1, 1, 0, 0, 1, 0, 1]
+    assert first.response_logprobs == [-0.3, -0.4, 0.0, 0.0, -0.7, 0.0, -0.1]
+    assert first.reward == 1.0  # the last reward that was not None
+    assert first.metadata == {"call": 2, "input": "x", "merged_calls": 3}
+    assert (second.prompt_ids, second.response_ids, second.reward) == ([9, 9], [11], 0.5)
+    assert second.metadata["merged_calls"] == 1
+
+    batch, _ = build_batch(merged, max_prompt_length=4, max_response_length=8)
+    assert batch.response_mask[0].tolist() == [1, 1, 0, 0, 1, 0, 1]
+    assert batch.responses[0].tolist() == [3, 4, 5, 6, 7, 8, 10]
+
+
+def test_merge_trajectory_edge_cases() -> None:
+    assert merge_trajectory([]) == []
+    # a call without logprobs makes the merged sample's logprobs unknown
+    merged = merge_trajectory([trip([1], [2], response_logprobs=[-1.0]), trip([1, 2], [3])])
+    assert len(merged) == 1 and merged[0].response_logprobs is None and merged[0].response_ids == [2, 3]
+    # a prompt that diverges inside the earlier response starts a new sample
+    assert len(merge_trajectory([trip([1], [2, 3]), trip([1, 2, 4], [5])])) == 2
+    with pytest.raises(TypeError, match=r"takes agentloop\.types\.Triplet objects"):
+        merge_trajectory([None])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- micro- and mini-batches
+
+
+def _batch(lengths: list[tuple[int, int]]) -> Batch:
+    triplets = [
+        trip(
+            list(range(100 * i + 1, 100 * i + 1 + p)),
+            list(range(100 * i + 50, 100 * i + 50 + r)),
+            float(i),
+            response_logprobs=[-0.5] * r,
+            metadata={"i": i},
+        )
+        for i, (p, r) in enumerate(lengths)
+    ]
+    return build_batch(triplets, max_prompt_length=64, max_response_length=64)[0]
+
+
+def _row_tokens(b: Batch, i: int) -> list[int]:
+    return b.input_ids[i][b.attention_mask[i].bool()].tolist()
+
+
+def test_token_budget_micro_batches() -> None:
+    lengths = [(3, 2), (10, 30), (2, 2), (4, 6), (5, 5), (1, 1)]  # totals 5, 40, 4, 10, 10, 2
+    batch = _batch(lengths)
+    micro = split_by_token_budget(batch, max_tokens=16)
+    seen = sorted(m.metadata[j]["i"] for m in micro for j in range(len(m)))
+    assert seen == list(range(6))  # every sample exactly once
+    totals = [int(m.sequence_lengths().sum()) for m in micro]
+    assert totals[0] == 40 and len(micro[0]) == 1  # longer than the budget: alone
+    assert all(t <= 16 for t in totals[1:])
+    for m in micro:  # rows keep their tokens, masks and rewards; padding columns are trimmed
+        assert m.input_ids.shape[1] == m.prompt_length + m.response_length
+        assert m.prompt_length == int(m.attention_mask[:, : m.prompt_length].sum(-1).max())
+        for j in range(len(m)):
+            i = m.metadata[j]["i"]
+            _, r = lengths[i]
+            assert _row_tokens(m, j) == _row_tokens(batch, i)
+            assert m.response_mask[j].tolist() == [1] * r + [0] * (m.response_length - r)
+            assert m.engine_logprobs is not None and m.engine_logprobs[j, :r].tolist() == [-0.5] * r
+            assert m.rewards[j].item() == float(i)
+    again = split_by_token_budget(batch, 16)  # deterministic
+    assert [m.metadata for m in again] == [m.metadata for m in micro]
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        split_by_token_budget(batch, 0)
+
+
+def test_token_budget_padded_counts_rows_times_width() -> None:
+    batch = _batch([(1, 1), (1, 1), (6, 1), (1, 6)])  # packed: 2 + 2 + 7 + 7 = 18 tokens
+    assert len(split_by_token_budget(batch, 18)) == 1
+    padded = split_by_token_budget(batch, 18, padded=True)
+    for m in padded:
+        assert len(m) * m.input_ids.shape[1] <= 18 or len(m) == 1
+
+
+def test_mini_batches_are_consecutive_and_keep_extras_aligned() -> None:
+    batch = _batch([(2, 3), (1, 1), (3, 2), (1, 4), (2, 2), (1, 1), (4, 1)])
+    batch.extras["advantages"] = batch.response_mask.float() * torch.arange(7.0).unsqueeze(-1)  # (B, R)
+    batch.extras["values"] = torch.arange(7.0)  # (B,)
+    minis = split_mini_batches(batch, 3)
+    assert [len(m) for m in minis] == [3, 3, 1]
+    assert [m.rewards.tolist() for m in minis] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0]]
+    for m in minis:
+        assert m.extras["advantages"].shape == m.response_mask.shape
+        assert torch.equal(m.extras["advantages"], m.response_mask.float() * m.rewards.unsqueeze(-1))
+        assert m.extras["values"].tolist() == m.rewards.tolist()
+    assert minis[2].input_ids.tolist() == [[601, 602, 603, 604, 650]]  # trimmed to its own lengths
+    with pytest.raises(ValueError, match="mini-batch size must be >= 1, got 0"):
+        split_mini_batches(batch, 0)
+
+
+def test_to_device_keeps_everything() -> None:
+    batch = _batch([(2, 2), (1, 3)])
+    batch.extras["x"] = torch.ones(2)
+    moved = batch.to("cpu")
+    assert torch.equal(moved.input_ids, batch.input_ids) and moved.prompt_length == batch.prompt_length
+    assert moved.extras["x"].tolist() == [1.0, 1.0] and moved.metadata == batch.metadata

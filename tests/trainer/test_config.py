@@ -1,0 +1,189 @@
+"""TrainerConfig: verl key names, defaults, clear errors for unknown keys and bad values, overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+import trainer
+from agentloop.errors import AgentLoopError, ConfigError
+from trainer import algorithms
+from trainer.config import TrainerConfig
+
+
+def test_package_exports() -> None:
+    assert trainer.__all__ == ["TrainerConfig"]
+    assert trainer.TrainerConfig is TrainerConfig
+
+
+def test_defaults_are_valid_and_use_verl_names() -> None:
+    cfg = TrainerConfig()
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low == cfg.actor_rollout_ref.actor.clip_ratio_high == 0.2
+    assert cfg.actor_rollout_ref.rollout.n >= 2
+    assert cfg.trainer.run_dir == Path("runs/agentloop/default")
+    assert cfg.adapter.credit_assignment == "identical"
+    assert TrainerConfig.from_dict(None) == cfg
+    assert TrainerConfig.from_dict(cfg) is cfg
+
+
+def test_every_field_has_a_description_and_a_default() -> None:
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            assert f.description, f"{prefix}{name} has no description"
+            assert not f.is_required(), f"{prefix}{name} has no default"
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(TrainerConfig, "")
+
+
+def test_unknown_key_names_the_closest_valid_one_and_the_path() -> None:
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"optim": {"learning_rate": 1e-5}}}})
+    assert str(e.value) == "unknown key 'actor_rollout_ref.actor.optim.learning_rate'; did you mean 'lr'?"
+    assert isinstance(e.value, AgentLoopError) and isinstance(e.value, ValueError)
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer.loger'; did you mean 'logger'\?"):
+        TrainerConfig.from_dict({"trainer": {"loger": ["console"]}})
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'critic'; valid keys here: actor_rollout_ref, adapter"
+    ):
+        TrainerConfig.from_dict({"critic": {"ppo_epochs": 1}})
+
+
+def test_bad_values_name_the_key_and_what_is_allowed() -> None:
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig.from_dict(
+            {
+                "algorithm": {"adv_estimator": "gpro"},
+                "actor_rollout_ref": {"actor": {"loss_agg_mode": "sum", "clip_ratio_c": 0.5}},
+                "trainer": {"logger": ["console", "tb"], "device": "gpu"},
+            }
+        )
+    msg = str(e.value)
+    assert "algorithm.adv_estimator: must be one of gae, grpo, reinforce_plus_plus" in msg
+    assert "got 'gpro'" in msg
+    assert "actor_rollout_ref.actor.loss_agg_mode: Input should be 'token-mean', 'seq-mean-token-sum'" in msg
+    assert "actor_rollout_ref.actor.clip_ratio_c: Input should be greater than 1; got 0.5" in msg
+    assert "trainer.logger[1]: Input should be 'console', 'jsonl', 'tensorboard' or 'wandb'; got 'tb'" in msg
+    assert "trainer.device: must be auto, cpu, cuda or cuda:N; got 'gpu'" in msg
+    with pytest.raises(
+        ConfigError, match=r"actor_rollout_ref.actor.policy_loss: must be one of gspo, pg, vanilla"
+    ):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"policy_loss": "ppo"}}})
+    with pytest.raises(ConfigError, match=r"clip_ratio_low: Input should be greater than 0; got -0.1"):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"clip_ratio_low": -0.1}}})
+    with pytest.raises(ConfigError, match="must be a dict or TrainerConfig, got list"):
+        TrainerConfig.from_dict([1])  # type: ignore[arg-type]
+
+
+def test_batch_sizes_must_divide_and_the_message_says_which_numbers() -> None:
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig.from_dict(
+            {"data": {"train_batch_size": 30}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8}}}
+        )
+    assert str(e.value).startswith(
+        "data.train_batch_size (30) must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size (8)"
+    )
+    assert "120 samples" in str(e.value) and "mini-batches of 32" in str(e.value)
+    with pytest.raises(
+        ConfigError, match=r"a mini-batch of 32 samples .*\.ppo_micro_batch_size_per_gpu \(5\)"
+    ):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 5}}})
+    ok = TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 8}}})
+    assert ok.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8
+
+
+def test_group_estimators_need_several_responses_per_prompt() -> None:
+    with pytest.raises(
+        ConfigError, match=r"'grpo' compares the responses .*\.rollout\.n must be >= 2, got 1"
+    ):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"n": 1}}})
+    cfg = TrainerConfig.from_dict(
+        {"algorithm": {"adv_estimator": "reinforce_plus_plus"}, "actor_rollout_ref": {"rollout": {"n": 1}}}
+    )
+    assert cfg.actor_rollout_ref.rollout.n == 1
+
+
+def test_clip_ratios_follow_clip_ratio_unless_set_like_verl() -> None:
+    cfg = TrainerConfig.from_dict(
+        {"actor_rollout_ref": {"actor": {"clip_ratio": 0.3, "clip_ratio_high": None}}}
+    )
+    assert (cfg.actor_rollout_ref.actor.clip_ratio_low, cfg.actor_rollout_ref.actor.clip_ratio_high) == (
+        0.3,
+        0.3,
+    )
+    cfg = cfg.with_overrides(["actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    assert (cfg.actor_rollout_ref.actor.clip_ratio_low, cfg.actor_rollout_ref.actor.clip_ratio_high) == (
+        0.3,
+        0.28,
+    )
+
+
+def test_verl_nested_policy_loss_form_is_accepted() -> None:
+    cfg = TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}}}})
+    assert cfg.actor_rollout_ref.actor.policy_loss == "gspo"
+
+
+def test_dotted_overrides_parse_values_as_yaml() -> None:
+    base = TrainerConfig()
+    cfg = base.with_overrides(
+        [
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            "trainer.logger=[console, tensorboard]",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "trainer.ray_address=null",
+            "data.max_response_length = 64",
+            "trainer.experiment_name=run=2",
+        ]
+    )
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5
+    assert cfg.trainer.logger == ["console", "tensorboard"]
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is True
+    assert cfg.trainer.ray_address is None
+    assert cfg.data.max_response_length == 64
+    assert cfg.trainer.experiment_name == "run=2"
+    assert base.actor_rollout_ref.actor.optim.lr == 1e-6  # the original is untouched
+
+
+def test_bad_overrides_are_explained() -> None:
+    cfg = TrainerConfig()
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'actor_rollout_ref.actor.optimizer'; did you mean 'optim'"
+    ):
+        cfg.with_overrides(["actor_rollout_ref.actor.optimizer.lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"'data\.train_batch_size' is a value, not a section"):
+        cfg.with_overrides(["data.train_batch_size.x=3"])
+    with pytest.raises(ConfigError, match=r"must look like dotted\.key=value"):
+        cfg.with_overrides(["data.train_batch_size"])
+    with pytest.raises(ConfigError, match=r"a list of 'dotted\.key=value' strings"):
+        cfg.with_overrides("data.train_batch_size=2")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="the value is not valid YAML"):
+        cfg.with_overrides(["trainer.logger=[console"])
+
+
+def test_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("data:\n  train_batch_size: 16\nactor_rollout_ref:\n  rollout:\n    n: 8\n")
+    cfg = TrainerConfig.from_yaml(path)
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n) == (16, 8)
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainerConfig.from_yaml(tmp_path / "missing.yaml")
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        TrainerConfig.from_yaml(path)
+
+
+def test_a_registered_estimator_becomes_a_valid_config_value() -> None:
+    @algorithms.register_adv_estimator("test_config_estimator")
+    def _est(rewards: torch.Tensor, response_mask: torch.Tensor, **_: object) -> algorithms.AdvantageOutput:
+        zeros = torch.zeros(response_mask.shape)
+        return algorithms.AdvantageOutput(zeros, zeros)
+
+    cfg = TrainerConfig.from_dict({"algorithm": {"adv_estimator": "test_config_estimator"}})
+    assert cfg.algorithm.adv_estimator == "test_config_estimator"

@@ -1,0 +1,22 @@
+"""The embedded trainer: GRPO/PPO on the triplets the agents produced."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainer.config import TrainerConfig
+
+__all__ = ["FitResult", "Trainer", "TrainerConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    # Trainer pulls in ray, transformers and the proxy: import it on first use.
+    if name in ("Trainer", "FitResult"):
+        from trainer import ray_trainer
+
+        return getattr(ray_trainer, name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from trainer.ray_trainer import FitResult, Trainer
