@@ -1,0 +1,1 @@
+"""Runnable examples of agentloop (each folder: README.md and run.py)."""

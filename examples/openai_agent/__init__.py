@@ -1,0 +1,1 @@
+"""openai_agent: the minimal agent, a plain openai client inside @al.rollout."""

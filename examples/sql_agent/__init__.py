@@ -1,0 +1,1 @@
+"""sql_agent: a LangGraph agent answering questions over a generated SQLite database."""
