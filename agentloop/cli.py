@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the installed version")
     version.set_defaults(func=_version)
+    from agentloop.commands import register
+
+    register(sub)
     return parser
 
 

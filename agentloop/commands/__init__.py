@@ -1,0 +1,12 @@
+"""Subcommands of the ``agentloop`` CLI, one module each; ``register(sub)`` adds them to a parser."""
+
+from __future__ import annotations
+
+import argparse
+
+from agentloop.commands import bench, inspect, serve, train
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for module in (train, serve, inspect, bench):
+        module.register(sub)

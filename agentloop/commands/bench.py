@@ -1,0 +1,130 @@
+"""``agentloop bench``: run the scripts under benchmarks/ and print one table of figures vs targets.
+
+Each script prints one JSON object; a target names a dotted key in it, a comparison and a threshold.
+``--results`` prints the table from the committed benchmarks/results/*.json without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Target:
+    script: str  # file under benchmarks/
+    result: str  # file under benchmarks/results/ that keeps the committed figures
+    key: str  # dotted path into the script's JSON
+    op: str  # ">=" or "<="
+    threshold: float
+    label: str
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        "store_bench.py",
+        "store_bench.json",
+        "throughput.memory.32",
+        ">=",
+        2000,
+        "memory store lifecycles/s @32",
+    ),
+    Target(
+        "store_bench.py",
+        "store_bench.json",
+        "throughput.sqlite.32",
+        ">=",
+        500,
+        "SQLite store lifecycles/s @32",
+    ),
+    Target(
+        "store_bench.py", "store_bench.json", "throughput.http.32", ">=", 300, "HTTP store lifecycles/s @32"
+    ),
+    Target("engine_bench.py", "engine_bench_cpu.json", "ratio", ">=", 2.0, "engine vs HF generate (CPU)"),
+    Target(
+        "proxy_bench.py", "proxy_bench.json", "added_latency_ms.p50", "<=", 2.0, "proxy added latency p50 ms"
+    ),
+    Target("proxy_bench.py", "proxy_bench.json", "max_requests_per_s", ">=", 500, "proxy requests/s"),
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bench", help="run benchmarks/ and print their figures against the targets")
+    p.add_argument("--results", action="store_true", help="use the committed results, run nothing")
+    p.add_argument("--only", default=None, help="run only this script (e.g. store_bench.py)")
+    p.set_defaults(func=run)
+
+
+def lookup(doc: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(doc, dict) or part not in doc:
+            return None
+        doc = doc[part]
+    return doc
+
+
+def last_json_object(text: str) -> dict[str, Any] | None:
+    """The last line-started JSON object in a script's stdout."""
+    starts = [i for i, line in enumerate(text.splitlines()) if line.startswith("{")]
+    lines = text.splitlines()
+    for i in reversed(starts):
+        try:
+            doc = json.loads("\n".join(lines[i:]))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return None
+
+
+def run_script(script: str) -> dict[str, Any] | None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script)], capture_output=True, text=True, cwd=REPO
+    )
+    if proc.returncode != 0:
+        sys.stderr.write(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n")
+        return None
+    return last_json_object(proc.stdout)
+
+
+def run(args: argparse.Namespace) -> int:
+    scripts = sorted({t.script for t in TARGETS if args.only in (None, t.script)})
+    if not scripts:
+        sys.stderr.write(
+            f"agentloop bench: no benchmark named {args.only!r}; have {sorted({t.script for t in TARGETS})}\n"
+        )
+        return 2
+    docs: dict[str, dict[str, Any] | None] = {}
+    for script in scripts:
+        if args.results:
+            result = next(t.result for t in TARGETS if t.script == script)
+            path = REPO / "benchmarks" / "results" / result
+            docs[script] = json.loads(path.read_text()) if path.exists() else None
+        else:
+            sys.stderr.write(f"running {script} ...\n")
+            docs[script] = run_script(script)
+    w = sys.stdout.write
+    w(f"{'figure':<36} {'value':>12} {'target':>12}  ok\n")
+    failed = 0
+    for t in TARGETS:
+        if t.script not in docs:
+            continue
+        value = lookup(docs[t.script], t.key)
+        if not isinstance(value, int | float):
+            w(f"{t.label:<36} {'n/a':>12} {t.op + ' ' + str(t.threshold):>12}  -\n")
+            failed += 1
+            continue
+        ok = value >= t.threshold if t.op == ">=" else value <= t.threshold
+        failed += not ok
+        w(f"{t.label:<36} {value:>12.3f} {t.op + ' ' + str(t.threshold):>12}  {'yes' if ok else 'NO'}\n")
+    machine = next((lookup(d, "machine") for d in docs.values() if d and lookup(d, "machine")), None)
+    if machine:
+        w(f"machine: {json.dumps(machine)}\n")
+    return 0 if failed == 0 else 1
