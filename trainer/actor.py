@@ -47,13 +47,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_policy(path: str | Path, device: torch.device) -> nn.Module:
-    """A causal LM from a Hugging Face folder: fp32 on CPU, bf16 on CUDA."""
+    """A causal LM from a Hugging Face folder with fp32 master weights (bf16 compute comes from autocast:
+    AdamW steps of ~1e-6 would vanish in bf16 weights)."""
     from transformers import AutoModelForCausalLM
 
     if not Path(path).exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a Hugging Face model folder")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.to(device)
 
 
@@ -88,8 +88,8 @@ class Actor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (b, R) of the response tokens and, if asked, their entropy (b, R)."""
         p, r = mb.prompt_length, mb.response_length
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
-        logits = out.logits[:, p - 1 : p + r - 1]  # (b, R, V): position t scores token t+1
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = _response_logits(model, mb, p, r)  # (b, R, V): position t scores token t+1
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R) float32
         ent = entropy_from_logits(logits) if entropy else None
         return logprobs, ent
@@ -215,8 +215,8 @@ class Actor:
                 loss = loss + actor.kl_loss_coef * kl
                 totals["actor/kl_loss"] += float(kl)
             loss.backward()
-            totals["actor/pg_loss"] += float(policy_loss)
-            totals["actor/entropy"] += float(entropy)
+            totals["actor/pg_loss"] += float(policy_loss.detach())
+            totals["actor/entropy"] += float(entropy.detach())
             totals["actor/clip_frac"] += float(pl.clip_frac) * share
             totals["actor/approx_kl"] += float(pl.approx_kl) * share
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -253,6 +253,24 @@ class Actor:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+
+
+def _response_logits(model: nn.Module, mb: Batch, p: int, r: int) -> torch.Tensor:
+    """Logits (b, R, V) at the positions that score the response tokens.
+
+    The LM head runs on those R positions only, not on the prompt: with a 49k-151k vocabulary the head
+    is a fifth or more of the model's matmul work, and prompts are often longer than responses.
+    Models that post-process logits (soft-capping) take the plain full forward instead.
+    """
+    head = model.get_output_embeddings()
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if head is None or decoder is None or getattr(model.config, "final_logit_softcapping", None):
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+        return out.logits[:, p - 1 : p + r - 1]
+    hidden = decoder(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+    ).last_hidden_state  # (b, P+R, d)
+    return head(hidden[:, p - 1 : p + r - 1])  # (b, R, V)
 
 
 def _local_count(mask: torch.Tensor, agg: str) -> float:

@@ -1,0 +1,170 @@
+"""Update-step throughput of the trainer's Actor (the real PPO/GRPO code path) and, on a GPU, MFU.
+
+    python benchmarks/trainer_bench.py                                   # SmolLM2-135M on this CPU
+    python benchmarks/trainer_bench.py --device cuda --random-config qwen2-0.5b --batch 32 --prompt 256 --response 768
+
+One update = old-logprob recompute (a forward) + a PPO forward/backward + AdamW, as Trainer.fit runs it.
+FLOPs per token follow the PaLM count: training 6N + 12·L·d·T, a forward alone 2N + 4·L·d·T (N = all
+matmul parameters, the LM head included). MFU = achieved FLOP/s / the card's dense bf16 peak.
+Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agentloop.types import Triplet
+from trainer.actor import Actor
+from trainer.batch import build_batch
+from trainer.config import TrainerConfig
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM)
+
+RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
+}
+
+
+def build_random_model(name: str, out: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(RANDOM_CONFIGS[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls: everything but norms and the embedding lookup, the LM head counted."""
+    cfg = model.config
+    total = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
+    if cfg.tie_word_embeddings:
+        return total  # the tied matrix counts once, as the LM head
+    return total - cfg.vocab_size * cfg.hidden_size  # the input embedding is a lookup
+
+
+def peak_flops(device: torch.device) -> tuple[str, float | None]:
+    if device.type != "cuda":
+        return platform.processor() or "cpu", None
+    name = torch.cuda.get_device_name(device)
+    return name, next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=8, help="samples per update")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--response", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up")
+    ap.add_argument("--token-budget", type=int, default=16384, help="ppo_max_token_len_per_gpu")
+    ap.add_argument("--grad-ckpt", action="store_true")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_config:
+            path = build_random_model(args.random_config, Path(tmp) / "model")
+        else:
+            from agentloop.engine.models import resolve_model
+
+            path = resolve_model(args.model)
+        config = TrainerConfig.from_dict(
+            {
+                "data": {
+                    "train_batch_size": args.batch // 2,
+                    "max_prompt_length": args.prompt,
+                    "max_response_length": args.response,
+                },
+                "actor_rollout_ref": {
+                    "model": {"path": str(path), "enable_gradient_checkpointing": args.grad_ckpt},
+                    "rollout": {"n": 2},
+                    "actor": {
+                        "ppo_mini_batch_size": args.batch // 2,
+                        "ppo_max_token_len_per_gpu": args.token_budget,
+                        "optim": {"lr": 1e-6},
+                    },
+                },
+                "trainer": {"device": args.device},
+            }
+        )
+        actor = Actor(config, path, args.device)
+        vocab = min(actor.model.config.vocab_size, 49152)
+        g = torch.Generator().manual_seed(0)
+        triplets = [
+            Triplet(
+                prompt_ids=torch.randint(0, vocab, (args.prompt,), generator=g).tolist(),
+                response_ids=torch.randint(0, vocab, (args.response,), generator=g).tolist(),
+                reward=float(i % 2),
+                metadata={"group_id": i // 2},
+            )
+            for i in range(args.batch)
+        ]
+        batch, _ = build_batch(triplets, max_prompt_length=args.prompt, max_response_length=args.response)
+        actor.update(batch)  # warm-up (allocator, kernels)
+        if actor.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            actor.update(batch)
+        if actor.device.type == "cuda":
+            torch.cuda.synchronize()  # note: CPU-GPU sync point, once, for the timing
+        elapsed = time.perf_counter() - t0
+
+    cfg = actor.model.config
+    n = matmul_params(actor.model)
+    seq = args.prompt + args.response
+    attn = cfg.num_hidden_layers * cfg.hidden_size * seq
+    tokens = args.batch * seq * args.steps
+    flops_per_token = (6 * n + 12 * attn) + (2 * n + 4 * attn)  # train step + old-logprob forward
+    card, peak = peak_flops(actor.device)
+    achieved = tokens * flops_per_token / elapsed
+    result = {
+        "benchmark": "trainer_update",
+        "model": args.random_config or args.model,
+        "params_matmul": n,
+        "device": str(actor.device),
+        "card": card,
+        "dtype": "bf16 autocast, fp32 master weights" if actor.device.type == "cuda" else "fp32",
+        "batch": args.batch,
+        "seq_len": seq,
+        "steps": args.steps,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "achieved_tflops": round(achieved / 1e12, 2),
+        "mfu": round(achieved / peak, 4) if peak else None,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

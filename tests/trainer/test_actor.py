@@ -1,0 +1,111 @@
+"""The Actor: logprob definition shared with the engine, micro-batch accumulation, a real update."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from agentloop.engine.base import SamplingParams
+from agentloop.engine.torch_engine import TorchEngine
+from agentloop.types import Triplet
+from trainer.actor import Actor, _response_logits
+from trainer.batch import build_batch
+from trainer.config import TrainerConfig
+
+
+def _config(model_dir: Path, **actor: object) -> TrainerConfig:
+    return TrainerConfig.from_dict(
+        {
+            "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 16},
+            "actor_rollout_ref": {
+                "model": {"path": str(model_dir)},
+                "rollout": {"n": 2},
+                "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 1e-3, "weight_decay": 0.0}, **actor},
+            },
+            "trainer": {"device": "cpu"},
+        }
+    )
+
+
+def _triplets() -> list[Triplet]:
+    return [
+        Triplet(
+            prompt_ids=[1, 5, 9, 13][: 2 + i % 3],
+            response_ids=[20, 21, 22, 23][: 4 - i % 2],
+            reward=float(i % 2),
+            metadata={"group_id": i // 2},
+        )
+        for i in range(4)
+    ]
+
+
+def test_response_logits_match_the_full_forward(tiny_model_dir: Path) -> None:
+    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    p, r = batch.prompt_length, batch.response_length
+    full = actor.model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).logits
+    torch.testing.assert_close(_response_logits(actor.model, batch, p, r), full[:, p - 1 : p + r - 1])
+
+
+def test_trainer_logprobs_equal_the_engines(tiny_model_dir: Path) -> None:
+    """The engine's logprob (log-softmax of raw logits at the sampled token) is what the trainer computes."""
+
+    async def generate() -> tuple[list[int], list[int], list[float]]:
+        engine = TorchEngine(tiny_model_dir, device="cpu")
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi there"}], add_generation_prompt=True, return_dict=False
+        )
+        out = await engine.generate(list(prompt), SamplingParams(temperature=0.8, max_tokens=8, seed=3))
+        await engine.stop()
+        return list(prompt), out.token_ids, out.logprobs or []
+
+    prompt, response, engine_logprobs = anyio.run(generate)
+    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    batch, _ = build_batch(
+        [Triplet(prompt_ids=prompt, response_ids=response, response_logprobs=engine_logprobs, reward=1.0)],
+        max_prompt_length=64,
+        max_response_length=16,
+    )
+    torch.testing.assert_close(
+        actor.compute_logprobs(batch)[0, : len(response)], torch.tensor(engine_logprobs), atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_accumulate_to_the_full_batch(tiny_model_dir: Path, agg: str) -> None:
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    weights = []
+    for budget in (10_000, 8):  # one micro-batch vs one sample per micro-batch
+        actor = Actor(
+            _config(tiny_model_dir, loss_agg_mode=agg, ppo_max_token_len_per_gpu=budget),
+            tiny_model_dir,
+            "cpu",
+        )
+        # plain SGD: the weight change is the (clipped) gradient itself, without Adam's sign-like noise
+        actor.optimizer = torch.optim.SGD(actor.model.parameters(), lr=1.0)
+        actor.update(batch)
+        weights.append(actor.model.lm_head.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], atol=1e-6, rtol=1e-5)
+
+
+def test_update_moves_weights_only_with_a_signal(tiny_model_dir: Path) -> None:
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    before = actor.model.lm_head.weight.detach().clone()
+    metrics = actor.update(batch)
+    assert not torch.equal(before, actor.model.lm_head.weight)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert metrics["actor/grad_norm"] > 0
+
+    flat = [t.model_copy(update={"reward": 1.0}) for t in _triplets()]  # equal rewards: zero advantage
+    batch, _ = build_batch(flat, max_prompt_length=32, max_response_length=16)
+    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    before = actor.model.lm_head.weight.detach().clone()
+    metrics = actor.update(batch)
+    assert metrics["actor/grad_norm"] == 0.0
+    assert torch.equal(before, actor.model.lm_head.weight)
