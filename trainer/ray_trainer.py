@@ -215,9 +215,9 @@ class Trainer:
         ids = []
         config = RolloutConfig(max_attempts=2, unresponsive_s=300.0)
         for index, task in cursor.next_batch(train):
-            for _ in range(n):
+            for sample in range(n):
                 rollout = await store.enqueue_rollout(
-                    task, "train", config=config, metadata={"step": step, "data_index": index}
+                    task, "train", config=config, metadata={"step": step, "data_index": index, "sample_index": sample}
                 )
                 ids.append(rollout.rollout_id)
         return _Pending(step=step, rollout_ids=ids, enqueued_at=time.perf_counter())

@@ -1,0 +1,57 @@
+"""Kill a training process right after a checkpoint, resume, and get the same next step as without the kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.trainer.resume_job import TASKS, config, seeded_agent
+from trainer import Trainer
+
+COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "batch/samples")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # the uninterrupted reference: 3 steps in one go
+    ref = Trainer(config(str(tiny_model_dir), str(tmp_path / "ref"), 3)).fit(seeded_agent, TASKS)
+    expected = ref.history[2]
+
+    # the same job in a subprocess (its own process group: Ray's helpers die with it), killed once
+    # the step-2 checkpoint is published
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer.resume_job", str(tiny_model_dir), str(run_dir), "3"],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    try:
+        while not (latest.exists() and latest.read_text().strip() == "2"):
+            assert proc.poll() is None, "the job ended before its step-2 checkpoint"
+            assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert [r["step"] for r in _rows(run_dir)][:2] == [1, 2]
+
+    # resume in this process: it continues at step 3 from the checkpoint
+    resumed = Trainer(config(str(tiny_model_dir), str(run_dir), 3)).fit(seeded_agent, TASKS)
+    assert resumed.steps == 3
+    assert len(resumed.history) == 1
+    got = resumed.history[0]
+    assert got["step"] == 3
+    for key in COMPARED:
+        assert abs(got[key] - expected[key]) < 1e-4, (key, got[key], expected[key])
