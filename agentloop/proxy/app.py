@@ -1,0 +1,232 @@
+"""The FastAPI app: OpenAI routes per rollout attempt (``/rollout/{rid}/attempt/{aid}/v1/...``) and
+for app sessions (``/v1/...``, session id in the ``X-Session-Id`` header).
+
+Every error answers with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
+400 bad input (``context_length_exceeded`` included), 401 missing/wrong bearer token, 404 unknown
+rollout/attempt/session/route, 408 body not sent in time, 409 stale attempt, 413 body too large,
+503 engine or store failure (or engine timeout).
+An unexpected exception is logged and answered 503, never 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentloop.proxy import responses
+from agentloop.proxy.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProxyError,
+    RewardRequest,
+    bad_request,
+    parse_model,
+)
+from agentloop.proxy.service import ProxyService, Target
+from agentloop.proxy.sessions import new_session_id, valid_session_id
+from agentloop.types import Reward
+
+log = structlog.get_logger("agentloop.proxy")
+
+SESSION_HEADER = "x-session-id"
+RETURN_IDS_HEADER = "x-return-token-ids"
+BODY_TIMEOUT_S = 30.0
+_STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json", headers=headers
+    )
+
+
+def _json(body: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int) -> FastAPI:
+    """The proxy's ASGI app around ``service``."""
+    app = FastAPI(title="agentloop proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    async def read_json(request: Request) -> Any:
+        if expected_auth is not None:
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, expected_auth):
+                raise ProxyError(401, "missing or wrong bearer token (Authorization: Bearer <api_key>)",
+                                 "authentication_error", code="invalid_api_key")  # fmt: skip
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise ProxyError(
+                413, f"the body has {declared} bytes; the limit is {max_body_bytes}", code="request_too_large"
+            )
+        chunks, size = [], 0
+        try:
+            with anyio.fail_after(
+                BODY_TIMEOUT_S
+            ):  # a client that stalls mid-body does not hold a request open
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body_bytes:
+                        raise ProxyError(
+                            413,
+                            f"the body exceeds the limit of {max_body_bytes} bytes",
+                            code="request_too_large",
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ProxyError(
+                408, f"the body did not arrive within {BODY_TIMEOUT_S}s", code="request_timeout"
+            ) from None
+        try:
+            return orjson.loads(b"".join(chunks))
+        except orjson.JSONDecodeError as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}") from None
+
+    def want_ids(request: Request, body: Any) -> bool:
+        flag = request.headers.get(RETURN_IDS_HEADER, "").lower() in ("1", "true", "yes")
+        return flag or bool(body.get("return_token_ids"))
+
+    def session_target(request: Request) -> tuple[Target, dict[str, str]]:
+        sid = request.headers.get(SESSION_HEADER) or new_session_id()
+        if not valid_session_id(sid):
+            raise bad_request(
+                f"{SESSION_HEADER} must be 1-128 characters of [A-Za-z0-9._:-], got {sid!r:.60}"
+            )
+        return Target(session_id=sid), {"X-Session-Id": sid}
+
+    Handler = Callable[[Request, Target, dict[str, str]], Awaitable[Response]]
+
+    def guarded(handler: Handler, session: bool) -> Callable[..., Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            headers: dict[str, str] = {}
+            try:
+                if session:
+                    target, headers = session_target(request)
+                else:
+                    params = request.path_params
+                    target = Target(rollout_id=params["rollout_id"], attempt_id=params["attempt_id"])
+                return await handler(request, target, headers)
+            except ProxyError as exc:
+                return error_response(exc, headers)
+            except Exception as exc:  # never a 500: log it and say the service is unavailable
+                log.exception("unexpected proxy error", path=request.url.path, error=repr(exc)[:300])
+                return error_response(
+                    ProxyError(503, f"internal proxy error: {type(exc).__name__}", "service_unavailable"),
+                    headers,
+                )
+
+        return endpoint
+
+    async def chat(request: Request, target: Target, headers: dict[str, str]) -> Response:
+        body = await read_json(request)
+        req: ChatCompletionRequest = parse_model(ChatCompletionRequest, body, "chat completion request")
+        gen = await service.chat(target, req, body["messages"])
+        ids, lps = want_ids(request, body), bool(req.logprobs)
+        if req.stream:
+            chunks = responses.chat_chunks(gen, service.tokenizer, lps, ids, req.include_usage)
+            return _stream(chunks, headers)
+        return _json(responses.chat_json(gen, service.tokenizer, lps, ids), headers)
+
+    async def completions(request: Request, target: Target, headers: dict[str, str]) -> Response:
+        body = await read_json(request)
+        req: CompletionRequest = parse_model(CompletionRequest, body, "completion request")
+        gen = await service.complete(target, req)
+        ids, lps = want_ids(request, body), req.logprobs is not None
+        if req.stream:
+            return _stream(
+                responses.completion_chunks(gen, service.tokenizer, ids, req.include_usage), headers
+            )
+        return _json(responses.completion_json(gen, service.tokenizer, lps, ids), headers)
+
+    async def models(request: Request, target: Target, headers: dict[str, str]) -> Response:
+        if expected_auth is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected_auth
+        ):
+            raise ProxyError(
+                401, "missing or wrong bearer token", "authentication_error", code="invalid_api_key"
+            )
+        if target.session_id is None:
+            await service.check_live(target)
+        card = {"id": service.model_name, "object": "model", "created": int(time.time()), "owned_by": "agentloop",
+                "max_model_len": service.engine.max_context}  # fmt: skip
+        return _json(orjson.dumps({"object": "list", "data": [card]}), headers)
+
+    # Plain Starlette routes (request in, response out): FastAPI's dependency solver would cost
+    # more per request than the proxy's own work, and the bodies are validated by hand anyway.
+    for prefix, session in (("/rollout/{rollout_id}/attempt/{attempt_id}/v1", False), ("/v1", True)):
+        app.add_route(f"{prefix}/chat/completions", guarded(chat, session), methods=["POST"])
+        app.add_route(f"{prefix}/completions", guarded(completions, session), methods=["POST"])
+        app.add_route(f"{prefix}/models", guarded(models, session), methods=["GET"])
+
+    async def post_reward(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        try:
+            body = await read_json(request)
+            req: RewardRequest = parse_model(RewardRequest, body, "reward")
+            try:
+                rec = service.sessions.add_reward(session_id, Reward(value=req.value, name=req.name))
+            except KeyError:
+                raise ProxyError(404, f"session {session_id!r} not found (no calls recorded under it)",
+                                 "not_found_error", code="not_found") from None  # fmt: skip
+            return _json(orjson.dumps({"session_id": session_id, "num_calls": len(rec.calls),
+                                       "rewards": [r.model_dump() for r in rec.rewards]}))  # fmt: skip
+        except ProxyError as exc:
+            return error_response(exc)
+
+    async def get_session(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        if expected_auth is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected_auth
+        ):
+            return error_response(ProxyError(401, "missing or wrong bearer token", "authentication_error"))
+        rec = service.sessions.get(session_id)
+        if rec is None:
+            return error_response(ProxyError(404, f"session {session_id!r} not found", "not_found_error"))
+        return _json(orjson.dumps(rec.to_json()))
+
+    async def health(request: Request) -> Response:
+        return _json(b'{"status":"ok"}')
+
+    app.add_route("/v1/sessions/{session_id}/reward", post_reward, methods=["POST"])
+    app.add_route("/v1/sessions/{session_id}", get_session, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = _STATUS_TYPES.get(exc.status_code, "invalid_request_error")
+        return error_response(
+            ProxyError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(bad_request(f"invalid request: {exc.errors()[:1]}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected proxy error", path=request.url.path)
+        return error_response(
+            ProxyError(503, f"internal proxy error: {type(exc).__name__}", "service_unavailable")
+        )
+
+    return app
+
+
+def _stream(chunks: Iterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:  # async: a sync iterator would cost a thread hop per chunk
+        for chunk in chunks:
+            yield chunk
+
+    hdrs = {"Cache-Control": "no-cache", **headers}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=hdrs)

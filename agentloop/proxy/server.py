@@ -1,0 +1,229 @@
+"""``Proxy``: the OpenAI-compatible proxy as an object you start and stop from Python.
+
+The uvicorn server runs in the caller's event loop (the engine's ``generate`` is a coroutine of
+that loop, so the proxy must share it). Either let a task group own it::
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)          # returns once the socket listens
+        ...
+        await proxy.stop()
+
+or call ``await proxy.start()`` / ``await proxy.stop()`` (or ``async with proxy:``), where the
+Proxy itself owns the server task and ``stop`` always awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Any
+
+import anyio
+import structlog
+import uvicorn
+from anyio.abc import TaskStatus
+
+from agentloop.engine.base import InferenceEngine
+from agentloop.proxy.app import build_app
+from agentloop.proxy.chat import ChatTemplate
+from agentloop.proxy.ledger import TokenLedger
+from agentloop.proxy.service import ProxyService
+from agentloop.proxy.sessions import SessionTable
+from agentloop.resources import ProxyLLM
+from agentloop.store.base import Store
+
+log = structlog.get_logger("agentloop.proxy")
+
+
+class ProxyState(StrEnum):
+    CREATED = "created"  # constructed; no socket yet
+    RUNNING = "running"  # listening on .url
+    STOPPED = "stopped"  # terminal: closed; a Proxy is not restarted
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: Ctrl+C belongs to the program that embeds the proxy."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Proxy:
+    """OpenAI-compatible proxy in front of ``engine`` that records every call in ``store``.
+
+    Args:
+        engine: serves token ids; its tokenizer and chat template are used for prompts.
+        store: where each call of a rollout attempt is recorded as an LLMCall span.
+        host, port: bind address; port 0 picks a free port (see ``.port`` after start).
+        api_key: when set, requests must carry ``Authorization: Bearer <api_key>`` (else 401).
+        max_body_bytes: larger request bodies get 413.
+        model_name: the name ``/models`` reports and responses carry when a request names none.
+        chat_template: overrides the tokenizer's chat template (jinja source).
+        engine_timeout_s: longest one generate may take; then the request is aborted and answered 503.
+        store_timeout_s: longest one store call may take; then 503.
+        default_max_tokens: max_tokens when neither the request nor the LLM resource sets it.
+        default_sampling: defaults under the LLM resource's and the request's sampling fields.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        store: Store,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        *,
+        max_body_bytes: int = 8 * 1024 * 1024,
+        model_name: str = "agentloop",
+        chat_template: str | None = None,
+        engine_timeout_s: float = 600.0,
+        store_timeout_s: float = 30.0,
+        default_max_tokens: int = 1024,
+        default_sampling: dict[str, Any] | None = None,
+        max_sessions: int = 10_000,
+    ) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        if max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
+        if engine_timeout_s <= 0 or store_timeout_s <= 0:
+            raise ValueError(f"timeouts must be > 0, got engine {engine_timeout_s}, store {store_timeout_s}")
+        if default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+        for name in ("generate", "tokenizer", "max_context"):
+            if not hasattr(engine, name):
+                raise TypeError(
+                    f"engine must implement InferenceEngine (missing {name!r}); got {type(engine).__name__}"
+                )
+        self.engine, self.store, self.host, self.api_key = engine, store, host, api_key
+        self.sessions = SessionTable(max_sessions=max_sessions)
+        self.ledger = TokenLedger()
+        self.service = ProxyService(
+            engine,
+            store,
+            model_name=model_name,
+            template=ChatTemplate(engine.tokenizer, chat_template),
+            ledger=self.ledger,
+            sessions=self.sessions,
+            engine_timeout_s=engine_timeout_s,
+            store_timeout_s=store_timeout_s,
+            default_max_tokens=default_max_tokens,
+            default_sampling=default_sampling or {},
+        )
+        self.app = build_app(self.service, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.state = ProxyState.CREATED
+        self._requested_port = port
+        self._port: int | None = None
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ addresses
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the proxy has no port yet; await proxy.start() first")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def url_template(self) -> str:
+        """Base URL with ``{rollout_id}`` and ``{attempt_id}`` placeholders (for ProxyLLM)."""
+        return f"{self.url}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
+
+    @property
+    def session_base_url(self) -> str:
+        """Base URL for apps outside training (calls recorded under the X-Session-Id header)."""
+        return f"{self.url}/v1"
+
+    def as_resource(self, model: str | None = None, sampling: dict[str, Any] | None = None) -> ProxyLLM:
+        """A ProxyLLM resource pointing at this proxy (add it to the store's resources)."""
+        return ProxyLLM(
+            url_template=self.url_template,
+            model=model or self.service.model_name,
+            api_key=self.api_key or "EMPTY",
+            sampling=dict(sampling or {}),
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def serve(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the server until ``stop()``; ``task_status.started(url)`` once the socket listens."""
+        if self.state is not ProxyState.CREATED:
+            raise RuntimeError(f"a Proxy starts once; this one is {self.state.value}")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle adds ~40 ms a reply)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self._requested_port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"the proxy cannot bind {self.host}:{self._requested_port}: {exc}") from exc
+        self._port = sock.getsockname()[1]
+        self.service.url_template = self.url_template
+        config = uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
+            backlog=4096, timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        self._server = server = _EmbeddedServer(config)
+        self.state = ProxyState.RUNNING
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve, [sock])
+                while not server.started:
+                    if server.should_exit:
+                        break
+                    await anyio.sleep(0.005)
+                log.info("proxy listening", url=self.url)
+                task_status.started(self.url)
+        finally:
+            self.state = ProxyState.STOPPED
+            sock.close()
+
+    async def start(self) -> str:
+        """Start serving in the running event loop; returns the URL once the socket listens."""
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def run() -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    url = await tg.start(self.serve)
+                    ready.set_result(url)
+            except BaseException as exc:
+                if not ready.done():
+                    ready.set_exception(exc)
+                raise
+
+        self._task = asyncio.create_task(run(), name=f"agentloop-proxy-{id(self)}")
+        return await ready
+
+    async def stop(self) -> None:
+        """Stop accepting requests, let in-flight ones finish (up to 5 s), and close the socket."""
+        if self._server is not None:
+            self._server.should_exit = True
+        task, self._task = self._task, None
+        if task is not None:
+            with anyio.move_on_after(10):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)
+            if not task.done():  # pragma: no cover - graceful shutdown overran
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        self.state = ProxyState.STOPPED
+
+    async def __aenter__(self) -> Proxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,383 @@
+"""What one request does, independent of HTTP: check the attempt, build the prompt, generate, record.
+
+Order for a chat request: the attempt is live (else 404/409) -> canonical messages -> token
+ledger (delta or full render) -> context check -> ``engine.generate`` under a timeout ->
+decode, cut stop strings, parse tool calls -> one LLMCall span in the store (or the session) ->
+ledger entry. Every failure is a ``ProxyError`` with an HTTP status; nothing here hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+
+from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
+from agentloop.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    NotFoundError,
+    RequestAbortedError,
+    StaleAttemptError,
+)
+from agentloop.proxy.chat import ChatTemplate, canonical_message, canonical_response, tool_dicts
+from agentloop.proxy.ledger import TokenLedger
+from agentloop.proxy.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JSONDict,
+    ProxyError,
+    bad_request,
+)
+from agentloop.proxy.sessions import SessionTable
+from agentloop.proxy.tool_parser import parse_tool_calls
+from agentloop.resources import ProxyLLM
+from agentloop.store.base import Store
+from agentloop.types import LLMCall, Span
+
+log = structlog.get_logger("agentloop.proxy")
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a call is recorded: one rollout attempt, or one app session."""
+
+    rollout_id: str | None = None
+    attempt_id: str | None = None
+    session_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"session/{self.session_id}" if self.session_id else f"{self.rollout_id}/{self.attempt_id}"
+
+
+@dataclass
+class Generation:
+    """A finished generation, ready to be written as JSON or as SSE chunks."""
+
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # exactly what the engine produced (end-of-turn id included)
+    logprobs: list[float] | None
+    text_ids: list[int]  # token_ids without a final end-of-turn id: the ids that make the text
+    content: str | None
+    tool_calls: list[JSONDict] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    @property
+    def usage(self) -> JSONDict:
+        n, m = len(self.prompt_ids), len(self.token_ids)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def context_error(n_prompt: int, limit: int) -> ProxyError:
+    return ProxyError(
+        400,
+        f"this model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens "
+        "(shorten the messages)",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+class ProxyService:
+    """The proxy's logic; the FastAPI app (app.py) only parses HTTP and writes responses."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        store: Store,
+        *,
+        model_name: str,
+        template: ChatTemplate,
+        ledger: TokenLedger,
+        sessions: SessionTable,
+        engine_timeout_s: float,
+        store_timeout_s: float,
+        default_max_tokens: int,
+        default_sampling: dict[str, Any],
+    ) -> None:
+        self.engine, self.store, self.model_name = engine, store, model_name
+        self.template, self.ledger, self.sessions = template, ledger, sessions
+        self.tokenizer = template.tokenizer
+        self.engine_timeout_s, self.store_timeout_s = engine_timeout_s, store_timeout_s
+        self.default_max_tokens, self.default_sampling = default_max_tokens, dict(default_sampling)
+        self.url_template: str | None = None  # set by Proxy once the port is known
+        self._stop_ids = frozenset(template.stop_token_ids)
+        # embedding matrices are often padded past the tokenizer (Qwen: +271 rows); beyond that, a mismatch
+        self._id_bound = len(self.tokenizer) + 1024
+        self._llm_defaults: dict[int, dict[str, Any]] = {}  # resources version -> the LLM's sampling
+
+    # ------------------------------------------------------------ store access
+
+    @contextlib.contextmanager
+    def _store_errors(self, what: str) -> Iterator[None]:
+        """One timeout for a group of store calls; store errors become 404 / 409 / 503."""
+        try:
+            with anyio.fail_after(self.store_timeout_s):
+                yield
+        except NotFoundError as exc:
+            raise ProxyError(404, str(exc), "not_found_error", code="not_found") from None
+        except StaleAttemptError as exc:
+            raise ProxyError(409, str(exc), "conflict_error", code="stale_attempt") from None
+        except TimeoutError:
+            raise ProxyError(
+                503, f"the store did not answer {what} within {self.store_timeout_s}s", "store_error"
+            ) from None
+        except ProxyError:
+            raise
+        except Exception as exc:
+            log.error("store call failed", what=what, error=repr(exc)[:300])
+            raise ProxyError(
+                503, f"the store failed on {what}: {type(exc).__name__}", "store_error"
+            ) from None
+
+    async def check_live(self, target: Target) -> dict[str, Any]:
+        """404 for an unknown rollout/attempt, 409 for a finished or superseded one; the LLM's defaults."""
+        if target.session_id is not None:
+            return {}
+        rid, aid = target.rollout_id, target.attempt_id
+        with self._store_errors("get_rollout/get_attempt"):
+            rollout = await self.store.get_rollout(rid)  # type: ignore[arg-type]
+            attempt = await self.store.get_attempt(rid, aid)  # type: ignore[arg-type]
+        if attempt.status.is_terminal:
+            raise ProxyError(
+                409,
+                f"attempt {aid} already finished as {attempt.status.value}",
+                "conflict_error",
+                code="stale_attempt",
+            )
+        if attempt.sequence_id < rollout.num_attempts or rollout.status.is_terminal:
+            raise ProxyError(
+                409,
+                f"attempt {aid} (#{attempt.sequence_id}) of rollout {rid} was superseded "
+                f"(rollout is {rollout.status.value}, {rollout.num_attempts} attempts)",
+                "conflict_error",
+                code="stale_attempt",
+            )
+        version = rollout.resources_version
+        if version is None:
+            return {}
+        if version not in self._llm_defaults:
+            with self._store_errors("get_resources"):
+                resources = await self.store.get_resources(version)
+            llms = [v for v in resources.items.values() if hasattr(v, "sampling")]
+            mine = [v for v in llms if isinstance(v, ProxyLLM) and v.url_template == self.url_template]
+            chosen = mine[0] if mine else (llms[0] if len(llms) == 1 else None)
+            self._llm_defaults[version] = dict(chosen.sampling) if chosen is not None else {}
+        return self._llm_defaults[version]
+
+    async def record(self, target: Target, fields: dict[str, Any]) -> None:
+        """Validate the call's fields once as an LLMCall and write it to the store (or the session)."""
+        call = LLMCall(**fields)
+        if target.session_id is not None:
+            self.sessions.add_call(target.session_id, call)
+            return
+        assert target.rollout_id is not None and target.attempt_id is not None
+        span = Span(
+            rollout_id=target.rollout_id, attempt_id=target.attempt_id, sequence_id=None, payload=call
+        )
+        with self._store_errors("add_span"):
+            await self.store.add_span(span)
+
+    # ------------------------------------------------------------ sampling and the engine
+
+    def sampling(
+        self, req: ChatCompletionRequest | CompletionRequest, llm: dict[str, Any], n_prompt: int
+    ) -> SamplingParams:
+        merged = {k: v for k, v in {**self.default_sampling, **llm}.items() if k in _SAMPLING_KEYS}
+        for key in ("temperature", "top_p", "top_k", "seed"):
+            value = getattr(req, key)
+            if value is not None:
+                merged[key] = value
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or merged.get("max_tokens")
+        room = self.engine.max_context - n_prompt
+        if room < 1:
+            raise context_error(n_prompt, self.engine.max_context)
+        stop = req.stop_list or merged.get("stop") or []
+        merged.update(
+            max_tokens=min(max_tokens or self.default_max_tokens, room),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(self.template.stop_token_ids),
+            logprobs=True,  # always: the trainer needs the behaviour logprobs
+        )
+        try:
+            return SamplingParams(**merged)
+        except ValueError as exc:
+            raise bad_request(
+                f"invalid sampling parameters (request merged over the LLM's defaults): {exc}"
+            ) from None
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> TokenOutput:
+        request_id = "req-" + secrets.token_hex(8)
+        try:
+            with anyio.fail_after(self.engine_timeout_s):
+                out = await self.engine.generate(prompt_ids, sampling, request_id=request_id)
+        except TimeoutError:
+            with anyio.move_on_after(5):
+                await self.engine.abort(request_id)
+            raise ProxyError(
+                503,
+                f"the engine did not answer within {self.engine_timeout_s}s",
+                "service_unavailable",
+                code="engine_timeout",
+            ) from None
+        except ContextLengthExceededError:
+            raise context_error(len(prompt_ids), self.engine.max_context) from None
+        except RequestAbortedError as exc:
+            raise ProxyError(
+                503, f"the request was aborted: {exc}", "service_unavailable", code="request_aborted"
+            ) from None
+        except EngineError as exc:
+            log.error("engine failed", error=str(exc)[:300])
+            raise ProxyError(
+                503, f"the engine failed: {exc}", "service_unavailable", code="engine_error"
+            ) from None
+        except Exception as exc:
+            log.error("engine raised", error=repr(exc)[:300])
+            raise ProxyError(
+                503, f"the engine failed: {type(exc).__name__}", "service_unavailable", code="engine_error"
+            ) from None
+        if out.finish_reason == "abort":
+            raise ProxyError(
+                503, "the request was aborted by the engine", "service_unavailable", code="request_aborted"
+            )
+        if out.logprobs is not None and len(out.logprobs) != len(out.token_ids):
+            raise ProxyError(
+                503, "the engine returned logprobs that do not match its tokens", "service_unavailable"
+            )
+        bad = next((t for t in out.token_ids if not 0 <= t < self._id_bound), None)
+        if bad is not None:
+            log.error(
+                "engine returned an id outside the tokenizer's vocabulary", token_id=bad, bound=self._id_bound
+            )
+            message = f"the engine returned token id {bad}, outside the tokenizer's vocabulary (they differ)"
+            raise ProxyError(503, message, "service_unavailable", code="engine_error")
+        return out
+
+    def _text(self, out: TokenOutput, stop: list[str]) -> tuple[list[int], str]:
+        ids = out.token_ids
+        text_ids = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        if stop:  # the engine keeps a matched stop string in its output; OpenAI leaves it out
+            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        return text_ids, text
+
+    # ------------------------------------------------------------ the two endpoints
+
+    async def chat(self, target: Target, req: ChatCompletionRequest, raw_messages: list[Any]) -> Generation:
+        started = time.perf_counter()
+        llm = await self.check_live(target)
+        messages = [canonical_message(m, i) for i, m in enumerate(req.messages)]
+        use_tools = req.tools is not None and req.tool_choice != "none"
+        tools = tool_dicts(req.tools) if use_tools else None
+        plan = self.ledger.plan(target.key, messages, tools, self.template)
+        call: dict[str, Any] = {
+            "prompt_ids": plan.prompt_ids,
+            "messages": raw_messages,
+            "tools": tools,
+            "model": req.model,
+            "ledger_break": plan.ledger_break,
+        }
+        if plan.ledger_break:
+            log.info("ledger break", key=target.key, reason=plan.ledger_break)
+        out = await self._generate_or_record_error(target, call, req, llm, plan.prompt_ids)
+        text_ids, text = self._text(out, req.stop_list)
+        content: str | None = text
+        tool_calls: list[JSONDict] = []
+        if use_tools:
+            parsed = parse_tool_calls(text)
+            if parsed.error:
+                log.warning("failed to decode tool call", key=target.key, error=parsed.error)
+                call["tool_call_parse_error"] = True
+            content, tool_calls = parsed.content, parsed.tool_calls
+        finish = "tool_calls" if tool_calls else out.finish_reason
+        message: JSONDict = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        call.update(
+            response_ids=out.token_ids,
+            response_logprobs=out.logprobs,
+            response_message=message,
+            finish_reason=finish,
+            weights_version=out.weights_version,
+            latency_s=time.perf_counter() - started,
+        )
+        await self.record(target, call)
+        self.ledger.record(
+            target.key, plan, messages, tools, out.token_ids, canonical_response(content, tool_calls)
+        )
+        return Generation(
+            "chatcmpl-" + secrets.token_hex(12), int(time.time()), req.model or self.model_name, plan.prompt_ids,
+            out.token_ids, out.logprobs, text_ids, content, tool_calls, finish,
+        )  # fmt: skip
+
+    async def complete(self, target: Target, req: CompletionRequest) -> Generation:
+        started = time.perf_counter()
+        llm = await self.check_live(target)
+        prompt_ids = self._prompt_ids(req.prompt)
+        call: dict[str, Any] = {"prompt_ids": prompt_ids, "model": req.model}
+        out = await self._generate_or_record_error(target, call, req, llm, prompt_ids)
+        text_ids, text = self._text(out, req.stop_list)
+        call.update(
+            response_ids=out.token_ids,
+            response_logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            response_message={"role": "assistant", "content": text},
+            weights_version=out.weights_version,
+            latency_s=time.perf_counter() - started,
+        )
+        await self.record(target, call)
+        return Generation(
+            "cmpl-" + secrets.token_hex(12), int(time.time()), req.model or self.model_name, prompt_ids,
+            out.token_ids, out.logprobs, text_ids, text, [], out.finish_reason,
+        )  # fmt: skip
+
+    async def _generate_or_record_error(
+        self, target: Target, call: dict[str, Any], req: Any, llm: dict[str, Any], prompt_ids: list[int]
+    ) -> TokenOutput:
+        try:
+            sampling = self.sampling(req, llm, len(prompt_ids))
+            call["sampling"] = sampling.model_dump(mode="json")
+            return await self.generate(prompt_ids, sampling)
+        except ProxyError as exc:
+            if exc.code == "context_length_exceeded":  # recorded so the trainer can count and skip it
+                call["error"] = "context_length_exceeded"
+                try:
+                    await self.record(target, call)
+                except ProxyError as rec_exc:
+                    log.warning(
+                        "could not record context_length_exceeded", key=target.key, error=rec_exc.message
+                    )
+            raise
+
+    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"only one prompt per request is supported, got {len(prompt)}", param="prompt"
+                )
+            prompt = prompt[0]  # type: ignore[assignment]
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+            vocab = len(self.tokenizer)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad}", param="prompt")
+        if not ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        return ids

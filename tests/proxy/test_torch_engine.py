@@ -1,0 +1,83 @@
+"""Token fidelity with the real TorchEngine and the tiny model: recorded ids are the engine's ids."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from agentloop.engine.base import SamplingParams
+from agentloop.engine.torch_engine import TorchEngine
+from agentloop.store.memory import MemoryStore
+from agentloop.types import LLMCall
+from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
+          "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]  # fmt: skip
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path) -> AsyncIterator[TorchEngine]:
+    eng = TorchEngine(tiny_model_dir, max_context=1024, max_batch_size=4)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
+async def test_three_turns_record_exactly_what_the_engine_emitted(engine: TorchEngine, oai: Any) -> None:
+    store = MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        att = await new_attempt(store)
+        client = oai(attempt_url(proxy, att))
+        messages: list[Any] = [{"role": "user", "content": "Look up the word 'cat'."}]
+        with anyio.fail_after(60):
+            for turn in range(3):
+                r = await client.chat.completions.create(
+                    model="tiny",
+                    messages=messages,
+                    tools=TOOLS,
+                    seed=100 + turn,
+                    temperature=1.0,
+                    max_tokens=12,
+                )  # type: ignore[arg-type]
+                messages.append(r.choices[0].message.model_dump(exclude_none=True))
+                if turn == 0:  # the tool result comes back as the tool would answer
+                    messages.append(
+                        {"role": "tool", "tool_call_id": "call_0", "content": '{"meaning": "a pet"}'}
+                    )
+                else:
+                    messages.append({"role": "user", "content": f"And turn {turn + 2}?"})
+    calls: list[LLMCall] = [s.payload for s in await store.query_spans(att.rollout_id)]  # type: ignore[misc]
+    assert len(calls) == 3
+    for turn, call in enumerate(calls):
+        sampling = SamplingParams(**call.sampling)
+        assert sampling.seed == 100 + turn and sampling.max_tokens == 12
+        direct = await engine.generate(call.prompt_ids, sampling)  # same prompt ids, same seed
+        assert call.response_ids == direct.token_ids
+        assert call.response_logprobs == pytest.approx(direct.logprobs, abs=1e-4)
+        assert call.ledger_break is None and call.weights_version == engine.weights_version
+    for prev, nxt in itertools.pairwise(calls):
+        head = prev.prompt_ids + prev.response_ids
+        assert nxt.prompt_ids[: len(head)] == head  # turn n+1 starts with turn n's prompt + response ids
+
+
+async def test_streaming_and_non_streaming_give_the_same_tokens(engine: TorchEngine, oai: Any) -> None:
+    store = MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        client = oai(attempt_url(proxy, await new_attempt(store)))
+        kwargs: Any = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}], "seed": 5,
+                       "temperature": 0.9, "max_tokens": 16, "extra_body": {"return_token_ids": True}}  # fmt: skip
+        with anyio.fail_after(60):
+            full = await client.chat.completions.create(**kwargs)
+            chunks = [c async for c in await client.chat.completions.create(stream=True, **kwargs)]
+    assert full.model_extra is not None
+    streamed = [t for c in chunks for t in (c.model_extra or {}).get("token_ids", [])]
+    assert streamed == full.model_extra["token_ids"] and len(streamed) > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
