@@ -1,0 +1,8 @@
+"""Rollout stores: one protocol, one state machine, three backends (memory, SQLite, HTTP)."""
+
+from agentloop.store.base import Store
+from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.memory import MemoryStore
+from agentloop.store.sqlite import SQLiteStore
+
+__all__ = ["MemoryStore", "SQLiteStore", "Store", "StoreClient", "StoreServer"]

@@ -1,0 +1,557 @@
+"""StoreServer / StoreClient: one store shared by runners in other processes or machines over HTTP.
+
+JSON only (never pickle). Every bad request gets a 4xx with ``{"error": {"message", "type"}}``:
+
+=====  ====================  =========================================
+code   type                  the client raises
+=====  ====================  =========================================
+400    invalid_json          InvalidRequestError
+401    unauthorized          StoreUnavailableError (wrong or no api_key)
+404    not_found             NotFoundError
+409    stale_attempt         StaleAttemptError
+409    invalid_transition    InvalidTransitionError
+413    payload_too_large     InvalidRequestError
+422    invalid_request       InvalidRequestError
+=====  ====================  =========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import math
+import socket
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Literal
+from urllib.parse import quote
+
+import httpx
+import structlog
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentloop.errors import (
+    AgentLoopError,
+    InvalidRequestError,
+    InvalidTransitionError,
+    NotFoundError,
+    StaleAttemptError,
+    StoreUnavailableError,
+)
+from agentloop.resources import Resources
+from agentloop.store import state
+from agentloop.store.base import Store
+from agentloop.store.memory import (
+    parse_error,
+    parse_ids,
+    parse_limit,
+    parse_resources,
+    parse_span,
+    parse_statuses,
+    parse_version,
+)
+from agentloop.types import (
+    JSON,
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    ErrorInfo,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    Span,
+)
+
+log = structlog.get_logger(__name__)
+
+MAX_WAIT_S = 30.0  # longest server-side wait per request; the client loops for longer waits
+_ERROR_CLASSES: dict[str, type[AgentLoopError]] = {
+    "invalid_json": InvalidRequestError,
+    "invalid_request": InvalidRequestError,
+    "payload_too_large": InvalidRequestError,
+    "not_found": NotFoundError,
+    "stale_attempt": StaleAttemptError,
+    "invalid_transition": InvalidTransitionError,
+    "unauthorized": StoreUnavailableError,
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnqueueBody(_Body):
+    input: JSON
+    mode: RolloutMode = "train"
+    config: RolloutConfig | None = None
+    metadata: dict[str, JSON] | None = None
+
+
+class DequeueBody(_Body):
+    worker_id: str | None = None
+
+
+class UpdateAttemptBody(_Body):
+    status: AttemptStatus | None = None
+    error: ErrorInfo | None = None
+    heartbeat: bool = False
+
+
+class WaitBody(_Body):
+    rollout_ids: list[str]
+    timeout: float = Field(ge=0, description="Seconds; the server waits at most MAX_WAIT_S.")
+
+
+class ListBody(_Body):
+    status: list[str] | None = None
+    limit: int | None = Field(None, ge=0)
+
+
+_CONNECTIONS_PER_POOL = 8
+_ANY: TypeAdapter[Any] = TypeAdapter(Any)
+_rollouts = TypeAdapter(list[Rollout])
+_attempts = TypeAdapter(list[Attempt])
+_spans = TypeAdapter(list[Span])
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, type_: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+
+
+def _error(status: int, type_: str, message: str) -> Response:
+    body = _ErrorBody(error=_ErrorDetail(message=message, type=type_)).model_dump_json()
+    return Response(body, status_code=status, media_type="application/json")
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+
+
+class _ErrorBody(BaseModel):
+    error: _ErrorDetail
+
+
+def _json(value: Any, adapter: TypeAdapter[Any] | None = None) -> Response:
+    if adapter is not None:
+        data = adapter.dump_json(value)
+    elif isinstance(value, BaseModel):
+        data = value.model_dump_json().encode()
+    else:
+        data = _ANY.dump_json(value)
+    return Response(data, media_type="application/json")
+
+
+def _validation_message(exc: ValidationError) -> tuple[int, str, str]:
+    errs = exc.errors(include_url=False, include_input=False)
+    if any(e["type"] == "json_invalid" for e in errs):
+        return 400, "invalid_json", f"request body is not valid JSON: {errs[0]['msg']}"
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errs[:10]]
+    return 422, "invalid_request", "invalid request: " + "; ".join(parts)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 16 * 2**20) -> FastAPI:
+    """The FastAPI app serving ``store``; every route answers JSON."""
+    app = FastAPI(title="agentloop store", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def body(request: Request, model: type[_Body] | type[BaseModel]) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise _HTTPError(
+                413, "payload_too_large", f"body of {declared} bytes is over the {max_body_bytes} limit"
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _HTTPError(413, "payload_too_large", f"body is over the {max_body_bytes} byte limit")
+            chunks.append(chunk)
+        return model.model_validate_json(b"".join(chunks) or b"null")
+
+    def route(method: str, path: str) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            async def handler(request: Request) -> Response:
+                if expected is not None:
+                    got = request.headers.get("authorization", "").encode()
+                    if not hmac.compare_digest(got, expected):
+                        return _error(
+                            401, "unauthorized", "missing or wrong bearer token (Authorization header)"
+                        )
+                try:
+                    return await fn(request)
+                except _HTTPError as exc:
+                    return _error(exc.status, exc.type, exc.message)
+                except ValidationError as exc:
+                    return _error(*_validation_message(exc))
+                except NotFoundError as exc:
+                    return _error(404, "not_found", str(exc))
+                except StaleAttemptError as exc:
+                    return _error(409, "stale_attempt", str(exc))
+                except InvalidTransitionError as exc:
+                    return _error(409, "invalid_transition", str(exc))
+                except (InvalidRequestError, ValueError, TypeError) as exc:
+                    return _error(422, "invalid_request", str(exc))
+                except Exception as exc:  # a bug, not a bad request: say so without the traceback
+                    log.exception("store request failed", path=path)
+                    return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+            app.add_api_route(path, handler, methods=[method], include_in_schema=False)
+            return fn
+
+        return deco
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return _error(exc.status_code, kind, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @route("GET", "/v1/health")
+    async def health(request: Request) -> Response:
+        return _json({"ok": True})
+
+    @route("POST", "/v1/rollouts")
+    async def enqueue(request: Request) -> Response:
+        b = await body(request, EnqueueBody)
+        return _json(await store.enqueue_rollout(b.input, mode=b.mode, config=b.config, metadata=b.metadata))
+
+    @route("POST", "/v1/rollouts/list")
+    async def list_rollouts(request: Request) -> Response:
+        b = await body(request, ListBody)
+        return _json(await store.list_rollouts(status=b.status, limit=b.limit), _rollouts)
+
+    @route("POST", "/v1/dequeue")
+    async def dequeue(request: Request) -> Response:
+        b = await body(request, DequeueBody)
+        return _json(await store.dequeue_rollout(b.worker_id))
+
+    @route("GET", "/v1/rollouts/{rollout_id}")
+    async def get_rollout(request: Request) -> Response:
+        return _json(await store.get_rollout(request.path_params["rollout_id"]))
+
+    @route("POST", "/v1/rollouts/{rollout_id}/cancel")
+    async def cancel(request: Request) -> Response:
+        return _json(await store.cancel_rollout(request.path_params["rollout_id"]))
+
+    @route("GET", "/v1/rollouts/{rollout_id}/attempts")
+    async def list_attempts(request: Request) -> Response:
+        return _json(await store.list_attempts(request.path_params["rollout_id"]), _attempts)
+
+    @route("GET", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
+    async def get_attempt(request: Request) -> Response:
+        p = request.path_params
+        return _json(await store.get_attempt(p["rollout_id"], p["attempt_id"]))
+
+    @route("POST", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
+    async def update_attempt(request: Request) -> Response:
+        b, p = await body(request, UpdateAttemptBody), request.path_params
+        attempt = await store.update_attempt(p["rollout_id"], p["attempt_id"], b.status, b.error, b.heartbeat)
+        return _json(attempt)
+
+    @route("GET", "/v1/rollouts/{rollout_id}/spans")
+    async def query_spans(request: Request) -> Response:
+        attempt_id = request.query_params.get("attempt_id", "latest")
+        return _json(await store.query_spans(request.path_params["rollout_id"], attempt_id), _spans)
+
+    @route("POST", "/v1/spans")
+    async def add_span(request: Request) -> Response:
+        return _json(await store.add_span(await body(request, Span)))
+
+    @route("POST", "/v1/wait")
+    async def wait(request: Request) -> Response:
+        b = await body(request, WaitBody)
+        return _json(await store.wait_for_rollouts(b.rollout_ids, min(b.timeout, MAX_WAIT_S)), _rollouts)
+
+    @route("POST", "/v1/check_timeouts")
+    async def check_timeouts(request: Request) -> Response:
+        return _json(await store.check_timeouts(), _attempts)
+
+    @route("POST", "/v1/resources")
+    async def add_resources(request: Request) -> Response:
+        return _json({"version": await store.add_resources(await body(request, Resources))})
+
+    @route("GET", "/v1/resources/latest")
+    async def latest_resources(request: Request) -> Response:
+        return _json(await store.get_latest_resources())
+
+    @route("GET", "/v1/resources/{version}")
+    async def get_resources(request: Request) -> Response:
+        raw = request.path_params["version"]
+        if not raw.isdigit():
+            raise _HTTPError(422, "invalid_request", f"resources version must be an integer, got {raw!r:.40}")
+        return _json(await store.get_resources(int(raw)))
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # leave SIGINT/SIGTERM to the application (the Runner stops cleanly on them)
+
+
+class StoreServer:
+    """Serve ``store`` over HTTP on ``host:port`` (port 0: a free port; ``.url`` tells the real one)."""
+
+    def __init__(
+        self,
+        store: Store,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        max_body_bytes: int = 16 * 2**20,
+    ) -> None:
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise InvalidRequestError(f"port must be an int in 0..65535, got {port!r}")
+        self.store, self.host, self.port = store, host, port
+        self.app = create_app(store, api_key=api_key, max_body_bytes=max_body_bytes)
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        if self._sock is None:
+            raise AgentLoopError("StoreServer.url is known once start() returned")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind, start serving and return once the server accepts connections."""
+        if self._task is not None:
+            raise AgentLoopError("StoreServer is already started; call stop() first")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without it
+        # Nagle + delayed ACK stall every keep-alive response by 40 ms
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._sock, self.port = sock, sock.getsockname()[1]
+        # keep-alive longer than the client's (httpx: 5 s), so the server never closes a connection the
+        # client is about to reuse
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            backlog=2048,
+            timeout_keep_alive=75,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup error
+                raise AgentLoopError(f"store server on {self.url} stopped during startup")
+            await asyncio.sleep(0.005)
+        log.info("store server started", url=self.url)
+
+    async def stop(self) -> None:
+        """Stop accepting, finish open requests (server-side waits end within a second) and return."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        self._server.force_exit = True  # do not wait for long-poll waits to finish
+        try:
+            await self._task
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+            self._server = self._task = self._sock = None
+
+    async def __aenter__(self) -> StoreServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+class StoreClient:
+    """The Store protocol over HTTP; raises the same exceptions as the in-process stores."""
+
+    def __init__(
+        self, url: str, api_key: str | None = None, timeout: float = 30.0, max_connections: int = 256
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"url must start with http:// or https://, got {url!r:.80}")
+        self.url = url.rstrip("/")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        if not isinstance(max_connections, int) or max_connections < 1:
+            raise InvalidRequestError(f"max_connections must be an int >= 1, got {max_connections!r}")
+        self._timeout = timeout
+        # Several small pools, used in turn: httpcore's pool bookkeeping costs O(connections^2) per
+        # request, which at 32+ concurrent requests on one pool costs more than the request itself.
+        per_pool = min(_CONNECTIONS_PER_POOL, max_connections)
+        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+        ssl_context = httpx.create_ssl_context()  # built once: loading the CA bundle costs ~20 ms
+        self._pools = [
+            httpx.AsyncClient(
+                base_url=self.url, headers=headers, timeout=timeout, limits=limits, verify=ssl_context
+            )
+            for _ in range(math.ceil(max_connections / per_pool))
+        ]
+        self._next_pool = itertools.cycle(self._pools)
+
+    async def _request(
+        self, method: str, path: str, json: Any = None, params: Any = None, timeout: float | None = None
+    ) -> bytes:
+        content = _ANY.dump_json(json) if json is not None else None
+        hdrs = {"content-type": "application/json"} if content is not None else None
+        try:
+            resp = await next(self._next_pool).request(
+                method, path, content=content, params=params, headers=hdrs, timeout=timeout or self._timeout
+            )
+        except httpx.HTTPError as exc:
+            raise StoreUnavailableError(
+                f"store at {self.url} unreachable ({type(exc).__name__}: {exc})"
+            ) from exc
+        if resp.status_code < 400:
+            return resp.content
+        try:
+            err = resp.json()["error"]
+            message, kind = str(err["message"]), str(err["type"])
+        except Exception:
+            message, kind = resp.text[:300], "unknown"
+        cls = _ERROR_CLASSES.get(kind)
+        if resp.status_code == 401:
+            raise StoreUnavailableError(
+                f"store at {self.url} refused the request (401): {message}; pass its api_key"
+            )
+        if cls is None or resp.status_code >= 500:
+            raise StoreUnavailableError(f"store at {self.url} answered {resp.status_code}: {message}")
+        raise cls(message)
+
+    async def enqueue_rollout(
+        self,
+        input: JSON,
+        mode: RolloutMode = "train",
+        config: Any = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Rollout:
+        checked = state.new_rollout(input, mode, config, metadata, 0.0)  # same errors as the local stores
+        body = {
+            "input": input,
+            "mode": mode,
+            "config": checked.config.model_dump(mode="json"),
+            "metadata": metadata,
+        }
+        return Rollout.model_validate_json(await self._request("POST", "/v1/rollouts", body))
+
+    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
+        if worker_id is not None:
+            state.require_id("worker_id", worker_id)
+        data = await self._request("POST", "/v1/dequeue", {"worker_id": worker_id})
+        return None if data == b"null" else AttemptedRollout.model_validate_json(data)
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus | str | None = None,
+        error: ErrorInfo | None = None,
+        heartbeat: bool = False,
+    ) -> Attempt:
+        rid, aid = (
+            _q(state.require_id("rollout_id", rollout_id)),
+            _q(state.require_id("attempt_id", attempt_id)),
+        )
+        parsed, err = state.parse_attempt_status(status), parse_error(error)
+        body = {"status": parsed, "error": err.model_dump() if err else None, "heartbeat": bool(heartbeat)}
+        return Attempt.model_validate_json(
+            await self._request("POST", f"/v1/rollouts/{rid}/attempts/{aid}", body)
+        )
+
+    async def add_span(self, span: Span) -> Span:
+        span = parse_span(span)
+        return Span.model_validate_json(
+            await self._request("POST", "/v1/spans", span.model_dump(mode="json"))
+        )
+
+    async def query_spans(
+        self, rollout_id: str, attempt_id: str | Literal["latest"] = "latest"
+    ) -> list[Span]:
+        rid, aid = _q(state.require_id("rollout_id", rollout_id)), state.require_id("attempt_id", attempt_id)
+        data = await self._request("GET", f"/v1/rollouts/{rid}/spans", params={"attempt_id": aid})
+        return _spans.validate_json(data)
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        rid = _q(state.require_id("rollout_id", rollout_id))
+        return Rollout.model_validate_json(await self._request("GET", f"/v1/rollouts/{rid}"))
+
+    async def get_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        rid, aid = (
+            _q(state.require_id("rollout_id", rollout_id)),
+            _q(state.require_id("attempt_id", attempt_id)),
+        )
+        return Attempt.model_validate_json(await self._request("GET", f"/v1/rollouts/{rid}/attempts/{aid}"))
+
+    async def list_attempts(self, rollout_id: str) -> list[Attempt]:
+        rid = _q(state.require_id("rollout_id", rollout_id))
+        return _attempts.validate_json(await self._request("GET", f"/v1/rollouts/{rid}/attempts"))
+
+    async def list_rollouts(self, status: list[str] | None = None, limit: int | None = None) -> list[Rollout]:
+        wanted, limit = parse_statuses(status), parse_limit(limit)
+        body = {"status": sorted(wanted) if wanted is not None else None, "limit": limit}
+        return _rollouts.validate_json(await self._request("POST", "/v1/rollouts/list", body))
+
+    async def cancel_rollout(self, rollout_id: str) -> Rollout:
+        rid = _q(state.require_id("rollout_id", rollout_id))
+        return Rollout.model_validate_json(await self._request("POST", f"/v1/rollouts/{rid}/cancel"))
+
+    async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float) -> list[Rollout]:
+        """Server-side waits of at most MAX_WAIT_S each, repeated until ``timeout`` passed."""
+        ids, timeout = parse_ids(rollout_ids), state.require_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            step = min(max(deadline - loop.time(), 0.0), MAX_WAIT_S)
+            data = await self._request(
+                "POST", "/v1/wait", {"rollout_ids": ids, "timeout": step}, timeout=step + self._timeout
+            )
+            done = _rollouts.validate_json(data)
+            if len(done) == len(ids) or loop.time() >= deadline or math.isclose(step, 0.0):
+                return done
+
+    async def check_timeouts(self) -> list[Attempt]:
+        return _attempts.validate_json(await self._request("POST", "/v1/check_timeouts", {}))
+
+    async def add_resources(self, resources: Resources) -> int:
+        parsed = parse_resources(resources)
+        data = await self._request("POST", "/v1/resources", parsed.model_dump(mode="json"))
+        return int(TypeAdapter(dict[str, int]).validate_json(data)["version"])
+
+    async def get_latest_resources(self) -> Resources | None:
+        data = await self._request("GET", "/v1/resources/latest")
+        return None if data == b"null" else Resources.model_validate_json(data)
+
+    async def get_resources(self, version: int) -> Resources:
+        return Resources.model_validate_json(
+            await self._request("GET", f"/v1/resources/{parse_version(version)}")
+        )
+
+    async def close(self) -> None:
+        for pool in self._pools:
+            await pool.aclose()
+
+    async def __aenter__(self) -> StoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,319 @@
+"""The one state machine of rollouts and attempts, shared by every store backend.
+
+Pure functions over the pydantic models of :mod:`agentloop.types`: each takes the current
+objects and the time (``now``, from the store's injectable clock) and returns *new* objects;
+nothing here touches storage. A backend loads the rows, calls one of these, and saves what
+comes back in one transaction.
+
+Rollout lifecycle::
+
+    queued ──► running ──► succeeded
+      │          │  ├────► failed
+      │          │  └────► requeued ──► running ...   (back of the queue)
+      └──────────┴──────► cancelled  (from any non-terminal state)
+
+Attempt lifecycle::
+
+    preparing ──► running ──► succeeded | failed | timeout | unresponsive
+        └────────────────────► (any terminal status)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from agentloop.errors import InvalidRequestError, InvalidTransitionError, StaleAttemptError
+from agentloop.resources import Resources
+from agentloop.types import (
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    ErrorInfo,
+    Rollout,
+    RolloutConfig,
+    RolloutStatus,
+    Span,
+)
+
+Clock = Callable[[], float]  # returns seconds since the epoch, like time.time
+
+R, A = RolloutStatus, AttemptStatus
+
+ROLLOUT_TRANSITIONS: dict[RolloutStatus, frozenset[RolloutStatus]] = {
+    R.QUEUED: frozenset({R.RUNNING, R.CANCELLED}),
+    R.RUNNING: frozenset({R.SUCCEEDED, R.FAILED, R.REQUEUED, R.CANCELLED}),
+    R.REQUEUED: frozenset({R.RUNNING, R.CANCELLED}),
+    R.SUCCEEDED: frozenset(),
+    R.FAILED: frozenset(),
+    R.CANCELLED: frozenset(),
+}
+
+_ATTEMPT_ENDS = frozenset({A.SUCCEEDED, A.FAILED, A.TIMEOUT, A.UNRESPONSIVE})
+ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
+    A.PREPARING: frozenset({A.RUNNING}) | _ATTEMPT_ENDS,
+    A.RUNNING: _ATTEMPT_ENDS,
+    **{s: frozenset() for s in _ATTEMPT_ENDS},
+}
+
+TERMINAL_ROLLOUT = frozenset({R.SUCCEEDED, R.FAILED, R.CANCELLED})
+ACTIVE_ATTEMPT = frozenset({A.PREPARING, A.RUNNING})
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def require_id(field: str, value: Any) -> str:
+    """A non-empty string id, or InvalidRequestError naming the field and what came."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(
+            f"{field} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
+        )
+    return value
+
+
+def require_timeout(value: Any) -> float:
+    """A finite or infinite number of seconds >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
+        raise InvalidRequestError(f"timeout must be a number of seconds >= 0, got {value!r:.80}")
+    return float(value)
+
+
+def require_json(field: str, value: Any) -> None:
+    """Reject values that cannot travel as JSON (every backend stores JSON, never pickle)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{field} must be JSON-serialisable: {exc}") from None
+
+
+def parse_attempt_status(value: Any) -> AttemptStatus | None:
+    if value is None or isinstance(value, AttemptStatus):
+        return value
+    try:
+        return AttemptStatus(value)
+    except ValueError:
+        allowed = [s.value for s in AttemptStatus]
+        raise InvalidRequestError(f"status must be one of {allowed}, got {value!r:.80}") from None
+
+
+def parse_config(config: Any) -> RolloutConfig:
+    """A RolloutConfig from None, a RolloutConfig or a dict (pydantic ValidationError names the field)."""
+    if config is None:
+        return RolloutConfig.model_validate({})
+    if isinstance(config, RolloutConfig):
+        return config
+    if isinstance(config, dict):
+        return RolloutConfig.model_validate(config)
+    raise InvalidRequestError(f"config must be a RolloutConfig or dict, got {type(config).__name__}")
+
+
+def new_rollout(input: Any, mode: Any, config: Any, metadata: Any, now: float) -> Rollout:
+    """Validate the arguments of ``enqueue_rollout`` and build the queued rollout."""
+    if mode not in ("train", "val", "test"):
+        raise InvalidRequestError(f"mode must be 'train', 'val' or 'test', got {mode!r:.80}")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidRequestError(f"metadata must be a dict or None, got {type(metadata).__name__}")
+    require_json("input", input)
+    require_json("metadata", metadata)
+    fields = {"input": input, "mode": mode, "metadata": metadata or {}, "enqueue_time": now}
+    return Rollout.model_validate({**fields, "config": parse_config(config)})
+
+
+# ---------------------------------------------------------------- transitions
+
+
+def check_rollout_transition(rollout: Rollout, new: RolloutStatus) -> None:
+    if new not in ROLLOUT_TRANSITIONS[rollout.status]:
+        raise InvalidTransitionError(
+            f"rollout {rollout.rollout_id} cannot go from {rollout.status.value} to {new.value}"
+        )
+
+
+def check_attempt_transition(attempt: Attempt, new: AttemptStatus) -> None:
+    if new not in ATTEMPT_TRANSITIONS[attempt.status]:
+        raise InvalidTransitionError(
+            f"attempt {attempt.attempt_id} of rollout {attempt.rollout_id} cannot go from "
+            f"{attempt.status.value} to {new.value}"
+        )
+
+
+def ensure_current(rollout: Rollout, attempt: Attempt, latest_attempt_id: str | None) -> None:
+    """Writes (spans, heartbeats, status) are accepted only from the latest, unfinished attempt."""
+    if attempt.attempt_id != latest_attempt_id:
+        raise StaleAttemptError(
+            f"attempt {attempt.attempt_id} (#{attempt.sequence_id}) of rollout {rollout.rollout_id} is stale: "
+            f"a newer attempt {latest_attempt_id} superseded it; stop writing for this attempt"
+        )
+    if attempt.status.is_terminal:
+        raise StaleAttemptError(
+            f"attempt {attempt.attempt_id} of rollout {rollout.rollout_id} already finished as "
+            f"{attempt.status.value}; it takes no more writes"
+        )
+    if rollout.status.is_terminal:
+        raise StaleAttemptError(
+            f"rollout {rollout.rollout_id} is already {rollout.status.value}; attempt {attempt.attempt_id} "
+            "takes no more writes"
+        )
+
+
+def start_attempt(
+    rollout: Rollout, worker_id: str | None, resources: Resources | None, now: float
+) -> tuple[Rollout, Attempt, AttemptedRollout]:
+    """Dequeue: the rollout runs its attempt n+1 (status preparing) with the latest resources."""
+    check_rollout_transition(rollout, R.RUNNING)
+    seq = rollout.num_attempts + 1
+    attempt = Attempt(
+        rollout_id=rollout.rollout_id,
+        sequence_id=seq,
+        worker_id=worker_id,
+        start_time=now,
+        last_heartbeat_time=now,
+    )
+    version = resources.version if resources is not None else None
+    updated = rollout.model_copy(
+        update={
+            "status": R.RUNNING,
+            "num_attempts": seq,
+            "resources_version": version,
+            "start_time": rollout.start_time if rollout.start_time is not None else now,
+        }
+    )
+    attempted = AttemptedRollout.model_construct(
+        **{name: getattr(updated, name) for name in Rollout.model_fields},
+        attempt=attempt.model_copy(),
+        resources=resources.model_copy() if resources is not None else None,
+    )
+    return updated, attempt, attempted
+
+
+def finish_attempt(
+    rollout: Rollout, attempt: Attempt, status: AttemptStatus, error: ErrorInfo | None, now: float
+) -> tuple[Rollout, Attempt]:
+    """A terminal attempt status and what it does to the rollout.
+
+    succeeded -> succeeded; a status in ``config.retry_on`` with attempts left -> requeued (the
+    caller puts it at the back of the queue); anything else -> failed.
+    """
+    check_attempt_transition(attempt, status)
+    if not status.is_terminal:
+        raise InvalidTransitionError(f"finish_attempt needs a terminal status, got {status.value}")
+    attempt = attempt.model_copy(update={"status": status, "end_time": now, "error": error or attempt.error})
+    cfg = rollout.config
+    if status is A.SUCCEEDED:
+        new = R.SUCCEEDED
+    elif status in cfg.retry_on and rollout.num_attempts < cfg.max_attempts:
+        new = R.REQUEUED
+    else:
+        new = R.FAILED
+    check_rollout_transition(rollout, new)
+    end = now if new in TERMINAL_ROLLOUT else None
+    return rollout.model_copy(update={"status": new, "end_time": end}), attempt
+
+
+def update_attempt(
+    rollout: Rollout,
+    attempt: Attempt,
+    latest_attempt_id: str | None,
+    status: AttemptStatus | None,
+    error: ErrorInfo | None,
+    heartbeat: bool,
+    now: float,
+) -> tuple[Rollout, Attempt]:
+    """``Store.update_attempt``: heartbeat, preparing -> running, or a terminal status."""
+    ensure_current(rollout, attempt, latest_attempt_id)
+    if heartbeat or status is not None:
+        attempt = attempt.model_copy(update={"last_heartbeat_time": now})
+    if error is not None and status is None:
+        attempt = attempt.model_copy(update={"error": error})
+    if status is None or status is attempt.status:
+        return rollout, attempt
+    if status.is_terminal:
+        return finish_attempt(rollout, attempt, status, error, now)
+    check_attempt_transition(attempt, status)
+    return rollout, attempt.model_copy(update={"status": status})
+
+
+def accept_span(
+    rollout: Rollout,
+    attempt: Attempt,
+    latest_attempt_id: str | None,
+    span: Span,
+    next_sequence_id: int,
+    now: float,
+) -> tuple[Attempt, Span]:
+    """``Store.add_span``: check the attempt is current, number the span, heartbeat, maybe start running."""
+    if span.rollout_id != rollout.rollout_id:
+        raise InvalidRequestError(
+            f"span.rollout_id {span.rollout_id} does not match rollout {rollout.rollout_id}"
+        )
+    ensure_current(rollout, attempt, latest_attempt_id)
+    update: dict[str, Any] = {"last_heartbeat_time": now}
+    if attempt.status is A.PREPARING:
+        update["status"] = A.RUNNING
+    if span.sequence_id is None:
+        span = span.model_copy(update={"sequence_id": next_sequence_id})
+    elif span.sequence_id < next_sequence_id:
+        raise InvalidRequestError(
+            f"span sequence_id {span.sequence_id} of attempt {attempt.attempt_id} is already used; "
+            f"the next free one is {next_sequence_id} (leave sequence_id None to get it)"
+        )
+    return attempt.model_copy(update=update), span
+
+
+def cancel(rollout: Rollout, attempt: Attempt | None, now: float) -> tuple[Rollout, Attempt | None]:
+    """Cancel a non-terminal rollout; its active attempt (if any) ends as failed."""
+    check_rollout_transition(rollout, R.CANCELLED)
+    if attempt is not None and attempt.status in ACTIVE_ATTEMPT:
+        err = ErrorInfo(type="Cancelled", message=f"rollout {rollout.rollout_id} was cancelled")
+        attempt = attempt.model_copy(update={"status": A.FAILED, "end_time": now, "error": err})
+    return rollout.model_copy(update={"status": R.CANCELLED, "end_time": now}), attempt
+
+
+# ---------------------------------------------------------------- watchdog
+
+
+def attempt_deadline(attempt: Attempt, config: RolloutConfig) -> float | None:
+    """The earliest time at which the watchdog would end this attempt; None if never."""
+    if attempt.status not in ACTIVE_ATTEMPT:
+        return None
+    times = []
+    if config.timeout_s is not None:
+        times.append(attempt.start_time + config.timeout_s)
+    if config.unresponsive_s is not None:
+        times.append(attempt.last_heartbeat_time + config.unresponsive_s)
+    return min(times) if times else None
+
+
+def watchdog_verdict(attempt: Attempt, config: RolloutConfig, now: float) -> AttemptStatus | None:
+    """timeout when ``now - start_time > timeout_s``; unresponsive when ``now - last_heartbeat_time >
+    unresponsive_s``; None while the attempt is fine (or already finished). Timeout wins a tie."""
+    if attempt.status not in ACTIVE_ATTEMPT:
+        return None
+    if config.timeout_s is not None and now - attempt.start_time > config.timeout_s:
+        return A.TIMEOUT
+    if config.unresponsive_s is not None and now - attempt.last_heartbeat_time > config.unresponsive_s:
+        return A.UNRESPONSIVE
+    return None
+
+
+def watchdog_error(attempt: Attempt, config: RolloutConfig, verdict: AttemptStatus, now: float) -> ErrorInfo:
+    if verdict is A.TIMEOUT:
+        msg = f"attempt ran {now - attempt.start_time:.3f}s, over timeout_s={config.timeout_s}"
+        return ErrorInfo(type="Timeout", message=msg)
+    msg = f"no heartbeat for {now - attempt.last_heartbeat_time:.3f}s, over unresponsive_s={config.unresponsive_s}"
+    return ErrorInfo(type="Unresponsive", message=msg)
+
+
+def run_watchdog(rollout: Rollout, attempt: Attempt, now: float) -> tuple[Rollout, Attempt] | None:
+    """End the attempt as timeout/unresponsive when it is overdue; None when nothing changes."""
+    if rollout.status.is_terminal:
+        return None
+    verdict = watchdog_verdict(attempt, rollout.config, now)
+    if verdict is None:
+        return None
+    return finish_attempt(
+        rollout, attempt, verdict, watchdog_error(attempt, rollout.config, verdict, now), now
+    )
