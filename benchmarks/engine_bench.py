@@ -1,8 +1,14 @@
-"""Generated tokens/s: TorchEngine (continuous batching) vs Hugging Face ``model.generate`` with left
-padding, on the same workload (N chat prompts x M new tokens, sampling, eos ignored so both produce
-exactly N*M tokens), measured in one run. Prints JSON.
+"""Generated tokens/s of an agentloop engine against its baseline on the same workload, in one run.
+
+``--backend torch``: TorchEngine (continuous batching) vs Hugging Face ``model.generate`` with left
+padding (N chat prompts x M new tokens, sampling, eos ignored so both produce exactly N*M tokens).
+``--backend vllm``: agentloop's VLLMEngine vs raw vLLM ``AsyncLLM`` (N random-token prompts x M new
+tokens, logprobs on), both warm in one process, timed alternately (see benchmarks/gpu/vllm_bench.py).
+``--random-config qwen2-0.5b`` builds a random-weight Qwen2-0.5B-shaped bf16 model locally (no hub)
+with the SmolLM2 tokenizer. Prints JSON (and writes it to ``--out``).
 
     python benchmarks/engine_bench.py [--model smollm2-135m-instruct] [--device cpu] [--prompts 32] [--new-tokens 128]
+    python benchmarks/engine_bench.py --backend vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import torch
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.models import pick_device, resolve_model
 from agentloop.engine.torch_engine import TorchEngine
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+from random_model import RANDOM_CONFIGS, build_random_model
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -72,20 +81,59 @@ async def bench_engine(
     return n / dt
 
 
+def machine_info(device: str) -> dict[str, Any]:
+    machine: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    if device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    return machine
+
+
+def emit(result: dict[str, Any], out: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=["torch", "vllm"], default="torch")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None)
+    ap.add_argument("--model-dir", default=None, help="where --random-config builds its model")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="vllm backend: random prompt length")
+    ap.add_argument("--reps", type=int, default=3, help="vllm backend: timed rounds per engine")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if args.random_config:
+        path = build_random_model(args.random_config, args.model_dir)
+        args.model = f"random:{args.random_config}"
+    else:
+        path = resolve_model(args.model)
+    if args.backend == "vllm":
+        from vllm_bench import bench_vllm
+
+        result = await bench_vllm(path, args)
+        result["machine"] = machine_info("cuda")
+        emit(result, args.out)
+        return
     device = pick_device(args.device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     batch = prompts(tok, args.prompts)
     sp = SamplingParams(
@@ -101,16 +149,6 @@ async def main() -> None:
     del engine
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     hf_tps = bench_hf(hf, tok, batch, args.new_tokens, sp)
-    machine = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-    }
-    if device.startswith("cuda"):
-        machine["gpu"] = torch.cuda.get_device_name(0)
     result = {
         "model": args.model,
         "device": device,
@@ -126,9 +164,9 @@ async def main() -> None:
         "torch_engine_tokens_per_s": round(engine_tps, 1),
         "hf_generate_left_padding_tokens_per_s": round(hf_tps, 1),
         "ratio": round(engine_tps / hf_tps, 2),
-        "machine": machine,
+        "machine": machine_info(device),
     }
-    print(json.dumps(result, indent=2))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

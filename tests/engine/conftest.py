@@ -1,14 +1,42 @@
-"""The engine contract suite runs over every engine in ENGINES (vllm can join later)."""
+"""The engine contract suite runs over every engine in ENGINES.
+
+The vllm leg needs vLLM and a GPU (it runs on the GPU machine; elsewhere it is skipped with a
+visible reason). vLLM starts in tens of seconds, so one engine serves the whole session (fp32, to
+match the fp32 reference forward to 1e-4); its counters are reset before each test. Tests that
+reach into the torch model object (forward hooks, ``engine.model``) or assume token-granular
+prefix caching are replaced for vLLM by tests/engine/test_vllm_engine.py (see VLLM_REPLACED).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ENGINES = ["torch"]
+ENGINES = ["torch", "vllm"]
+VLLM_SKIP_REASON = "vLLM not installed (runs on the GPU machine)"
+VLLM_REPLACED = {
+    "test_update_weights": "uses engine.model (a torch module); see test_vllm_engine.py",
+    "test_update_weights_drains_in_flight_requests": "uses engine.model; see test_vllm_engine.py",
+    "test_a_failing_step_fails_only_its_requests": "hooks the in-process torch model",
+    "test_prefix_reuse_for_the_next_turn": "vLLM caches whole 16-token blocks; see test_vllm_engine.py",
+}
+VLLM_TEST_KWARGS: dict[str, Any] = dict(
+    dtype="float32", gpu_memory_utilization=0.25, enforce_eager=True, max_batch_size=64, live_stats=True
+)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def make_engine(kind: str, model_dir: Path, **kwargs: Any) -> Any:
@@ -16,6 +44,13 @@ def make_engine(kind: str, model_dir: Path, **kwargs: Any) -> Any:
         from agentloop.engine.torch_engine import TorchEngine
 
         return TorchEngine(model_dir, device="cpu", **kwargs)
+    if kind == "vllm":
+        if not vllm_available():
+            pytest.skip(VLLM_SKIP_REASON)
+        from agentloop.engine.vllm_engine import VLLMEngine
+
+        kwargs.pop("max_batch_size", None)
+        return VLLMEngine(model_dir, **{**VLLM_TEST_KWARGS, **kwargs})
     raise ValueError(f"unknown engine kind {kind!r}")
 
 
@@ -24,8 +59,30 @@ def engine_kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(scope="session")
+def vllm_engine_session(tiny_model_dir: Path) -> Iterator[Any]:
+    """One vLLM engine (max_context 512) for the whole session; it runs its own event loop thread,
+    so every test's event loop can use it."""
+    eng = make_engine("vllm", tiny_model_dir, max_context=512)
+    yield eng
+    asyncio.run(eng.stop())
+
+
 @pytest.fixture
-async def engine(engine_kind: str, tiny_model_dir: Path) -> AsyncIterator[Any]:
+async def engine(
+    engine_kind: str, tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Any]:
+    if engine_kind == "vllm":
+        if not vllm_available():
+            pytest.skip(VLLM_SKIP_REASON)
+        name = request.node.originalname
+        if name in VLLM_REPLACED:
+            pytest.skip(f"vllm leg: {VLLM_REPLACED[name]}")
+        eng = request.getfixturevalue("vllm_engine_session")
+        await eng.start()
+        eng.reset_stats()
+        yield eng
+        return
     eng = make_engine(engine_kind, tiny_model_dir, max_batch_size=16, max_context=512)
     await eng.start()
     yield eng

@@ -15,7 +15,7 @@ from trainer.config import TrainerConfig
 
 
 def test_package_exports() -> None:
-    assert trainer.__all__ == ["TrainerConfig"]
+    assert trainer.__all__ == ["FitResult", "Trainer", "TrainerConfig"]
     assert trainer.TrainerConfig is TrainerConfig
 
 

@@ -1,0 +1,555 @@
+"""VLLMEngine: vLLM's ``AsyncLLM`` (v1) behind the token-level ``InferenceEngine`` contract.
+
+Token ids in (``TokensPrompt``, no text round trip), token ids and per-token logprobs out. vLLM runs
+with ``logprobs_mode="raw_logprobs"`` so the returned logprob is ``log_softmax(raw logits)[token]``
+before temperature / top-k / top-p, the definition in base.py that the trainer recomputes. Prefix
+caching is on (vLLM caches whole KV blocks, so a next turn reuses the previous turn's prompt and
+response rounded down to the block size). Requests ask for ``FINAL_ONLY`` outputs (one message per
+request). With ``live_stats=True`` a vLLM stat logger keeps per-step counters (generated tokens while
+requests run, decode steps, batch sizes); without it tokens are counted when a request finishes.
+
+AsyncLLM binds its sockets and output task to one event loop, so it lives on a private loop in a
+background thread and every public method hops there: the engine works from any event loop (each
+test's, the proxy's, a Ray actor's) and cancelling the awaiting task aborts the request in vLLM.
+
+Weight updates (colocated: trainer and engine on the same GPU): the new tensors are packed into one
+flat CUDA buffer in the engine's dtype and handed to vLLM's worker as a CUDA IPC handle through
+``collective_rpc`` into ``AgentloopWorkerExtension`` (vLLM's ``worker_extension_cls``), which views
+the buffer and calls ``model.load_weights`` (Hugging Face names, fused qkv / gate_up handled by
+vLLM). ``weight_update_policy="drain"`` pauses the scheduler until in-flight requests finish on the
+old weights (``pause_generation(mode="wait")``); ``"abort"`` ends them at once (finish_reason
+``"abort"`` with their partial tokens). The prefix cache is cleared with the old weights either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import importlib.util
+import json
+import os
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import structlog
+import torch
+
+from agentloop.engine.base import SamplingParams, TokenOutput
+from agentloop.errors import ContextLengthExceededError, EngineError
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+_VLLM_MISSING = "backend='vllm' needs vLLM, which is not installed: pip install 'agentloop[vllm]'"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _param_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of a Hugging Face folder, read from safetensors headers only."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    if not shapes:
+        raise EngineError(f"{model_dir} holds no *.safetensors weights; vLLM needs a safetensors checkpoint")
+    return shapes
+
+
+class AgentloopWorkerExtension:
+    """Mixed into vLLM's GPU worker (``worker_extension_cls``); runs inside the engine-core process."""
+
+    def agentloop_load_packed(self, payload: bytes) -> int:
+        """Load weights from a packed CUDA IPC buffer; returns how many tensors were loaded."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        meta = pickle.loads(payload)
+        args = list(meta["handle"])
+        args[6] = self.device.index  # type: ignore[attr-defined]  # rebuild on this worker's device
+        flat = rebuild_cuda_tensor(*args)
+        weights = [
+            (name, flat[off : off + n].view(shape))
+            for name, off, n, shape in zip(
+                meta["names"], meta["offsets"], meta["numels"], meta["shapes"], strict=True
+            )
+        ]
+        self.model_runner.get_model().load_weights(weights=weights)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()  # the sender frees the buffer once this call returns
+        del weights, flat
+        return len(meta["names"])
+
+    def agentloop_param_sum(self, name: str) -> float:
+        """Sum of one vLLM parameter (vLLM's own, possibly fused, name); used by tests."""
+        params = dict(self.model_runner.get_model().named_parameters())  # type: ignore[attr-defined]
+        return float(params[name].float().sum())
+
+
+def _stat_logger_factory(engine: VLLMEngine) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Counters(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *a: Any, **k: Any) -> None:
+            engine._record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Counters
+
+
+class VLLMEngine:
+    """The InferenceEngine contract on vLLM's AsyncLLM (see module docstring)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        tokenizer: Any = None,
+        *,
+        dtype: str = "auto",
+        max_context: int | None = None,
+        max_batch_size: int = 256,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool = False,
+        weight_update_policy: Literal["drain", "abort"] = "drain",
+        live_stats: bool = False,
+        seed: int = 0,
+        **vllm_kwargs: Any,
+    ) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineError(_VLLM_MISSING)
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model must be a local Hugging Face folder with config.json, got {str(model)!r}"
+            )
+        if weight_update_policy not in ("drain", "abort"):
+            raise ValueError(f"weight_update_policy must be 'drain' or 'abort', got {weight_update_policy!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        from transformers import AutoTokenizer
+
+        cfg = json.loads((path / "config.json").read_text())
+        limit = int(cfg.get("max_position_embeddings") or 4096)
+        self._max_context = min(int(max_context or 4096), limit)
+        if self._max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {max_context}")
+        self._path = path
+        self._tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        self._vocab_size = int(cfg["vocab_size"])
+        self._param_shapes = _param_shapes(path)
+        self._tied_aliases: set[str] = set()
+        if cfg.get("tie_word_embeddings") and "lm_head.weight" not in self._param_shapes:
+            embed = next(
+                (v for k, v in self._param_shapes.items() if k.endswith("embed_tokens.weight")), None
+            )
+            if embed is not None:  # trainers send the tied head too; it is accepted and not sent to vLLM
+                self._param_shapes["lm_head.weight"] = embed
+                self._tied_aliases = {"lm_head.weight"}
+        eos: set[int] = set()
+        gen = path / "generation_config.json"
+        gen_eos = (
+            json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else cfg.get("eos_token_id")
+        )
+        eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+        if self._tokenizer.eos_token_id is not None:
+            eos.add(int(self._tokenizer.eos_token_id))
+        self._eos_ids = sorted(eos)
+        self._policy = weight_update_policy
+        self._live_stats = live_stats
+        self._sleep_mode = enable_sleep_mode
+        self._engine_args = dict(
+            model=str(path),
+            dtype=dtype,
+            max_model_len=self._max_context,
+            max_num_seqs=max_batch_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="raw_logprobs",
+            max_logprobs=1,
+            seed=seed,
+            generation_config="vllm",
+            worker_extension_cls=f"{__name__}.AgentloopWorkerExtension",
+            disable_log_stats=True,
+            **vllm_kwargs,
+        )
+        self._llm: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._ready: concurrent.futures.Future[None] | None = None
+        self._inflight: set[str] = set()
+        self._live: set[str] = set()  # requests whose coroutine runs on the engine loop
+        self._stats = collections.Counter[str]()
+        self._waiting = 0
+        self._weights_version = 0
+        self.last_update: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def weights_version(self) -> int:
+        return self._weights_version
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face parameter names -> shapes that ``update_weights`` accepts."""
+        return dict(self._param_shapes)
+
+    async def start(self) -> None:
+        """Start the engine thread and vLLM (idempotent; ``generate`` calls it too). Takes seconds."""
+        with self._start_lock:
+            if self._ready is None:
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA may be up here
+                loop = asyncio.new_event_loop()
+                self._loop = loop
+                self._thread = threading.Thread(target=loop.run_forever, name="agentloop-vllm", daemon=True)
+                self._thread.start()
+                self._ready = asyncio.run_coroutine_threadsafe(self._create(), loop)
+            ready = self._ready
+        if ready.done() and ready.exception() is None:
+            return
+        try:
+            await asyncio.wrap_future(ready)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _create(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        loggers = [_stat_logger_factory(self)] if self._live_stats else None
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args), stat_loggers=loggers)
+        log.info(
+            "engine.start", backend="vllm", model=str(self._path), init_s=round(time.perf_counter() - t0, 2)
+        )
+
+    async def stop(self) -> None:
+        """Shut vLLM down; in-flight requests end with finish_reason ``"abort"`` or an EngineError."""
+        with self._start_lock:
+            loop, thread, ready = self._loop, self._thread, self._ready
+            self._loop = self._thread = self._ready = None
+        if loop is None or thread is None:
+            return
+        if ready is not None:
+            await asyncio.to_thread(lambda: concurrent.futures.wait([ready]))
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_shutdown(llm), loop))
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join)
+        loop.close()
+        log.info("engine.stop", backend="vllm")
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams | None = None, request_id: str | None = None
+    ) -> TokenOutput:
+        """Generate a response to ``prompt_ids``; cancelling the await aborts the request."""
+        sampling = self._check_sampling(sampling)
+        prompt = self._check_prompt(prompt_ids)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
+        if rid in self._inflight:
+            raise ValueError(f"request_id {rid!r} is already in flight; use a unique id per request")
+        self._inflight.add(rid)
+        try:
+            await self.start()
+            return await self._on_loop(self._generate(prompt, sampling, rid))
+        finally:
+            self._inflight.discard(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        """End a waiting or running request with finish_reason ``"abort"``; True when it was found."""
+        if request_id not in self._inflight or self._llm is None:
+            return False
+        await self._on_loop(self._llm.abort(request_id))
+        return True
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
+        """Load ``named_tensors`` (Hugging Face names, a subset of the checkpoint) without a restart."""
+        self._check_tensors(named_tensors)
+        await self.start()
+        t0 = time.perf_counter()
+        tensors = {k: v for k, v in named_tensors.items() if k not in self._tied_aliases}
+        if not tensors:  # only a tied alias: nothing to load, the version still moves
+            self._weights_version += 1
+            return self._weights_version
+        packed, meta = await asyncio.to_thread(_pack, tensors, self._model_dtype())
+        t1 = time.perf_counter()
+        payload = pickle.dumps(meta)
+        try:
+            await self._on_loop(self._load(payload))
+        except Exception as exc:
+            raise EngineError(f"weight update failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            del packed
+        t2 = time.perf_counter()
+        self._weights_version += 1
+        self.last_update = {
+            "pack_s": t1 - t0,
+            "load_s": t2 - t1,
+            "total_s": t2 - t0,
+            "bytes": float(meta["bytes"]),
+            "tensors": float(len(meta["names"])),
+        }
+        log.info("engine.weights_updated", version=self._weights_version, **self.last_update)
+        return self._weights_version
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free GPU memory (level 1: offload weights, drop KV cache); needs ``enable_sleep_mode``."""
+        if not self._sleep_mode:
+            raise EngineError("sleep() needs VLLMEngine(..., enable_sleep_mode=True)")
+        await self._on_loop(self._llm.sleep(level))
+
+    async def wake_up(self) -> None:
+        """Undo ``sleep()``."""
+        if not self._sleep_mode:
+            raise EngineError("wake_up() needs VLLMEngine(..., enable_sleep_mode=True)")
+        await self._on_loop(self._llm.wake_up())
+
+    async def param_sum(self, vllm_name: str) -> float:
+        """Sum of one of vLLM's own parameters (e.g. ``model.norm.weight``), read in the worker."""
+        (value,) = await self._on_loop(self._llm.collective_rpc("agentloop_param_sum", args=(vllm_name,)))
+        return float(value)
+
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self._stats)
+        steps = s.get("decode_steps", 0)
+        s["mean_decode_batch"] = s.get("decode_rows", 0) / steps if steps else 0.0
+        s.update(
+            running=len(self._inflight | self._live),
+            waiting=self._waiting if self._inflight else 0,
+            weights_version=self._weights_version,
+        )
+        return s
+
+    def reset_stats(self) -> None:
+        """Zero the counters (tests share one engine)."""
+        self._stats.clear()
+
+    # ------------------------------------------------------------------ engine-loop side
+    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        if self._loop is None:
+            coro.close()
+            raise EngineError("the vLLM engine is stopped; call await engine.start()")
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def _record(self, sched: Any, it: Any) -> None:
+        if it is not None and it.num_generation_tokens:
+            self._stats["generated_tokens"] += it.num_generation_tokens
+            self._stats["decode_steps"] += 1
+            self._stats["decode_rows"] += it.num_generation_tokens
+        if sched is not None:
+            self._waiting = int(sched.num_waiting_reqs)
+
+    def _vllm_sampling(self, prompt_len: int, sp: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stop_ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else self._eos_ids)
+        return VSamplingParams(
+            n=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=sp.seed,
+            max_tokens=min(sp.max_tokens, self._max_context - prompt_len),
+            stop_token_ids=sorted(set(stop_ids)),
+            stop=list(sp.stop) or None,
+            include_stop_str_in_output=True,
+            ignore_eos=sp.ignore_eos,
+            logprobs=0 if sp.logprobs else None,
+            detokenize=bool(sp.stop),  # only stop strings need text
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _generate(self, prompt: list[int], sp: SamplingParams, rid: str) -> TokenOutput:
+        from vllm.inputs import TokensPrompt
+
+        vsp = self._vllm_sampling(len(prompt), sp)
+        self._stats["requests"] += 1
+        self._stats["prompt_tokens"] += len(prompt)
+        final = None
+        self._live.add(rid)
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), vsp, request_id=rid):
+                final = out
+        except asyncio.CancelledError:
+            self._stats["finished_abort"] += 1
+            raise
+        except Exception as exc:
+            self._stats["failed"] += 1
+            raise EngineError(f"vLLM failed request {rid}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._live.discard(rid)
+        if final is None or not final.outputs:
+            self._stats["failed"] += 1
+            raise EngineError(f"vLLM returned no output for request {rid}")
+        o = final.outputs[0]
+        ids = list(o.token_ids)
+        reason = _FINISH.get(str(o.finish_reason), "stop")
+        logprobs = None
+        if sp.logprobs:
+            logprobs = [float(d[t].logprob) for t, d in zip(ids, o.logprobs or [], strict=False)]
+            if len(logprobs) != len(ids):
+                raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens ({rid})")
+        cached = int(final.num_cached_tokens or 0)
+        self._stats[f"finished_{reason}"] += 1
+        if not self._live_stats:
+            self._stats["generated_tokens"] += len(ids)
+        self._stats["cached_prompt_tokens"] += cached
+        self._stats["prefix_cache_hits"] += int(cached > 0)
+        return TokenOutput(
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=reason,  # type: ignore[arg-type]
+            weights_version=self._weights_version,
+            num_cached_prompt_tokens=cached,
+        )
+
+    async def _load(self, payload: bytes) -> None:
+        mode = "wait" if self._policy == "drain" else "abort"
+        await self._llm.pause_generation(mode=mode, clear_cache=True)
+        try:
+            await self._llm.collective_rpc("agentloop_load_packed", args=(payload,))
+            await self._llm.reset_prefix_cache()
+        finally:
+            await self._llm.resume_generation()
+
+    # ------------------------------------------------------------------ validation
+    def _model_dtype(self) -> torch.dtype:
+        if self._llm is not None:
+            return self._llm.model_config.dtype
+        return torch.bfloat16
+
+    @staticmethod
+    def _check_sampling(sampling: Any) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams.model_validate({})
+        if isinstance(sampling, Mapping):
+            return SamplingParams.model_validate(sampling)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
+        return sampling
+
+    def _check_prompt(self, prompt_ids: Any) -> list[int]:
+        if not isinstance(prompt_ids, list | tuple) or not prompt_ids:
+            raise ValueError(
+                f"prompt_ids must be a non-empty list of token ids, got {type(prompt_ids).__name__}"
+            )
+        for i, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size:
+                raise ValueError(f"prompt_ids[{i}] must be an int in [0, {self._vocab_size}), got {t!r}")
+        if len(prompt_ids) + 1 > self._max_context:
+            raise ContextLengthExceededError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self._max_context} "
+                f"(prompt + at least 1 generated token); shorten the prompt"
+            )
+        return list(prompt_ids)
+
+    def _check_tensors(self, named_tensors: Any) -> None:
+        if not isinstance(named_tensors, Mapping) or not named_tensors:
+            raise ValueError("update_weights expects a non-empty mapping of parameter name -> tensor")
+        unknown = sorted(k for k in named_tensors if k not in self._param_shapes)
+        if unknown:
+            raise ValueError(
+                f"update_weights got {len(unknown)} unknown parameter name(s), e.g. {unknown[:3]}; "
+                f"expected checkpoint names such as {next(iter(self._param_shapes))!r}"
+            )
+        for k, t in named_tensors.items():
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._param_shapes[k]:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"update_weights: {k!r} must be a tensor of shape {self._param_shapes[k]}, got {got}"
+                )
+
+
+def _pack(
+    named_tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One flat CUDA buffer holding every tensor in ``dtype``, and its IPC handle + layout."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    names, offsets, numels, shapes = [], [], [], []
+    total = 0
+    for name, t in named_tensors.items():
+        names.append(name)
+        offsets.append(total)
+        numels.append(t.numel())
+        shapes.append(tuple(t.shape))
+        total += t.numel()
+    device = next((t.device for t in named_tensors.values() if t.is_cuda), torch.device("cuda"))
+    flat = torch.empty(total, dtype=dtype, device=device)
+    with torch.no_grad():
+        for off, n, t in zip(offsets, numels, named_tensors.values(), strict=True):
+            flat[off : off + n].copy_(t.detach().reshape(-1), non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()
+    _, handle = reduce_tensor(flat)
+    meta = dict(handle=handle, names=names, offsets=offsets, numels=numels, shapes=shapes, bytes=flat.nbytes)
+    return flat, meta
+
+
+async def _shutdown(llm: Any) -> None:
+    llm.shutdown()
+
+
+def logprob_gap(
+    engine_logprobs: list[float] | torch.Tensor, reference_logprobs: list[float] | torch.Tensor
+) -> dict[str, float]:
+    """|engine - reference| over the sampled tokens of one response: mean, max and the ratio gap
+    ``mean(exp(engine - reference) - 1)`` (what an importance weight would correct)."""
+    e = torch.as_tensor(engine_logprobs, dtype=torch.float64)
+    r = torch.as_tensor(reference_logprobs, dtype=torch.float64)
+    if e.shape != r.shape or e.ndim != 1 or e.numel() == 0:
+        raise ValueError(
+            f"logprob_gap needs two non-empty 1-D sequences of one length, got {e.shape} and {r.shape}"
+        )
+    d = e - r
+    return {
+        "mean_abs": float(d.abs().mean()),
+        "max_abs": float(d.abs().max()),
+        "mean": float(d.mean()),
+        "ratio_mean_abs": float((d.exp() - 1).abs().mean()),
+    }
+
+
+def reference_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+    """The trainer's view: log-softmax of the model's logits (bf16 autocast on CUDA, as the actor
+    computes them) at each response position, gathered at the response tokens."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=device)
+    with (
+        torch.no_grad(),
+        torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
+    ):
+        logits = model(input_ids=ids).logits[0]
+    p = len(prompt_ids)
+    lp = logits[p - 1 : -1].float().log_softmax(-1)
+    return lp.gather(1, torch.tensor(token_ids, device=device)[:, None])[:, 0].tolist()
