@@ -4,8 +4,8 @@
     python benchmarks/trainer_bench.py --device cuda --random-config qwen2-0.5b --batch 32 --prompt 256 --response 768
 
 One update = old-logprob recompute (a forward) + a PPO forward/backward + AdamW, as Trainer.fit runs it.
-FLOPs per token follow the PaLM count: training 6N + 12·L·d·T, a forward alone 2N + 4·L·d·T (N = all
-matmul parameters, the LM head included). MFU = achieved FLOP/s / the card's dense bf16 peak.
+FLOPs per token follow the PaLM count: training 6N + 12·L·d·T, a forward alone 2N + 4·L·d·T, with N the
+body's matmul parameters; the LM head (V·d) counts on response positions only, where the actor runs it. MFU = achieved FLOP/s / the card's dense bf16 peak.
 Prints JSON.
 """
 
@@ -58,13 +58,13 @@ def build_random_model(name: str, out: Path) -> Path:
     return out
 
 
-def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters that take part in matmuls: everything but norms and the embedding lookup, the LM head counted."""
+def body_and_head_params(model: torch.nn.Module) -> tuple[int, int]:
+    """Matmul parameters of the transformer body (norms and the embedding lookup excluded) and of the LM head."""
     cfg = model.config
+    head = cfg.vocab_size * cfg.hidden_size
     total = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
-    if cfg.tie_word_embeddings:
-        return total  # the tied matrix counts once, as the LM head
-    return total - cfg.vocab_size * cfg.hidden_size  # the input embedding is a lookup
+    body = total - head if cfg.tie_word_embeddings else total - 2 * head  # the embedding is a lookup
+    return body, head
 
 
 def peak_flops(device: torch.device) -> tuple[str, float | None]:
@@ -137,17 +137,19 @@ def main() -> None:
         elapsed = time.perf_counter() - t0
 
     cfg = actor.model.config
-    n = matmul_params(actor.model)
+    body, head = body_and_head_params(actor.model)
     seq = args.prompt + args.response
     attn = cfg.num_hidden_layers * cfg.hidden_size * seq
     tokens = args.batch * seq * args.steps
-    flops_per_token = (6 * n + 12 * attn) + (2 * n + 4 * attn)  # train step + old-logprob forward
+    # train step (6x) + old-logprob forward (2x); the LM head runs on response positions only
+    flops_per_token = 8 * body + 16 * attn + 8 * head * args.response / seq
     card, peak = peak_flops(actor.device)
     achieved = tokens * flops_per_token / elapsed
     result = {
         "benchmark": "trainer_update",
         "model": args.random_config or args.model,
-        "params_matmul": n,
+        "params_body": body,
+        "params_head": head,
         "device": str(actor.device),
         "card": card,
         "dtype": "bf16 autocast, fp32 master weights" if actor.device.type == "cuda" else "fp32",
