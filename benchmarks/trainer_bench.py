@@ -19,43 +19,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentloop.types import Triplet
+from benchmarks.gpu.random_model import RANDOM_CONFIGS, build_random_model
 from trainer.actor import Actor
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM)
-
-RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen2-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-    ),
-}
-
-
-def build_random_model(name: str, out: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(RANDOM_CONFIGS[name])
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
 
 
 def body_and_head_params(model: torch.nn.Module) -> tuple[int, int]:
