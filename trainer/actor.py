@@ -119,13 +119,14 @@ class Actor:
         mask = batch.response_mask  # (B, R)
         metrics: dict[str, float] = {}
 
-        old = self.compute_logprobs(batch)  # (B, R)
-        if batch.engine_logprobs is not None:
+        if actor.use_engine_logprobs and batch.engine_logprobs is not None:
+            old = batch.engine_logprobs  # skips a forward pass over the whole batch
+        else:
+            old = self.compute_logprobs(batch)  # (B, R)
+        if batch.engine_logprobs is not None and old is not batch.engine_logprobs:
             gap = (old - batch.engine_logprobs).abs()  # (B, R)
             metrics["actor/engine_logprob_gap_mean"] = float(masked_mean(gap, mask.bool()))
             metrics["actor/engine_logprob_gap_max"] = float((gap * mask).max())
-            if actor.use_engine_logprobs:
-                old = batch.engine_logprobs
         batch.extras["old_logprobs"] = old
 
         token_rewards = scores_to_token_rewards(batch.rewards, mask)  # (B, R)
@@ -185,7 +186,11 @@ class Actor:
         totals = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/clip_frac": 0.0, "actor/approx_kl": 0.0}
         if actor.use_kl_loss:
             totals["actor/kl_loss"] = 0.0
-        for mb, _rows in _micro_batches(mini, actor.ppo_max_token_len_per_gpu):
+        active = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
+        totals["actor/active_samples"] = float(len(active))
+        if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
+            return totals
+        for mb, _rows in self._train_micro_batches(active):
             m = mb.response_mask.bool()  # (b, r)
             r = mb.response_length
             logprobs, ent = self._forward(self.model, mb, entropy=True)
@@ -230,6 +235,10 @@ class Actor:
         totals["actor/grad_norm"] = float(grad_norm)
         return totals
 
+    def _train_micro_batches(self, mini: Batch) -> list[tuple[Batch, torch.Tensor]]:
+        """The micro-batches this process trains on (trainer/dp.py: this rank's share, padded)."""
+        return _micro_batches(mini, self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu)
+
     def _apply_warmup(self) -> None:
         optim = self.config.actor_rollout_ref.actor.optim
         if optim.lr_warmup_steps > 0:
@@ -271,6 +280,22 @@ def _response_logits(model: nn.Module, mb: Batch, p: int, r: int) -> torch.Tenso
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
     ).last_hidden_state  # (b, P+R, d)
     return head(hidden[:, p - 1 : p + r - 1])  # (b, R, V)
+
+
+def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
+    """``mini`` without the samples whose advantages are all 0, when those add nothing to the gradient.
+
+    With no entropy bonus and no KL loss a sample's loss is proportional to its advantage, so dropping
+    it (while the loss keeps the whole mini-batch's denominator) leaves the gradient unchanged; a GRPO
+    group whose samples all scored the same costs no forward/backward.
+    """
+    if not zero_adv_is_zero_grad:
+        return mini
+    adv = mini.extras["advantages"] * mini.response_mask  # (b, R)
+    keep = (adv != 0).any(-1)  # (b,)  note: CPU-GPU sync below
+    if bool(keep.all()):
+        return mini
+    return mini.select(keep.nonzero().flatten())
 
 
 def _local_count(mask: torch.Tensor, agg: str) -> float:

@@ -264,6 +264,31 @@ class AdapterConfig(_Section):
     )
 
 
+class PlacementConfig(_Section):
+    train_ranks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Data-parallel trainer ranks; None: trainer.nnodes x trainer.n_gpus_per_node.",
+    )
+    colocate: bool = Field(
+        default=True, description="Engine replica i shares trainer rank i's GPU; False: a GPU each."
+    )
+    store_server: bool = Field(
+        default=False, description="Serve the store over HTTP so `agentloop runner` processes can join."
+    )
+    store_host: str = Field(
+        default="127.0.0.1", description="Bind address of the store server (0.0.0.0: all)."
+    )
+    store_port: int = Field(default=0, ge=0, le=65535, description="Port of the store server; 0 picks one.")
+    store_api_key: str | None = Field(default=None, description="Bearer token the store server requires.")
+    proxy_host: str = Field(
+        default="127.0.0.1", description="Bind address of the proxy (remote runners need 0.0.0.0)."
+    )
+    local_runner: bool = Field(
+        default=True, description="Run agents in the trainer process too; False: remote runners only."
+    )
+
+
 # ---------------------------------------------------------------- the whole config
 
 
@@ -277,6 +302,9 @@ class TrainerConfig(_Section):
     )
     trainer: RunConfig = Field(default_factory=RunConfig, description="Loop, logging, checkpoints, devices.")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Spans to training samples.")
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="GPUs for training and rollout; remote runners."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainerConfig:

@@ -42,6 +42,7 @@ from trainer.batch import build_batch, merge_trajectory
 from trainer.checkpoint import CheckpointManager, DataCursor
 from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLogger, plot_curves
+from trainer.placement import place, serve_store
 
 log = structlog.get_logger("agentloop.trainer")
 
@@ -133,8 +134,9 @@ class Trainer:
         device = str(resolve_device(cfg.trainer.device))
         own_store = store is None
         store = store or SQLiteStore(run_dir / "store.db")
-        engine = engine or load_engine(str(model_path), device=device)
-        worker = _start_worker(cfg, str(model_path), device)
+        layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
+        engine = engine or layout.engine or load_engine(str(model_path), device=device)
+        worker = layout.worker or _start_worker(cfg, str(model_path), device)
         ckpt = CheckpointManager(run_dir / "checkpoints")
         cursor = DataCursor(len(train), cfg.data.train_batch_size, cfg.trainer.seed)
         total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * cursor.batches_per_epoch
@@ -147,8 +149,13 @@ class Trainer:
         )
         result = FitResult(run_dir=run_dir, steps=0)
         proxy = Proxy(
-            engine, store, max_body_bytes=32 * 1024 * 1024, default_max_tokens=cfg.data.max_response_length
+            engine,
+            store,
+            host=cfg.placement.proxy_host,
+            max_body_bytes=32 * 1024 * 1024,
+            default_max_tokens=cfg.data.max_response_length,
         )
+        store_server = await serve_store(cfg, store)  # None unless placement.store_server (remote runners)
         try:
             await proxy.start()
             step = await self._resume(ckpt, worker, engine, cursor, store)
@@ -161,7 +168,8 @@ class Trainer:
             await store.add_resources(resources)
             runner = Runner(agent, store, concurrency=cfg.actor_rollout_ref.rollout.concurrency)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(runner.run)
+                if cfg.placement.local_runner:
+                    tg.start_soon(runner.run)
                 if val and cfg.trainer.val_before_train and step == 0:
                     result.val_history.append(await self._validate(store, val, step, metrics_log))
                 pending: deque[_Pending] = deque()
@@ -200,6 +208,9 @@ class Trainer:
         finally:
             metrics_log.close()
             await proxy.stop()
+            if store_server is not None:
+                await store_server.stop()
+            await layout.aclose()
             if own_store:
                 await store.close()
         if (run_dir / "metrics.jsonl").exists():
@@ -308,6 +319,7 @@ class Trainer:
             "val/reward_mean": mean,
             "val/success_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
             "timing/val_s": time.perf_counter() - t0,
+            "val/step": float(step),
         }
         log.info("validation", step=step, **{k: round(v, 4) for k, v in metrics.items()})
         if step == 0:

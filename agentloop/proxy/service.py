@@ -218,8 +218,11 @@ class ProxyService:
                 f"invalid sampling parameters (request merged over the LLM's defaults): {exc}"
             ) from None
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> TokenOutput:
-        request_id = "req-" + secrets.token_hex(8)
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, routing_key: str | None = None
+    ) -> TokenOutput:
+        # "<routing key>/req-<random>": engine replica pools keep one attempt's calls on one replica
+        request_id = (f"{routing_key}/" if routing_key else "") + "req-" + secrets.token_hex(8)
         try:
             with anyio.fail_after(self.engine_timeout_s):
                 out = await self.engine.generate(prompt_ids, sampling, request_id=request_id)
@@ -351,7 +354,7 @@ class ProxyService:
         try:
             sampling = self.sampling(req, llm, len(prompt_ids))
             call["sampling"] = sampling.model_dump(mode="json")
-            return await self.generate(prompt_ids, sampling)
+            return await self.generate(prompt_ids, sampling, routing_key=target.key)
         except ProxyError as exc:
             if exc.code == "context_length_exceeded":  # recorded so the trainer can count and skip it
                 call["error"] = "context_length_exceeded"

@@ -1,0 +1,244 @@
+"""Several engine replicas behind one InferenceEngine: Ray actors, balanced by load, sticky per attempt.
+
+    proxy ─► EngineReplicaPool.generate(prompt_ids, sampling, request_id="<routing key>/<unique>")
+                 │ routing key seen before?  ─► the same replica (its prefix cache holds the turns)
+                 │ else                      ─► the replica with the fewest requests in flight
+                 └► EngineReplica (Ray actor: a TorchEngine on its own GPU, or on CPU)
+
+Routing key: the part of ``request_id`` before its last ``/``. The proxy names its requests
+``<attempt key>/req-<random>``, so every call of one attempt lands on the same replica (multi-turn
+prefix reuse) while attempts spread over replicas. A request id without ``/`` is routed by load only.
+
+``update_weights`` puts the weights into the Ray object store once (``ray.put``) and every replica
+loads them from there, concurrently; the time it took is ``stats()["last_sync_s"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+import torch
+
+from agentloop.engine.base import SamplingParams, TokenOutput
+
+log = structlog.get_logger("agentloop.engine.replicas")
+
+_MAX_STICKY = 100_000  # routing keys remembered (least recently used dropped first)
+
+
+def routing_key(request_id: str | None) -> str | None:
+    """The sticky key of a request id ``"<key>/<unique>"``; None when there is none."""
+    if not request_id:
+        return None
+    key, sep, _ = request_id.rpartition("/")
+    return key if sep and key else None
+
+
+class EngineReplica:
+    """One engine in a Ray actor (async): a TorchEngine built from ``model_path`` on ``device``."""
+
+    def __init__(
+        self, model_path: str, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        from agentloop.engine.models import load_engine
+
+        if device.startswith("cuda"):
+            device = "cuda:0"  # Ray's CUDA_VISIBLE_DEVICES shows this actor its own GPU
+        self.model_path = model_path
+        self.engine = load_engine(model_path, device=device, **(engine_kwargs or {}))
+        self.requests = 0
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "max_context": self.engine.max_context,
+            "weights_version": self.engine.weights_version,
+            "requests": self.requests,
+        }
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None
+    ) -> TokenOutput:
+        self.requests += 1
+        return await self.engine.generate(prompt_ids, sampling, request_id=request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return bool(await self.engine.abort(request_id))
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
+        return int(await self.engine.update_weights(named_tensors))
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "requests": self.requests}
+
+
+class EngineReplicaPool:
+    """An InferenceEngine over ``replicas`` (EngineReplica actor handles); see the module docstring."""
+
+    def __init__(self, replicas: list[Any], tokenizer: Any = None) -> None:
+        import ray
+
+        if not isinstance(replicas, list | tuple) or not replicas:
+            raise ValueError(
+                f"EngineReplicaPool needs a non-empty list of replica actor handles, got {replicas!r:.80}"
+            )
+        self.replicas = list(replicas)
+        info = ray.get(self.replicas[0].info.remote())
+        self._max_context = int(info["max_context"])
+        self._model_path = str(info["model_path"])
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self._model_path)  # loaded here, not shipped over Ray
+        self._tokenizer = tokenizer
+        self._version = int(info["weights_version"])
+        self._inflight = [0] * len(self.replicas)
+        self._routed = [0] * len(self.replicas)
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._owner: dict[str, int] = {}
+        self._next = 0  # tie-break among equally loaded replicas: round robin
+        self._sync: dict[str, float] = {"last_sync_s": 0.0, "syncs": 0.0, "total_sync_s": 0.0}
+
+    @classmethod
+    def create(
+        cls,
+        model_path: str,
+        replicas: int,
+        device: str = "cpu",
+        *,
+        actor_options: Callable[[int], dict[str, Any]] | None = None,
+        **engine_kwargs: Any,
+    ) -> EngineReplicaPool:
+        """Start ``replicas`` EngineReplica actors (Ray must be initialised): one GPU each on CUDA."""
+        import ray
+
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        default = {"num_gpus": 1, "num_cpus": 0} if device.startswith("cuda") else {"num_cpus": 0}
+        handles = [
+            ray.remote(EngineReplica)
+            .options(max_concurrency=1000, **(actor_options(i) if actor_options else default))
+            .remote(model_path, device, engine_kwargs)
+            for i in range(replicas)
+        ]
+        ray.get([h.start.remote() for h in handles])
+        log.info("replicas.ready", replicas=replicas, device=device)
+        return cls(handles)
+
+    # ------------------------------------------------------------ InferenceEngine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def pick(self, request_id: str | None) -> int:
+        """The replica for ``request_id``: its routing key's replica, else the least loaded one."""
+        key = routing_key(request_id)
+        if key is not None and key in self._sticky:
+            self._sticky.move_to_end(key)
+            return self._sticky[key]
+        n = len(self.replicas)
+        order = [(self._next + i) % n for i in range(n)]
+        idx = min(order, key=lambda i: self._inflight[i])
+        self._next = (idx + 1) % n
+        if key is not None:
+            self._sticky[key] = idx
+            if len(self._sticky) > _MAX_STICKY:
+                self._sticky.popitem(last=False)
+        return idx
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> TokenOutput:
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
+        if rid in self._owner:
+            raise ValueError(f"request_id {rid!r} is already in flight; use a unique id per request")
+        idx = self.pick(rid)
+        self._inflight[idx] += 1
+        self._routed[idx] += 1
+        self._owner[rid] = idx
+        try:
+            return await self.replicas[idx].generate.remote(prompt_ids, sampling, rid)  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort_on(idx, rid))
+            raise
+        finally:
+            self._inflight[idx] -= 1
+            self._owner.pop(rid, None)
+
+    async def _abort_on(self, idx: int, request_id: str) -> bool:
+        return bool(await self.replicas[idx].abort.remote(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        idx = self._owner.get(request_id)
+        return False if idx is None else await self._abort_on(idx, request_id)
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Any) -> int:
+        """Put the weights into the object store once; every replica loads them. Returns the new version.
+
+        ``named_tensors`` may already be an ObjectRef (e.g. what a trainer actor returned)."""
+        import ray
+
+        t0 = time.perf_counter()
+        if isinstance(named_tensors, ray.ObjectRef):
+            ref = named_tensors
+        else:
+            if not isinstance(named_tensors, Mapping) or not named_tensors:
+                raise ValueError("update_weights expects a non-empty mapping of parameter name -> tensor")
+            ref = ray.put(dict(named_tensors))
+        versions = await asyncio.gather(*[r.update_weights.remote(ref) for r in self.replicas])
+        if len(set(versions)) != 1:
+            log.warning("replicas.version_skew", versions=versions)
+        self._version = max(versions)
+        elapsed = time.perf_counter() - t0
+        self._sync["last_sync_s"] = elapsed
+        self._sync["syncs"] += 1
+        self._sync["total_sync_s"] += elapsed
+        log.info("replicas.weights_synced", version=self._version, seconds=round(elapsed, 4))
+        return self._version
+
+    def stats(self) -> dict[str, Any]:
+        """Pool counters: requests routed to and in flight on each replica, weight-sync timings."""
+        return {
+            "replicas": len(self.replicas),
+            "routed": list(self._routed),
+            "in_flight": list(self._inflight),
+            "sticky_keys": len(self._sticky),
+            "weights_version": self._version,
+            **self._sync,
+        }
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        """Each replica engine's own stats (one Ray call each)."""
+        return list(await asyncio.gather(*[r.stats.remote() for r in self.replicas]))
+
+    async def start(self) -> None:
+        await asyncio.gather(*[r.start.remote() for r in self.replicas])
+
+    async def stop(self) -> None:
+        await asyncio.gather(*[r.stop.remote() for r in self.replicas])
+
+
+__all__ = ["EngineReplica", "EngineReplicaPool", "routing_key"]

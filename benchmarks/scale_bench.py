@@ -1,0 +1,247 @@
+"""Scale-out figures: trainer tokens/s on 1 vs 2 ranks, rollout tokens/s on 1 vs 2 engine replicas,
+and the time to sync a 0.5B-class model's weights into every replica. Prints JSON (and writes --out).
+
+    # 2 GPUs (NCCL; Qwen2-0.5B shape with random weights, built locally: no hub)
+    python benchmarks/scale_bench.py --device cuda --out benchmarks/results/scale_bench_2gpu.json
+    # CPU smoke run (gloo; the tiny test model)
+    python benchmarks/scale_bench.py --device cpu
+
+Trainer: one PPO/GRPO update (old-logprob pass + forward/backward + AdamW) of a synthetic batch, through
+trainer/dp.py (FSDP2) with world size 1 and then 2. Rollout: concurrent requests with distinct
+attempt keys through agentloop/engine/replicas.py. Sync: ``EngineReplicaPool.update_weights`` of the
+bf16 weights (``ray.put`` once, every replica loads), and the full path from the trainer ranks
+(``named_weights`` gathered to rank 0, then the pool), with ranks and replicas colocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    if args.device == "cuda":
+        from random_model import build_random_model
+
+        return str(build_random_model("qwen2-0.5b"))
+    from agentloop.engine.models import build_tiny_model
+
+    return str(build_tiny_model(Path(tempfile.gettempdir()) / "agentloop-scale-bench-tiny"))
+
+
+def _batch(n: int, prompt_len: int, response_len: int, seed: int = 0) -> Any:
+    from agentloop.types import Triplet
+    from trainer.batch import build_batch
+
+    rng = random.Random(seed)
+    triplets = []
+    for i in range(n):  # lengths vary 50-100% so the token balancing matters
+        p = rng.randint(prompt_len // 2, prompt_len)
+        r = rng.randint(response_len // 2, response_len)
+        triplets.append(
+            Triplet(
+                prompt_ids=[rng.randrange(3, 30000) for _ in range(p)],
+                response_ids=[rng.randrange(3, 30000) for _ in range(r)],
+                reward=float(rng.random() < 0.5),
+                metadata={"group_id": i // 4},
+            )
+        )
+    batch, _ = build_batch(triplets, max_prompt_length=prompt_len, max_response_length=response_len)
+    return batch
+
+
+def _config(model: str, n: int, args: argparse.Namespace) -> Any:
+    from trainer.config import TrainerConfig
+
+    return TrainerConfig.from_dict(
+        {
+            "data": {
+                "train_batch_size": n // 4,
+                "max_prompt_length": args.prompt_len,
+                "max_response_length": args.response_len,
+            },
+            "actor_rollout_ref": {
+                "model": {"path": model},
+                "rollout": {"n": 4},
+                "actor": {"ppo_mini_batch_size": n // 4, "ppo_max_token_len_per_gpu": args.token_budget},
+            },
+            "trainer": {"device": args.device},
+        }
+    )
+
+
+async def _train_tokens_per_s(
+    model: str, world: int, args: argparse.Namespace, share: float
+) -> dict[str, float]:
+    from trainer.dp import DataParallelGroup
+
+    batch = _batch(args.batch, args.prompt_len, args.response_len)
+    opts = {"num_gpus": share, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
+    group = DataParallelGroup.create(
+        _config(model, args.batch, args), model, args.device, world, actor_options=lambda r: opts
+    )
+    try:
+        await group.update.remote(batch)  # warm-up (allocations, kernels)
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            await group.update.remote(batch)
+            times.append(time.perf_counter() - t0)
+    finally:
+        group.shutdown()
+    tokens = int(batch.attention_mask.sum())
+    best = statistics.median(times)
+    return {"tokens_per_update": tokens, "update_s": best, "tokens_per_s": tokens / best}
+
+
+async def _rollout_tokens_per_s(model: str, replicas: int, args: argparse.Namespace) -> dict[str, float]:
+    from agentloop.engine.base import SamplingParams
+    from agentloop.engine.replicas import EngineReplicaPool
+
+    pool = EngineReplicaPool.create(model, replicas, args.device, max_batch_size=args.engine_batch)
+    rng = random.Random(1)
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.gen_tokens, ignore_eos=True, seed=0)
+    try:
+
+        async def wave(tag: str) -> tuple[int, float]:
+            prompts = [[rng.randrange(3, 30000) for _ in range(64)] for _ in range(args.requests)]
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(
+                *[
+                    pool.generate(p, sampling, request_id=f"{tag}-{i}/attempt/req-0")
+                    for i, p in enumerate(prompts)
+                ]
+            )
+            return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
+
+        await wave("warm")
+        tokens, wall = await wave("timed")
+        return {
+            "generated_tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "routed": pool.stats()["routed"],
+        }
+    finally:
+        await pool.stop()
+        import ray
+
+        for r in pool.replicas:
+            ray.kill(r)
+
+
+async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from agentloop.engine.replicas import EngineReplicaPool
+    from trainer.dp import DataParallelGroup
+
+    share = 0.5 if args.device == "cuda" else 0.0
+    gpu = {"num_gpus": share, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
+    pool = EngineReplicaPool.create(model, 2, args.device, actor_options=lambda i: gpu, max_batch_size=8)
+    group = DataParallelGroup.create(
+        _config(model, args.batch, args), model, args.device, 2, actor_options=lambda r: gpu
+    )
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    try:
+        weights = await group.named_weights.remote(dtype)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        await pool.update_weights(weights)  # warm-up
+        pool_times, full_times = [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            await pool.update_weights(weights)
+            pool_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await pool.update_weights(await group.named_weights.remote(dtype))
+            full_times.append(time.perf_counter() - t0)
+        return {
+            "replicas": 2,
+            "weights_gb": nbytes / 1e9,
+            "dtype": str(dtype),
+            "pool_sync_s": statistics.median(pool_times),
+            "gather_and_sync_s": statistics.median(full_times),
+        }
+    finally:
+        group.shutdown()
+        await pool.stop()
+        for r in pool.replicas:
+            ray.kill(r)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    ap.add_argument(
+        "--model", default=None, help="HF folder; default: Qwen2-0.5B shape (cuda) or the tiny model (cpu)"
+    )
+    ap.add_argument("--batch", type=int, default=None, help="samples per update (a multiple of 4)")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--response-len", type=int, default=None)
+    ap.add_argument("--token-budget", type=int, default=None, help="ppo_max_token_len_per_gpu")
+    ap.add_argument("--requests", type=int, default=None, help="concurrent rollout requests")
+    ap.add_argument("--gen-tokens", type=int, default=None, help="tokens generated per request")
+    ap.add_argument("--engine-batch", type=int, default=None, help="engine max_batch_size")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gpu = args.device == "cuda"
+    defaults = dict(batch=64 if gpu else 8, prompt_len=512 if gpu else 32, response_len=512 if gpu else 16,
+                    token_budget=16384 if gpu else 256, requests=128 if gpu else 8, gen_tokens=128 if gpu else 8,
+                    engine_batch=64 if gpu else 8)  # fmt: skip
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    import ray
+
+    n_gpus = torch.cuda.device_count() if gpu else 0
+    if gpu and n_gpus < 2:
+        raise SystemExit(f"--device cuda needs 2 GPUs, found {n_gpus}")
+    root = str(Path(__file__).resolve().parents[1])  # Ray workers import agentloop/trainer from here
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_gpus=n_gpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    model = _model(args)
+    result: dict[str, Any] = {
+        "device": args.device,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(n_gpus)],
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "model": model,
+        "settings": {k: getattr(args, k) for k in defaults},
+    }
+    t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
+    t2 = await _train_tokens_per_s(model, 2, args, share=1.0)
+    result["trainer"] = {"1": t1, "2": t2, "speedup": t2["tokens_per_s"] / t1["tokens_per_s"], "target": 1.8}
+    r1 = await _rollout_tokens_per_s(model, 1, args)
+    r2 = await _rollout_tokens_per_s(model, 2, args)
+    result["rollout"] = {"1": r1, "2": r2, "speedup": r2["tokens_per_s"] / r1["tokens_per_s"], "target": 1.8}
+    result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
+    text = json.dumps(result, indent=2)
+    sys.stdout.write(text + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

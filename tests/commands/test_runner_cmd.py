@@ -1,0 +1,78 @@
+"""``agentloop runner``: remote runner processes against a real StoreServer; a SIGKILLed runner loses
+no rollout (the watchdog requeues its attempt and a second runner finishes it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agentloop.agent import rollout
+from agentloop.cli import main
+from agentloop.commands.runner import load_object
+from agentloop.store.http import StoreServer
+from agentloop.store.memory import MemoryStore
+from agentloop.types import AttemptedRollout, RolloutConfig, RolloutStatus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@rollout
+async def hang_on_first_attempt(task: dict, llm: object, rollout: AttemptedRollout) -> float:
+    """The first attempt hangs (its runner gets killed); a retry answers at once."""
+    if rollout.attempt.sequence_id == 1:
+        await anyio.sleep(3600)
+    return float(task["value"])
+
+
+def _runner(url: str, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "agentloop.cli", "runner", "--store", url, "--concurrency", "2", *extra]
+    agent = "tests.commands.test_runner_cmd:hang_on_first_attempt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [*cmd, "--agent", agent], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def test_bad_agent_spec_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runner", "--store", "http://127.0.0.1:9", "--agent", "no_colon"]) == 2
+    assert "--agent must look like module:object" in capsys.readouterr().err
+    assert main(["runner", "--store", "http://127.0.0.1:9", "--agent", "os:not_there"]) == 2
+    assert "has no attribute 'not_there'" in capsys.readouterr().err
+    assert main(["runner", "--store", "ftp://x", "--agent", "os:path"]) == 2
+    assert "url must start with http" in capsys.readouterr().err
+    assert main(["runner", "--store", "http://x", "--agent", "os:path", "--concurrency", "0"]) == 2
+    assert load_object("tests.commands.test_runner_cmd:hang_on_first_attempt") is hang_on_first_attempt
+
+
+async def test_killed_runner_loses_no_rollout() -> None:
+    store = MemoryStore()
+    config = RolloutConfig(unresponsive_s=1.5, max_attempts=2)
+    async with StoreServer(store) as server:
+        r = await store.enqueue_rollout({"value": 1.0}, config=config)
+        first = _runner(server.url)
+        second = None
+        try:
+            with anyio.fail_after(40):
+                while (await store.get_rollout(r.rollout_id)).status is not RolloutStatus.RUNNING:
+                    assert first.poll() is None, first.communicate()[1].decode()[-2000:]
+                    await anyio.sleep(0.1)
+                first.send_signal(signal.SIGKILL)  # the runner machine dies mid-rollout
+                await anyio.to_thread.run_sync(first.wait)
+                second = _runner(server.url, "--max-rollouts", "1")
+                done = await store.wait_for_rollouts([r.rollout_id], timeout=30)
+                rc = await anyio.to_thread.run_sync(second.wait)
+            assert rc == 0, second.communicate()[1].decode()[-2000:]
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert done and done[0].status is RolloutStatus.SUCCEEDED
+    attempts = await store.list_attempts(r.rollout_id)
+    assert [a.status.value for a in attempts] == ["unresponsive", "succeeded"]

@@ -1,0 +1,120 @@
+"""Data-parallel training: 2 gloo ranks (Ray actors, FSDP2) take the same step as one Actor."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentloop.types import Triplet
+from trainer.actor import Actor
+from trainer.batch import build_batch
+from trainer.config import TrainerConfig
+from trainer.dp import DataParallelGroup, balance_by_tokens
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _config(model_dir: Path, token_budget: int) -> TrainerConfig:
+    return TrainerConfig.from_dict(
+        {
+            "data": {"train_batch_size": 3, "max_prompt_length": 32, "max_response_length": 16},
+            "actor_rollout_ref": {
+                "model": {"path": str(model_dir)},
+                "rollout": {"n": 2},
+                "actor": {
+                    "ppo_mini_batch_size": 3,
+                    "ppo_max_token_len_per_gpu": token_budget,
+                    "optim": {"lr": 1e-3, "weight_decay": 0.0},
+                    "grad_clip": 1.0,
+                    "entropy_coeff": 0.01,
+                },
+            },
+            "trainer": {"device": "cpu"},
+        }
+    )
+
+
+def _triplets() -> list[Triplet]:
+    rng = random.Random(0)
+    out = []
+    for i in range(6):  # lengths differ, so ranks get different row counts and micro-batch counts
+        prompt = [rng.randrange(3, 49152) for _ in range(2 + 3 * i)]
+        response = [rng.randrange(3, 49152) for _ in range(1 + (i * 5) % 9)]
+        out.append(
+            Triplet(
+                prompt_ids=prompt,
+                response_ids=response,
+                reward=float(i % 3 == 0),
+                metadata={"group_id": i // 2},
+            )
+        )
+    return out
+
+
+def test_balance_by_tokens_is_greedy_and_deterministic() -> None:
+    parts = balance_by_tokens([10, 1, 9, 2, 8, 3], 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    totals = [sum([10, 1, 9, 2, 8, 3][i] for i in p) for p in parts]
+    assert abs(totals[0] - totals[1]) <= 1, totals
+    assert parts == balance_by_tokens([10, 1, 9, 2, 8, 3], 2)
+    assert balance_by_tokens([5], 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        balance_by_tokens([1], 0)
+
+
+def test_two_ranks_take_the_same_step_as_one(tiny_model_dir: Path, ray_local: None) -> None:
+    cfg = _config(tiny_model_dir, token_budget=40)  # several micro-batches per rank, uneven counts
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    single = Actor(cfg, tiny_model_dir, "cpu")
+    before = single.named_weights()
+    m1 = single.update(batch)
+    expected = single.named_weights()
+
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
+    try:
+        import anyio
+
+        async def step() -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+            metrics = await group.update.remote(batch)
+            return metrics, await group.named_weights.remote()
+
+        m2, got = anyio.run(step)
+    finally:
+        group.shutdown()
+    assert got.keys() == expected.keys()
+    moved = max(float((expected[k] - before[k]).abs().max()) for k in expected)
+    assert moved > 5e-4, "the update must move the weights for the comparison to mean something"
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_lora_is_refused_with_a_clear_error(tiny_model_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from trainer.dp import ShardedActor
+
+    cfg = TrainerConfig.from_dict(
+        {
+            "actor_rollout_ref": {"model": {"path": str(tiny_model_dir), "lora_rank": 4}},
+            "trainer": {"device": "cpu"},
+        }
+    )
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="does not support LoRA"):
+        ShardedActor(cfg, str(tiny_model_dir), "cpu", 0, 1)

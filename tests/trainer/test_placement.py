@@ -1,0 +1,44 @@
+"""Placement: the plan from the config and the check against the Ray cluster's resources."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import TrainerConfig
+from trainer.placement import PlacementError, check_cluster, plan_placement
+
+
+def test_placement_plan_and_cluster_check() -> None:
+    cfg = TrainerConfig.from_dict(
+        {
+            "actor_rollout_ref": {"rollout": {"replicas": 2}},
+            "trainer": {"nnodes": 1, "n_gpus_per_node": 2},
+            "placement": {"colocate": False},
+        }
+    )
+    plan = plan_placement(cfg, "cuda")
+    assert (plan.train_ranks, plan.replicas, plan.gpus_needed) == (2, 2, 4)
+    with pytest.raises(PlacementError, match=r"placement needs 4 GPUs .* but the Ray cluster has 2"):
+        check_cluster(plan, {"GPU": 2.0, "CPU": 32.0}, alive_nodes=1)
+    check_cluster(plan, {"GPU": 4.0}, alive_nodes=1)
+    colocated = plan_placement(cfg.with_overrides(["placement.colocate=true"]), "cuda")
+    assert colocated.gpus_needed == 2
+    check_cluster(colocated, {"GPU": 2.0}, alive_nodes=1)
+    two_nodes = plan_placement(cfg.with_overrides(["trainer.nnodes=2"]), "cuda")
+    with pytest.raises(PlacementError, match=r"trainer\.nnodes=2 but the Ray cluster has 1 node"):
+        check_cluster(two_nodes, {"GPU": 8.0}, alive_nodes=1)
+    assert plan_placement(cfg, "cpu").gpus_needed == 0
+
+
+def test_placement_config_is_validated() -> None:
+    from agentloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"placement\.train_ranks"):
+        TrainerConfig.from_dict({"placement": {"train_ranks": 0}})
+    with pytest.raises(ConfigError, match="did you mean 'colocate'"):
+        TrainerConfig.from_dict({"placement": {"colocated": True}})
+    cfg = TrainerConfig.from_dict({"trainer": {"nnodes": 2, "n_gpus_per_node": 4}})
+    assert plan_placement(cfg, "cuda").train_ranks == 8
+    assert plan_placement(cfg.with_overrides(["placement.train_ranks=2"]), "cpu").train_ranks == 2
+    with pytest.raises(TypeError, match="takes a TrainerConfig"):
+        plan_placement({}, "cpu")  # type: ignore[arg-type]

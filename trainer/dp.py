@@ -1,0 +1,338 @@
+"""Data-parallel training: the actor as N Ray actors, one per GPU, each sharded with FSDP2.
+
+Layout of one update on N ranks (every rank receives the whole Batch through the Ray object store)::
+
+    rank r: split_by_tokens(batch, N)[r] ─► micro-batches ─► forward/backward (FSDP2 all-gathers
+            params per layer, reduce-scatters grads: each rank keeps 1/N of params, grads, AdamW state)
+
+* Balance: rows are dealt greedily, longest first, to the rank holding the fewest tokens.
+* Equivalence with one rank: every loss term is divided by the *whole* mini-batch's token (or
+  sequence) count, which each rank reads from the full mini-batch it holds; gradients are then
+  summed across ranks (FSDP's divide factor is set to 1), so N ranks take the same step as one rank
+  on the whole batch, up to float summation order.
+* Collectives must line up: a rank with fewer micro-batches runs padding micro-batches (one row with
+  an all-zero response mask: zero loss, zero gradient) so every rank runs the same number of
+  forwards and backwards. Old/ref logprobs computed on each rank's rows are summed (all-reduce) into
+  the full (B, R) tensor, so advantages are computed on the whole batch, identically everywhere.
+* CPU: FSDP2 (``fully_shard``) runs over gloo in torch 2.13 (checked: forward, backward,
+  reduce-scatter, ``clip_grad_norm_`` over DTensors and ``full_tensor()`` all work), so CI runs the
+  same code path as the GPUs.
+
+Not supported with FSDP: LoRA (``model.lora_rank > 0``). The reference model (KL only) stays a full,
+unsharded copy on each rank. Checkpoints hold full (unsharded) state dicts written by rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.actor import Actor, _micro_batches
+from trainer.algorithms import entropy_from_logits, logprobs_from_logits
+from trainer.batch import Batch
+from trainer.config import TrainerConfig
+
+log = structlog.get_logger("agentloop.trainer.dp")
+
+_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl", "actor/kl_loss")
+
+
+def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Deal row indices to ``parts`` lists of near-equal token totals (greedy, longest first).
+
+    Deterministic: ties go to the lowest part index; each part keeps ascending row order.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if any(n < 0 for n in lengths):
+        raise ValueError("lengths must be >= 0")
+    totals = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(parts), key=lambda p: (totals[p], len(out[p]), p))
+        out[target].append(i)
+        totals[target] += lengths[i]
+    return [sorted(p) for p in out]
+
+
+class ShardedActor(Actor):
+    """The Actor's update, sharded over a torch.distributed group of ``world_size`` ranks with FSDP2."""
+
+    def __init__(
+        self, config: TrainerConfig, model_path: str, device: str, rank: int, world_size: int
+    ) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if config.actor_rollout_ref.model.lora_rank > 0:
+            raise ValueError(
+                "data-parallel training (FSDP2) does not support LoRA yet: set "
+                "actor_rollout_ref.model.lora_rank=0 or train on one rank"
+            )
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedActor needs torch.distributed initialised (see DPWorker.setup)")
+        super().__init__(config, model_path, device)
+        self.rank, self.world_size = rank, world_size
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        for layer in layers or []:  # one FSDP unit per decoder layer: all-gather one layer at a time
+            fully_shard(layer)
+        fully_shard(self.model)  # the root unit: embeddings, final norm, (tied) LM head
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
+                if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                    module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+        optim = config.actor_rollout_ref.actor.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
+        self.optimizer = torch.optim.AdamW(
+            params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        )
+
+    # ------------------------------------------------------------ forward passes
+
+    def _forward(
+        self, model: nn.Module, mb: Batch, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if model is not self.model:
+            return super()._forward(model, mb, entropy)
+        p, r = mb.prompt_length, mb.response_length
+        assert mb.input_ids.shape[1] == p + r, "a micro-batch is cut to its own P + R columns"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            # the root forward (FSDP's hooks all-gather the root unit); the head runs on r + 1 positions
+            out = model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                logits_to_keep=r + 1,
+            )
+            logits = out.logits[:, :-1]  # (b, R, V): positions p-1 .. p+r-2
+        logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R)
+        return logprobs, (entropy_from_logits(logits) if entropy else None)
+
+    def _rank_micro_batches(self, batch: Batch, budget: int) -> list[tuple[Batch, torch.Tensor]]:
+        """This rank's token-budget micro-batches (row indices into ``batch``), padded to the most any
+        rank has with zero-mask rows (empty index) so every rank runs the same forwards."""
+        parts = balance_by_tokens(batch.sequence_lengths().tolist(), self.world_size)  # CPU-GPU sync
+        rows = parts[self.rank]
+        mine: list[tuple[Batch, torch.Tensor]] = []
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+            mine = [(mb, index[r]) for mb, r in _micro_batches(batch.select(rows), budget)]
+        count = torch.tensor([len(mine)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if int(count) > len(mine) and len(batch):
+            pad = batch.select([0])
+            pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
+            empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+            mine += [(pad, empty)] * (int(count) - len(mine))
+        return mine
+
+    def _train_micro_batches(self, mini: Batch) -> list[tuple[Batch, torch.Tensor]]:
+        return self._rank_micro_batches(mini, self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
+        model = self.model if model is None else model
+        was_training = model.training
+        model.eval()
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)  # (B, R)
+        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+        for mb, rows in self._rank_micro_batches(batch, budget):
+            lp, _ = self._forward(model, mb, entropy=False)  # (b, r)
+            if len(rows):
+                out[rows, : lp.shape[1]] = lp
+        model.train(was_training)
+        dist.all_reduce(out)  # each row was filled by exactly one rank: the sum is the whole (B, R)
+        return out * batch.response_mask
+
+    def _optimizer_step(self, mini: Batch) -> dict[str, float]:
+        totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
+        keys = [k for k in _SUMMED_METRICS if k in totals]
+        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)  # each rank's share of the global loss terms
+        totals.update(zip(keys, summed.tolist(), strict=True))
+        return totals
+
+    # ------------------------------------------------------------ weights and checkpoints
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors on CPU on rank 0 (an empty dict on the others); every rank must call it."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value  # all-gather: collective
+            if self.rank == 0:
+                out[name] = full.detach().to("cpu", dtype=dtype or full.dtype, copy=True)
+        return out
+
+    def state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "model": get_model_state_dict(self.model, options=opts),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+            "step": self.step,
+            "world_size": self.world_size,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        self.step = int(state["step"])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class DPWorker:
+    """One rank (a Ray actor): joins the process group, then holds a ShardedActor."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.actor: ShardedActor | None = None
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a free port there: the group's MASTER_ADDR / MASTER_PORT."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, config: TrainerConfig, model_path: str, device: str, addr: str, port: int) -> None:
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        cpus = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cpus // self.world_size))  # Ray sets OMP threads to 1 for actors
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
+            device = "cuda:0"  # Ray's CUDA_VISIBLE_DEVICES shows this actor one GPU
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        self.actor = ShardedActor(config, model_path, device, self.rank, self.world_size)
+        log.info("dp.rank_ready", rank=self.rank, world_size=self.world_size, backend=backend)
+
+    def _ready(self) -> ShardedActor:
+        if self.actor is None:
+            raise RuntimeError("DPWorker.setup must run before any other call")
+        return self.actor
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        return self._ready().update(batch)
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        return self._ready().named_weights(dtype)
+
+    def save(self, path: str) -> None:
+        state = self._ready().state()  # collective
+        if self.rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+
+    def load(self, path: str) -> int:
+        actor = self._ready()
+        actor.load_state(torch.load(path, map_location="cpu", weights_only=True))
+        return actor.step
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Method:
+    """``group.update.remote(batch)``: the same call on every rank, awaited together; rank 0's answer."""
+
+    def __init__(self, group: DataParallelGroup, name: str) -> None:
+        self._group, self._name = group, name
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        import ray
+
+        # one copy in the object store, whatever the number of ranks
+        refs = [ray.put(a) if isinstance(a, Batch) else a for a in args]
+        calls = [getattr(w, self._name).remote(*refs) for w in self._group.workers]
+        return _first(calls)
+
+
+async def _first(calls: list[Any]) -> Any:
+    import asyncio
+
+    results = await asyncio.gather(*calls)
+    return results[0]
+
+
+class DataParallelGroup:
+    """N DPWorker Ray actors (one per GPU; CPU processes with gloo) behaving as one TrainerWorker.
+
+    ``update``, ``named_weights``, ``save`` and ``load`` have a ``.remote(...)`` that runs on every
+    rank and resolves to rank 0's result, as ``await worker.update.remote(batch)`` expects.
+    """
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+        self.update = _Method(self, "update")
+        self.named_weights = _Method(self, "named_weights")
+        self.save = _Method(self, "save")
+        self.load = _Method(self, "load")
+
+    @classmethod
+    def create(
+        cls,
+        config: TrainerConfig,
+        model_path: str,
+        device: str,
+        world_size: int,
+        *,
+        actor_options: Callable[[int], dict[str, Any]] | None = None,
+    ) -> DataParallelGroup:
+        """Start ``world_size`` ranks (Ray must be initialised) and wait until all joined the group.
+
+        ``actor_options(rank)`` gives Ray options per rank (placement group bundle, resources); by
+        default one GPU per rank on CUDA, no reserved CPU on CPU.
+        """
+        import ray
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        gpu = device.startswith("cuda")
+        default = {"num_gpus": 1, "num_cpus": 0} if gpu else {"num_cpus": 0}
+        workers = [
+            ray.remote(DPWorker)
+            .options(**(actor_options(rank) if actor_options else default))
+            .remote(rank, world_size)
+            for rank in range(world_size)
+        ]
+        addr, port = ray.get(workers[0].address.remote())
+        ray.get([w.setup.remote(config, model_path, device, addr, port) for w in workers])
+        log.info("dp.group_ready", world_size=world_size, device=device, master=f"{addr}:{port}")
+        return cls(workers)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)
+
+
+__all__ = ["DPWorker", "DataParallelGroup", "ShardedActor", "balance_by_tokens", "free_port"]

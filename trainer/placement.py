@@ -1,0 +1,206 @@
+"""Where trainer ranks and engine replicas run: a plan from the config, checked against the Ray cluster.
+
+    trainer ranks  = placement.train_ranks or trainer.nnodes x trainer.n_gpus_per_node
+    engine replicas = actor_rollout_ref.rollout.replicas
+    colocated (placement.colocate): replica i shares rank i's GPU (half a GPU each, one Ray bundle)
+    split:                          every rank and every replica has a GPU of its own
+
+GPUs needed: ``max(ranks, replicas)`` colocated, ``ranks + replicas`` split. A request for more GPUs
+(or nodes) than ``ray.cluster_resources()`` shows fails at start with PlacementError. On CPU the
+ranks are gloo processes and replicas CPU engines; nothing is reserved.
+
+With one rank and one replica nothing here runs: the trainer keeps its single TrainerWorker and an
+engine in the driver (the default, unchanged). Otherwise the trainer is a DataParallelGroup (FSDP2,
+even with one rank) and, with several replicas, the engine an EngineReplicaPool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from agentloop.errors import ConfigError
+from trainer.config import TrainerConfig
+
+log = structlog.get_logger("agentloop.trainer.placement")
+
+
+class PlacementError(ConfigError):
+    """The config asks for more GPUs or nodes than the Ray cluster has."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many trainer ranks and engine replicas, on which device, colocated or not."""
+
+    device: str  # "cpu" or "cuda"
+    train_ranks: int
+    replicas: int
+    colocate: bool
+    nnodes: int
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def gpus_needed(self) -> int:
+        if not self.gpu:
+            return 0
+        return max(self.train_ranks, self.replicas) if self.colocate else self.train_ranks + self.replicas
+
+    @property
+    def scaled(self) -> bool:
+        """True when Ray actor groups are needed (more than one rank or replica)."""
+        return self.train_ranks > 1 or self.replicas > 1
+
+    def describe(self) -> str:
+        how = "colocated" if self.colocate else "split"
+        return (
+            f"{self.train_ranks} trainer rank(s) + {self.replicas} engine replica(s), {how}, on {self.device}"
+        )
+
+
+def plan_placement(config: TrainerConfig, device: str) -> Plan:
+    """The Plan for ``config`` on ``device`` (a resolved device: cpu, cuda or cuda:N)."""
+    if not isinstance(config, TrainerConfig):
+        raise TypeError(f"plan_placement takes a TrainerConfig, got {type(config).__name__}")
+    t, p = config.trainer, config.placement
+    ranks = p.train_ranks or t.nnodes * t.n_gpus_per_node
+    return Plan(
+        device="cuda" if device.startswith("cuda") else "cpu",
+        train_ranks=ranks,
+        replicas=config.actor_rollout_ref.rollout.replicas,
+        colocate=p.colocate,
+        nnodes=t.nnodes,
+    )
+
+
+def check_cluster(plan: Plan, resources: dict[str, float], alive_nodes: int) -> None:
+    """Raise PlacementError when ``resources`` (``ray.cluster_resources()``) cannot hold ``plan``."""
+    have = int(resources.get("GPU", 0))
+    if plan.gpus_needed > have:
+        how = (
+            f"max({plan.train_ranks} trainer ranks, {plan.replicas} replicas) colocated"
+            if plan.colocate
+            else f"{plan.train_ranks} trainer ranks + {plan.replicas} replicas, split"
+        )
+        raise PlacementError(
+            f"placement needs {plan.gpus_needed} GPUs ({how}; trainer ranks = trainer.nnodes x "
+            f"trainer.n_gpus_per_node or placement.train_ranks, replicas = actor_rollout_ref.rollout.replicas) "
+            f"but the Ray cluster has {have}; lower those numbers, set placement.colocate=true, or join a "
+            "bigger cluster with trainer.ray_address"
+        )
+    if plan.nnodes > alive_nodes:
+        raise PlacementError(
+            f"trainer.nnodes={plan.nnodes} but the Ray cluster has {alive_nodes} node(s); start the other "
+            "nodes with `ray start --address=<head>:6379` first"
+        )
+
+
+def init_ray(config: TrainerConfig) -> None:
+    """Join ``trainer.ray_address`` (or start a local Ray) unless Ray is already initialised."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=config.trainer.ray_address,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+
+@dataclass
+class Layout:
+    """What ``place`` started: a DataParallelGroup and/or an EngineReplicaPool (None: the default)."""
+
+    plan: Plan
+    worker: Any = None
+    engine: Any = None
+    placement_group: Any = None
+
+    async def aclose(self) -> None:
+        import ray
+
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+
+
+def place(config: TrainerConfig, model_path: str, device: str, *, engine_given: bool = False) -> Layout:
+    """Check the cluster and start the trainer ranks and engine replicas the config asks for."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    plan = plan_placement(config, device)
+    layout = Layout(plan)
+    if not plan.scaled:
+        return layout
+    init_ray(config)
+    import ray
+
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    check_cluster(plan, ray.cluster_resources(), alive)
+    log.info("placement", plan=plan.describe(), gpus=plan.gpus_needed)
+
+    def opts(bundle: int, share: float) -> dict[str, Any]:
+        if layout.placement_group is None:
+            return {"num_cpus": 0}
+        strategy = PlacementGroupSchedulingStrategy(
+            layout.placement_group, placement_group_bundle_index=bundle
+        )
+        return {"num_cpus": 0, "num_gpus": share, "scheduling_strategy": strategy}
+
+    share = 0.5 if plan.colocate else 1.0
+    if plan.gpu:
+        layout.placement_group = placement_group([{"GPU": 1}] * plan.gpus_needed, strategy="PACK")
+        ray.get(layout.placement_group.ready(), timeout=120)
+    first_replica_bundle = 0 if plan.colocate else plan.train_ranks
+    from trainer.dp import DataParallelGroup  # scaled: always FSDP2 ranks, also with one rank
+
+    layout.worker = DataParallelGroup.create(
+        config, model_path, device, plan.train_ranks, actor_options=lambda r: opts(r, share)
+    )
+    if plan.replicas > 1 and not engine_given:
+        from agentloop.engine.replicas import EngineReplicaPool
+
+        layout.engine = EngineReplicaPool.create(
+            model_path,
+            plan.replicas,
+            device,
+            actor_options=lambda i: opts(first_replica_bundle + i, share),
+        )
+    return layout
+
+
+async def serve_store(config: TrainerConfig, store: Any) -> Any:
+    """A started StoreServer for ``store`` when ``placement.store_server`` is on, else None."""
+    if not config.placement.store_server:
+        return None
+    from agentloop.store.http import StoreServer
+
+    p = config.placement
+    server = StoreServer(store, host=p.store_host, port=p.store_port, api_key=p.store_api_key)
+    await server.start()
+    log.info("store.served", url=server.url, hint=f"agentloop runner --store {server.url} --agent module:obj")
+    return server
+
+
+__all__ = [
+    "Layout",
+    "PlacementError",
+    "Plan",
+    "check_cluster",
+    "init_ray",
+    "place",
+    "plan_placement",
+    "serve_store",
+]
