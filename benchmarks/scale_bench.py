@@ -152,11 +152,24 @@ async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
     from agentloop.engine.replicas import EngineReplicaPool
     from trainer.dp import DataParallelGroup
 
-    share = 0.5 if args.device == "cuda" else 0.0
-    gpu = {"num_gpus": share, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
-    pool = EngineReplicaPool.create(model, 2, args.device, actor_options=lambda i: gpu, max_batch_size=8)
+    def colocated(i: int) -> dict[str, Any]:
+        """Rank i and replica i share GPU i: a bundle per GPU, half of it each (Ray would otherwise
+        pack both halves of two actors onto one GPU)."""
+        if args.device != "cuda":
+            return {"num_cpus": 0}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(bundles, placement_group_bundle_index=i)
+        return {"num_gpus": 0.5, "num_cpus": 0, "scheduling_strategy": strategy}
+
+    if args.device == "cuda":
+        from ray.util.placement_group import placement_group
+
+        bundles = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="PACK")
+        ray.get(bundles.ready())
+    pool = EngineReplicaPool.create(model, 2, args.device, actor_options=colocated, max_batch_size=8)
     group = DataParallelGroup.create(
-        _config(model, args.batch, args), model, args.device, 2, actor_options=lambda r: gpu
+        _config(model, args.batch, args), model, args.device, 2, actor_options=colocated
     )
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     try:
@@ -228,18 +241,23 @@ async def main() -> None:
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
     }
+
+    def save() -> None:  # after each part, so a later failure keeps the figures measured so far
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
     t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
     t2 = await _train_tokens_per_s(model, 2, args, share=1.0)
     result["trainer"] = {"1": t1, "2": t2, "speedup": t2["tokens_per_s"] / t1["tokens_per_s"], "target": 1.8}
+    save()
     r1 = await _rollout_tokens_per_s(model, 1, args)
     r2 = await _rollout_tokens_per_s(model, 2, args)
     result["rollout"] = {"1": r1, "2": r2, "speedup": r2["tokens_per_s"] / r1["tokens_per_s"], "target": 1.8}
+    save()
     result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
-    text = json.dumps(result, indent=2)
-    sys.stdout.write(text + "\n")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    save()
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
     ray.shutdown()
 
 
