@@ -74,6 +74,10 @@ class TokenLedger:
     def __len__(self) -> int:
         return len(self._calls)
 
+    def keys(self) -> list[str]:
+        """Conversation keys, least recently used first."""
+        return list(self._calls)
+
     def calls(self, key: str) -> list[LedgerEntry]:
         return list(self._calls.get(key, ()))
 

@@ -27,6 +27,7 @@ import uvicorn
 from anyio.abc import TaskStatus
 
 from agentloop.engine.base import InferenceEngine
+from agentloop.errors import NotFoundError
 from agentloop.proxy.app import build_app
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
@@ -67,6 +68,7 @@ class Proxy:
         store_timeout_s: longest one store call may take; then 503.
         default_max_tokens: max_tokens when neither the request nor the LLM resource sets it.
         default_sampling: defaults under the LLM resource's and the request's sampling fields.
+        ledger_sweep_s: every so often the token ledgers of finished attempts are released.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Proxy:
         default_max_tokens: int = 1024,
         default_sampling: dict[str, Any] | None = None,
         max_sessions: int = 10_000,
+        ledger_sweep_s: float = 5.0,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
@@ -92,6 +95,8 @@ class Proxy:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         if engine_timeout_s <= 0 or store_timeout_s <= 0:
             raise ValueError(f"timeouts must be > 0, got engine {engine_timeout_s}, store {store_timeout_s}")
+        if not ledger_sweep_s > 0:
+            raise ValueError(f"ledger_sweep_s must be > 0, got {ledger_sweep_s}")
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         for name in ("generate", "tokenizer", "max_context"):
@@ -100,6 +105,7 @@ class Proxy:
                     f"engine must implement InferenceEngine (missing {name!r}); got {type(engine).__name__}"
                 )
         self.engine, self.store, self.host, self.api_key = engine, store, host, api_key
+        self.ledger_sweep_s = ledger_sweep_s  # how often the ledgers of finished attempts are released
         self.sessions = SessionTable(max_sessions=max_sessions)
         self.ledger = TokenLedger()
         self.service = ProxyService(
@@ -178,7 +184,13 @@ class Proxy:
         self.state = ProxyState.RUNNING
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(server.serve, [sock])
+
+                async def serve_then_end_sweeper() -> None:
+                    await server.serve([sock])
+                    tg.cancel_scope.cancel()  # the ledger sweeper ends with the server
+
+                tg.start_soon(serve_then_end_sweeper)
+                tg.start_soon(self._sweep_ledger)
                 while not server.started:
                     if server.should_exit:
                         break
@@ -188,6 +200,35 @@ class Proxy:
         finally:
             self.state = ProxyState.STOPPED
             sock.close()
+
+    async def _sweep_ledger(self) -> None:
+        while True:
+            await anyio.sleep(self.ledger_sweep_s)
+            await self.release_finished()
+
+    async def release_finished(self, limit: int = 512) -> int:
+        """Forget the token ledger of finished attempts (the store says so); returns how many.
+
+        Checks the ``limit`` least recently used conversations, so one sweep costs at most ``limit``
+        store reads; runs every ``ledger_sweep_s`` while serving. Sessions are left alone (LRU-bounded).
+        """
+        released = 0
+        for key in self.ledger.keys()[:limit]:
+            rid, _, aid = key.partition("/")
+            if rid == "session" or not aid:
+                continue
+            try:
+                with anyio.fail_after(5):
+                    finished = (await self.store.get_attempt(rid, aid)).status.is_terminal
+            except NotFoundError:
+                finished = True
+            except Exception as exc:  # the store is down: try again next sweep
+                log.debug("ledger sweep skipped", error=repr(exc)[:200])
+                break
+            if finished:
+                self.ledger.forget(key)
+                released += 1
+        return released
 
     async def start(self) -> str:
         """Start serving in the running event loop; returns the URL once the socket listens."""

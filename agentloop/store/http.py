@@ -20,20 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import math
+import re
 import socket
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-import httpx
+import orjson
 import structlog
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from agentloop.errors import (
     AgentLoopError,
@@ -45,6 +44,7 @@ from agentloop.errors import (
 )
 from agentloop.resources import Resources
 from agentloop.store import state
+from agentloop.store._wire import WireError, WirePool
 from agentloop.store.base import Store
 from agentloop.store.memory import (
     parse_error,
@@ -112,8 +112,7 @@ class ListBody(_Body):
     limit: int | None = Field(None, ge=0)
 
 
-_CONNECTIONS_PER_POOL = 8
-_ANY: TypeAdapter[Any] = TypeAdapter(Any)
+_IDEMPOTENT = frozenset({"/v1/wait", "/v1/rollouts/list", "/v1/check_timeouts"})  # POSTs safe to resend
 _rollouts = TypeAdapter(list[Rollout])
 _attempts = TypeAdapter(list[Attempt])
 _spans = TypeAdapter(list[Span])
@@ -126,26 +125,19 @@ class _HTTPError(Exception):
 
 
 def _error(status: int, type_: str, message: str) -> Response:
-    body = _ErrorBody(error=_ErrorDetail(message=message, type=type_)).model_dump_json()
+    body = orjson.dumps({"error": {"message": message, "type": type_}})
     return Response(body, status_code=status, media_type="application/json")
-
-
-class _ErrorDetail(BaseModel):
-    message: str
-    type: str
-
-
-class _ErrorBody(BaseModel):
-    error: _ErrorDetail
 
 
 def _json(value: Any, adapter: TypeAdapter[Any] | None = None) -> Response:
     if adapter is not None:
         data = adapter.dump_json(value)
     elif isinstance(value, BaseModel):
-        data = value.model_dump_json().encode()
+        data = value.__pydantic_serializer__.to_json(value)
+    elif value is None:
+        data = b"null"
     else:
-        data = _ANY.dump_json(value)
+        data = orjson.dumps(value)
     return Response(data, media_type="application/json")
 
 
@@ -160,12 +152,13 @@ def _validation_message(exc: ValidationError) -> tuple[int, str, str]:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 16 * 2**20) -> FastAPI:
-    """The FastAPI app serving ``store``; every route answers JSON."""
-    app = FastAPI(title="agentloop store", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 16 * 2**20) -> _Router:
+    """The ASGI app serving ``store``: hand-routed (no dependency solving, no middleware); every route
+    answers JSON."""
     expected = f"Bearer {api_key}".encode() if api_key else None
+    routes: list[tuple[str, re.Pattern[str], Handler]] = []
 
-    async def body(request: Request, model: type[_Body] | type[BaseModel]) -> Any:
+    async def body(request: Request, model: type[BaseModel]) -> Any:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise _HTTPError(
@@ -183,7 +176,7 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
         def deco(fn: Handler) -> Handler:
             async def handler(request: Request) -> Response:
                 if expected is not None:
-                    got = request.headers.get("authorization", "").encode()
+                    got = request.headers.get("authorization", "").encode("utf-8", "replace")
                     if not hmac.compare_digest(got, expected):
                         return _error(
                             401, "unauthorized", "missing or wrong bearer token (Authorization header)"
@@ -202,19 +195,17 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
                     return _error(409, "invalid_transition", str(exc))
                 except (InvalidRequestError, ValueError, TypeError) as exc:
                     return _error(422, "invalid_request", str(exc))
+                except ClientDisconnect:
+                    return _error(400, "invalid_request", "the client disconnected before sending the body")
                 except Exception as exc:  # a bug, not a bad request: say so without the traceback
                     log.exception("store request failed", path=path)
                     return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
-            app.add_api_route(path, handler, methods=[method], include_in_schema=False)
+            regex = re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path)
+            routes.append((method, re.compile(regex), handler))
             return fn
 
         return deco
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-        return _error(exc.status_code, kind, f"{request.method} {request.url.path}: {exc.detail}")
 
     @route("GET", "/v1/health")
     async def health(request: Request) -> Response:
@@ -291,7 +282,36 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
             raise _HTTPError(422, "invalid_request", f"resources version must be an integer, got {raw!r:.40}")
         return _json(await store.get_resources(int(raw)))
 
-    return app
+    return _Router(routes)
+
+
+class _Router:
+    """A minimal ASGI app: match the path, build a Starlette Request, call the route. No middleware
+    stack (Starlette's error and exception middlewares cost more than a store call)."""
+
+    def __init__(self, routes: list[tuple[str, re.Pattern[str], Handler]]) -> None:
+        self.routes = routes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":  # lifespan is off; websockets are not served
+            return
+        path, method, allowed = scope["path"], scope["method"], False
+        for route_method, pattern, fn in self.routes:
+            match = pattern.fullmatch(path)
+            if match is None:
+                continue
+            if route_method != method:
+                allowed = True
+                continue
+            scope["path_params"] = match.groupdict()
+            response = await fn(Request(scope, receive))
+            break
+        else:
+            if allowed:
+                response = _error(405, "method_not_allowed", f"{method} {path}: Method Not Allowed")
+            else:
+                response = _error(404, "not_found", f"{method} {path}: Not Found")
+        await response(scope, receive, send)
 
 
 class _Server(uvicorn.Server):
@@ -339,13 +359,14 @@ class StoreServer:
         sock.listen(2048)
         sock.setblocking(False)
         self._sock, self.port = sock, sock.getsockname()[1]
-        # keep-alive longer than the client's (httpx: 5 s), so the server never closes a connection the
+        # keep-alive long (the client keeps idle connections open), so the server rarely closes one the
         # client is about to reuse
         config = uvicorn.Config(
             self.app,
             log_level="warning",
             lifespan="off",
             access_log=False,
+            proxy_headers=False,  # no X-Forwarded-* rewriting: one middleware less per request
             backlog=2048,
             timeout_keep_alive=75,
         )
@@ -391,51 +412,47 @@ class StoreClient:
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise InvalidRequestError(f"url must start with http:// or https://, got {url!r:.80}")
-        self.url = url.rstrip("/")
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         if not isinstance(max_connections, int) or max_connections < 1:
             raise InvalidRequestError(f"max_connections must be an int >= 1, got {max_connections!r}")
-        self._timeout = timeout
-        # Several small pools, used in turn: httpcore's pool bookkeeping costs O(connections^2) per
-        # request, which at 32+ concurrent requests on one pool costs more than the request itself.
-        per_pool = min(_CONNECTIONS_PER_POOL, max_connections)
-        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
-        ssl_context = httpx.create_ssl_context()  # built once: loading the CA bundle costs ~20 ms
-        self._pools = [
-            httpx.AsyncClient(
-                base_url=self.url, headers=headers, timeout=timeout, limits=limits, verify=ssl_context
-            )
-            for _ in range(math.ceil(max_connections / per_pool))
-        ]
-        self._next_pool = itertools.cycle(self._pools)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r:.80}")
+        self.url = url.rstrip("/")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = float(timeout)
+        # a lean keep-alive pool (see _wire): httpx's per-request overhead was most of a store call's cost;
+        # connection refusals (a store restarting) are retried within each request's timeout
+        self._pool = WirePool(self.url, max_connections, headers)
 
     async def _request(
         self, method: str, path: str, json: Any = None, params: Any = None, timeout: float | None = None
     ) -> bytes:
-        content = _ANY.dump_json(json) if json is not None else None
-        hdrs = {"content-type": "application/json"} if content is not None else None
+        content = orjson.dumps(json) if json is not None else None
+        if params:
+            path = f"{path}?{urlencode(params)}"
         try:
-            resp = await next(self._next_pool).request(
-                method, path, content=content, params=params, headers=hdrs, timeout=timeout or self._timeout
+            status, data = await self._pool.request(
+                method,
+                path,
+                content,
+                timeout or self._timeout,
+                idempotent=method == "GET" or path in _IDEMPOTENT,
             )
-        except httpx.HTTPError as exc:
-            raise StoreUnavailableError(
-                f"store at {self.url} unreachable ({type(exc).__name__}: {exc})"
-            ) from exc
-        if resp.status_code < 400:
-            return resp.content
+        except WireError as exc:
+            raise StoreUnavailableError(f"store at {self.url} unreachable ({exc})") from None
+        if status < 400:
+            return data
         try:
-            err = resp.json()["error"]
+            err = orjson.loads(data)["error"]
             message, kind = str(err["message"]), str(err["type"])
         except Exception:
-            message, kind = resp.text[:300], "unknown"
+            message, kind = data[:300].decode("utf-8", "replace"), "unknown"
         cls = _ERROR_CLASSES.get(kind)
-        if resp.status_code == 401:
+        if status == 401:
             raise StoreUnavailableError(
                 f"store at {self.url} refused the request (401): {message}; pass its api_key"
             )
-        if cls is None or resp.status_code >= 500:
-            raise StoreUnavailableError(f"store at {self.url} answered {resp.status_code}: {message}")
+        if cls is None or status >= 500:
+            raise StoreUnavailableError(f"store at {self.url} answered {status}: {message}")
         raise cls(message)
 
     async def enqueue_rollout(
@@ -547,8 +564,7 @@ class StoreClient:
         )
 
     async def close(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+        await self._pool.close()
 
     async def __aenter__(self) -> StoreClient:
         return self
