@@ -8,9 +8,13 @@ and the time to sync a 0.5B-class model's weights into every replica. Prints JSO
 
 Trainer: one PPO/GRPO update (old-logprob pass + forward/backward + AdamW) of a synthetic batch, through
 trainer/dp.py (FSDP2) with world size 1 and then 2. Rollout: concurrent requests with distinct
-attempt keys through agentloop/engine/replicas.py. Sync: ``EngineReplicaPool.update_weights`` of the
-bf16 weights (``ray.put`` once, every replica loads), and the full path from the trainer ranks
-(``named_weights`` gathered to rank 0, then the pool), with ranks and replicas colocated.
+attempt keys through agentloop/engine/replicas.py. Sync (``--only-sync`` measures just this): trainer/weight_sync.py
+with 2 ranks and 2 replicas colocated (CUDA IPC; ``weight_sync.sync_s``) and with 1 rank and 1 replica
+on different GPUs (NCCL broadcast; ``weight_sync_split.sync_s``); as a baseline the old path,
+``EngineReplicaPool.update_weights`` of the bf16 weights (``ray.put`` once, every replica loads) and
+the same from the trainer ranks (``named_weights`` gathered to rank 0, then the pool).
+
+    python benchmarks/scale_bench.py --device cuda --only-sync --out benchmarks/results/weight_sync_2gpu.json
 """
 
 from __future__ import annotations
@@ -146,16 +150,52 @@ async def _rollout_tokens_per_s(model: str, replicas: int, args: argparse.Namesp
             ray.kill(r)
 
 
+def _engine_sums(replica: Any) -> dict[str, float]:
+    """Per-tensor float64 sums of a replica's engine weights (runs inside the replica via ``call``)."""
+    return {k: float(v.detach().cpu().double().sum()) for k, v in replica.engine.model.state_dict().items()}
+
+
+def _check(trained: dict[str, torch.Tensor], sums: dict[str, float], dtype: torch.dtype) -> bool:
+    """True when the engine holds the trainer's weights (as cast to the engine's dtype)."""
+    return all(float(v.to(dtype).double().sum()) == sums[k] for k, v in trained.items())
+
+
+async def _new_sync(group: Any, pool: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """trainer/weight_sync.py: warm-up (setup + first sync), then ``args.reps`` timed syncs."""
+    from trainer.weight_sync import WeightSync
+
+    sync = WeightSync(group, pool)
+    try:
+        await sync.sync()
+        reports = [await sync.sync() for _ in range(args.reps)]
+        assert sync.layout is not None
+        return {
+            "sync_s": statistics.median(r.seconds for r in reports),
+            "gather_s": statistics.median(r.gather_s for r in reports),
+            "transfer_s": statistics.median(r.transfer_s for r in reports),
+            "all_s": [r.seconds for r in reports],
+            "gbytes_sent": reports[0].bytes / 1e9,
+            "buckets": len(sync.layout.buckets),
+            "ipc_replicas": reports[0].ipc_replicas,
+            "broadcast_replicas": reports[0].broadcast_replicas,
+        }
+    finally:
+        await sync.close()
+
+
 async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Colocated (rank i and replica i on GPU i): the new path (CUDA IPC) and the old one (object store)."""
     import ray
 
     from agentloop.engine.replicas import EngineReplicaPool
     from trainer.dp import DataParallelGroup
 
+    bundles = None
+
     def colocated(i: int) -> dict[str, Any]:
         """Rank i and replica i share GPU i: a bundle per GPU, half of it each (Ray would otherwise
         pack both halves of two actors onto one GPU)."""
-        if args.device != "cuda":
+        if bundles is None:
             return {"num_cpus": 0}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -173,7 +213,10 @@ async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     try:
+        new = await _new_sync(group, pool, args)
         weights = await group.named_weights.remote(dtype)
+        sums = await asyncio.gather(*[r.call.remote(_engine_sums) for r in pool.replicas])
+        new["verified"] = all(_check(weights, s, dtype) for s in sums)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         await pool.update_weights(weights)  # warm-up
         pool_times, full_times = [], []
@@ -188,9 +231,40 @@ async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
             "replicas": 2,
             "weights_gb": nbytes / 1e9,
             "dtype": str(dtype),
-            "pool_sync_s": statistics.median(pool_times),
-            "gather_and_sync_s": statistics.median(full_times),
+            "direct": new,  # CUDA IPC on GPUs; the gloo broadcast on CPU
+            "sync_s": new["sync_s"],
+            "baseline_object_store": {
+                "pool_sync_s": statistics.median(pool_times),
+                "gather_and_sync_s": statistics.median(full_times),
+            },
         }
+    finally:
+        group.shutdown()
+        await pool.stop()
+        for r in pool.replicas:
+            ray.kill(r)
+        if bundles is not None:
+            ray.util.remove_placement_group(bundles)
+
+
+async def _split_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Split: 1 trainer rank on GPU 0, 1 replica on GPU 1; the new path broadcasts over NCCL."""
+    import ray
+
+    from agentloop.engine.replicas import EngineReplicaPool
+    from trainer.dp import DataParallelGroup
+
+    opts = {"num_gpus": 1, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
+    group = DataParallelGroup.create(
+        _config(model, args.batch, args), model, args.device, 1, actor_options=lambda r: opts
+    )
+    pool = EngineReplicaPool.create(model, 1, args.device, actor_options=lambda i: opts, max_batch_size=8)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    try:
+        new = await _new_sync(group, pool, args)
+        weights = await group.named_weights.remote(dtype)
+        new["verified"] = _check(weights, await pool.replicas[0].call.remote(_engine_sums), dtype)
+        return {"replicas": 1, "train_ranks": 1, "broadcast": new, "sync_s": new["sync_s"]}
     finally:
         group.shutdown()
         await pool.stop()
@@ -214,6 +288,9 @@ async def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=None, help="tokens generated per request")
     ap.add_argument("--engine-batch", type=int, default=None, help="engine max_batch_size")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--only-sync", action="store_true", help="measure the weight sync only (skip trainer, rollout)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -247,15 +324,28 @@ async def main() -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
-    t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
-    t2 = await _train_tokens_per_s(model, 2, args, share=1.0)
-    result["trainer"] = {"1": t1, "2": t2, "speedup": t2["tokens_per_s"] / t1["tokens_per_s"], "target": 1.8}
-    save()
-    r1 = await _rollout_tokens_per_s(model, 1, args)
-    r2 = await _rollout_tokens_per_s(model, 2, args)
-    result["rollout"] = {"1": r1, "2": r2, "speedup": r2["tokens_per_s"] / r1["tokens_per_s"], "target": 1.8}
-    save()
+    if not args.only_sync:
+        t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
+        t2 = await _train_tokens_per_s(model, 2, args, share=1.0)
+        result["trainer"] = {
+            "1": t1,
+            "2": t2,
+            "speedup": t2["tokens_per_s"] / t1["tokens_per_s"],
+            "target": 1.8,
+        }
+        save()
+        r1 = await _rollout_tokens_per_s(model, 1, args)
+        r2 = await _rollout_tokens_per_s(model, 2, args)
+        result["rollout"] = {
+            "1": r1,
+            "2": r2,
+            "speedup": r2["tokens_per_s"] / r1["tokens_per_s"],
+            "target": 1.8,
+        }
+        save()
     result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
+    save()
+    result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
     save()
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     ray.shutdown()

@@ -213,6 +213,7 @@ class DPWorker:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.actor: ShardedActor | None = None
+        self.extensions: dict[str, Any] = {}  # state of functions run through ``call`` (weight sync)
 
     def address(self) -> tuple[str, int]:
         """Rank 0's node IP and a free port there: the group's MASTER_ADDR / MASTER_PORT."""
@@ -242,6 +243,10 @@ class DPWorker:
 
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         return self._ready().named_weights(dtype)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(self, *args)`` in this rank (trainer/weight_sync.py's rank side uses it)."""
+        return fn(self, *args)
 
     def save(self, path: str) -> None:
         state = self._ready().state()  # collective

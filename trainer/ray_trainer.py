@@ -6,6 +6,7 @@ One step (sync mode, ``rollout.max_staleness == 0``)::
     wait_for_rollouts ─► adapter (spans -> triplets) ─► build_batch
     ─► TrainerWorker.update (Ray actor: old/ref logprobs, advantages, PPO/GRPO)
     ─► engine.update_weights(new weights) ; store.add_resources(version + 1)
+       (data-parallel ranks + replica pool: straight from the ranks' GPUs, trainer/weight_sync.py)
 
 With ``max_staleness = k > 0`` the next k batches are already enqueued while a batch trains (async
 mode); each sample records the weights version it was generated with (``weights_version`` metadata).
@@ -92,6 +93,7 @@ class Trainer:
 
     def __init__(self, config: dict[str, Any] | TrainerConfig | None = None) -> None:
         self.config = TrainerConfig.from_dict(config)
+        self._weight_sync: Any = None  # a trainer.weight_sync.WeightSync while ranks feed a replica pool
 
     # ------------------------------------------------------------ entry point
 
@@ -210,6 +212,9 @@ class Trainer:
             await proxy.stop()
             if store_server is not None:
                 await store_server.stop()
+            if self._weight_sync is not None:
+                await self._weight_sync.close()
+                self._weight_sync = None
             await layout.aclose()
             if own_store:
                 await store.close()
@@ -228,7 +233,10 @@ class Trainer:
         for index, task in cursor.next_batch(train):
             for sample in range(n):
                 rollout = await store.enqueue_rollout(
-                    task, "train", config=config, metadata={"step": step, "data_index": index, "sample_index": sample}
+                    task,
+                    "train",
+                    config=config,
+                    metadata={"step": step, "data_index": index, "sample_index": sample},
                 )
                 ids.append(rollout.rollout_id)
         return _Pending(step=step, rollout_ids=ids, enqueued_at=time.perf_counter())
@@ -291,8 +299,8 @@ class Trainer:
         metrics.update(await worker.update.remote(batch))
         metrics["timing/update_wall_s"] = time.perf_counter() - t_update
         t_sync = time.perf_counter()
-        weights = await worker.named_weights.remote()
-        version = await engine.update_weights(weights)
+        version, sync_metrics = await self._sync_weights(worker, engine)
+        metrics.update(sync_metrics)
         await store.add_resources(Resources(items=resources.items))
         metrics["timing/sync_s"] = time.perf_counter() - t_sync
         metrics["weights_version"] = float(version)
@@ -300,6 +308,18 @@ class Trainer:
         metrics["perf/rollout_tokens"] = float(tokens)
         metrics["timing/step_s"] = time.perf_counter() - t_wait
         return metrics
+
+    async def _sync_weights(self, worker: Any, engine: Any) -> tuple[int, dict[str, float]]:
+        """New weights into the engine: data-parallel ranks straight into a replica pool (CUDA IPC /
+        NCCL, trainer/weight_sync.py), else through the driver (``engine.update_weights``)."""
+        from trainer import weight_sync
+
+        if weight_sync.supports(worker, engine):
+            if self._weight_sync is None:
+                self._weight_sync = weight_sync.WeightSync(worker, engine)
+            report = await self._weight_sync.sync()
+            return report.version, report.metrics()
+        return int(await engine.update_weights(await worker.named_weights.remote())), {}
 
     async def _validate(
         self, store: Store, val: list[Any], step: int, metrics_log: MetricsLogger
@@ -351,7 +371,7 @@ class Trainer:
             return 0
         path, state = found
         await worker.load.remote(str(path / "actor.pt"))
-        await engine.update_weights(await worker.named_weights.remote())
+        await self._sync_weights(worker, engine)
         cursor.load_state(state["cursor"])
         log.info("resumed", step=state["step"], checkpoint=str(path), cancelled_stale_rollouts=len(stale))
         return int(state["step"])

@@ -10,12 +10,15 @@ Routing key: the part of ``request_id`` before its last ``/``. The proxy names i
 prefix reuse) while attempts spread over replicas. A request id without ``/`` is routed by load only.
 
 ``update_weights`` puts the weights into the Ray object store once (``ray.put``) and every replica
-loads them from there, concurrently; the time it took is ``stats()["last_sync_s"]``.
+loads them from there, concurrently; the time it took is ``stats()["last_sync_s"]``. A trainer with
+data-parallel ranks has a faster path (CUDA IPC / NCCL, no object store): trainer/weight_sync.py,
+through ``EngineReplica.call`` and ``note_sync``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from collections import OrderedDict
@@ -53,6 +56,7 @@ class EngineReplica:
         self.model_path = model_path
         self.engine = load_engine(model_path, device=device, **(engine_kwargs or {}))
         self.requests = 0
+        self.extensions: dict[str, Any] = {}  # state of functions run through ``call``
 
     def info(self) -> dict[str, Any]:
         return {
@@ -82,6 +86,13 @@ class EngineReplica:
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "requests": self.requests}
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(self, *args)`` (awaited when it is a coroutine function) in this replica: how a
+        trainer loads weights by CUDA IPC or a broadcast (trainer/weight_sync.py) without agentloop
+        importing the trainer, as vLLM's ``collective_rpc`` does. Blocking work belongs in a thread."""
+        out = fn(self, *args)
+        return await out if inspect.isawaitable(out) else out
 
 
 class EngineReplicaPool:
@@ -209,14 +220,22 @@ class EngineReplicaPool:
                 raise ValueError("update_weights expects a non-empty mapping of parameter name -> tensor")
             ref = ray.put(dict(named_tensors))
         versions = await asyncio.gather(*[r.update_weights.remote(ref) for r in self.replicas])
+        return self.note_sync(versions, time.perf_counter() - t0)
+
+    def note_sync(self, versions: list[int], seconds: float) -> int:
+        """Record a weight sync that reached every replica (``versions``: each one's new version), as
+        done by ``update_weights`` or by a trainer's direct path; returns the pool's new version."""
+        if len(versions) != len(self.replicas):
+            raise ValueError(
+                f"note_sync needs one version per replica ({len(self.replicas)}), got {versions}"
+            )
         if len(set(versions)) != 1:
             log.warning("replicas.version_skew", versions=versions)
         self._version = max(versions)
-        elapsed = time.perf_counter() - t0
-        self._sync["last_sync_s"] = elapsed
+        self._sync["last_sync_s"] = seconds
         self._sync["syncs"] += 1
-        self._sync["total_sync_s"] += elapsed
-        log.info("replicas.weights_synced", version=self._version, seconds=round(elapsed, 4))
+        self._sync["total_sync_s"] += seconds
+        log.info("replicas.weights_synced", version=self._version, seconds=round(seconds, 4))
         return self._version
 
     def stats(self) -> dict[str, Any]:
