@@ -8,6 +8,11 @@ tokens, logprobs on), both warm in one process, timed alternately (see benchmark
 with the SmolLM2 tokenizer. Prints JSON (and writes it to ``--out``).
 
     python benchmarks/engine_bench.py [--model smollm2-135m-instruct] [--device cpu] [--prompts 32] [--new-tokens 128]
+    python benchmarks/engine_bench.py --device cuda --random-config qwen2-0.5b --prompts 128 --new-tokens 128
+    python benchmarks/engine_bench.py --quick            # CPU smoke run: 8 prompts x 16 tokens
+
+Both sides warm up on the full batch (4 tokens) before the timed run; the engine's counters
+(ms per decode step, prefill seconds, CUDA graph captures / replays) come with the result.
     python benchmarks/engine_bench.py --backend vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
 """
 
@@ -68,9 +73,13 @@ def bench_hf(model: Any, tok: Any, batch: list[list[int]], new_tokens: int, sp: 
 
 async def bench_engine(
     engine: TorchEngine, batch: list[list[int]], new_tokens: int, sp: SamplingParams
-) -> float:
-    await engine.generate(batch[0], sp.model_copy(update={"max_tokens": 4}))  # warm-up
+) -> tuple[float, dict[str, Any]]:
+    warm = sp.model_copy(update={"max_tokens": 4})  # warm-up on the full batch, as bench_hf does
+    await asyncio.gather(
+        *[engine.generate(p, warm.model_copy(update={"seed": -1 - i})) for i, p in enumerate(batch)]
+    )
     engine._prefix.clear()  # measure without the warm-up's prefix
+    before = engine.stats()
     t0 = time.perf_counter()
     outs = await asyncio.gather(
         *[engine.generate(p, sp.model_copy(update={"seed": i})) for i, p in enumerate(batch)]
@@ -78,7 +87,24 @@ async def bench_engine(
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
     assert n == len(batch) * new_tokens, (n, len(batch), new_tokens)
-    return n / dt
+    after = engine.stats()
+    steps = after["decode_steps"] - before["decode_steps"]
+    decode_s = (
+        after["decode_ms_per_step"] * after["decode_steps"]
+        - before["decode_ms_per_step"] * before["decode_steps"]
+    )
+    stats = {
+        "decode_steps": steps,
+        "mean_decode_batch": round((after["decode_rows"] - before["decode_rows"]) / max(steps, 1), 1),
+        "ms_per_decode_step": round(decode_s / max(steps, 1), 2),
+        "prefill_s": round(after["prefill_s"] - before["prefill_s"], 3),
+        "prefill_batches": after.get("prefill_batches", 0) - before.get("prefill_batches", 0),
+        "wall_s": round(dt, 3),
+        "cuda_graphs": after["cuda_graphs"],
+        "graph_captures_in_timed_run": after["graph_captures"] - before["graph_captures"],
+        "graph_replays_in_timed_run": after["graph_replays"] - before["graph_replays"],
+    }
+    return n / dt, stats
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -116,8 +142,12 @@ async def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="vllm backend: timed rounds per engine")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x 16 new tokens")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="TorchEngine without CUDA graphs (A/B)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens = 8, 16
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.random_config:
@@ -143,12 +173,21 @@ async def main() -> None:
         ignore_eos=True,
         logprobs=True,
     )
-    engine = TorchEngine(path, device=device, dtype=dtype, max_batch_size=max(args.prompts, 1))
-    engine_tps = await bench_engine(engine, batch, args.new_tokens, sp)
+    engine = TorchEngine(
+        path,
+        device=device,
+        dtype=dtype,
+        max_batch_size=max(args.prompts, 1),
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+    load = {"start": round(os.getloadavg()[0], 2)}  # other users of the machine skew CPU figures
+    engine_tps, engine_stats = await bench_engine(engine, batch, args.new_tokens, sp)
+    load["after_engine"] = round(os.getloadavg()[0], 2)
     await engine.stop()
     del engine
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     hf_tps = bench_hf(hf, tok, batch, args.new_tokens, sp)
+    load["after_hf"] = round(os.getloadavg()[0], 2)
     result = {
         "model": args.model,
         "device": device,
@@ -164,7 +203,8 @@ async def main() -> None:
         "torch_engine_tokens_per_s": round(engine_tps, 1),
         "hf_generate_left_padding_tokens_per_s": round(hf_tps, 1),
         "ratio": round(engine_tps / hf_tps, 2),
-        "machine": machine_info(device),
+        "torch_engine_stats": engine_stats,
+        "machine": {**machine_info(device), "load_avg_1m": load},
     }
     emit(result, args.out)
 

@@ -2,8 +2,9 @@
 
 ``SlotKVCache`` quacks like a transformers ``Cache``: attention layers call ``update(k, v,
 layer_idx)`` and get back the keys/values to attend over. The engine sets, before each forward,
-which rows it writes (one slot for a prefill, slots 0..n-1 for a decode step) and at which
-positions, and passes the matching 4D boolean mask itself.
+which rows it writes (a group of consecutive slots for a batched prefill, slots 0..B-1 for a
+decode step) and at which positions (device tensors, written in place: a decode step allocates
+no cache memory), and passes the matching 4D boolean mask itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ _MIN_CAPACITY = 256
 
 
 class SlotKVCache:
-    """Per layer ``k, v: (max_batch, n_kv_heads, capacity, head_dim)``; capacity grows by doubling."""
+    """``K, V: (n_layers, max_batch, n_kv_heads, capacity, head_dim)``; capacity grows by doubling.
+
+    One tensor per K and V (per-layer views ``k[i]``, ``v[i]``), so moving, reading or writing a
+    slot is one copy for all layers. ``generation`` changes whenever the storage is reallocated
+    (captured CUDA graphs hold its addresses and must be dropped then).
+    """
 
     def __init__(
         self, n_layers: int, max_batch: int, n_kv: int, head_dim: int, max_context: int,
@@ -26,13 +32,15 @@ class SlotKVCache:
         self.n_layers, self.max_batch, self.n_kv, self.head_dim = n_layers, max_batch, n_kv, head_dim
         self.max_context, self.dtype, self.device = max_context, dtype, device
         self.capacity = 0
+        self.generation = 0
+        self.K = torch.zeros(0, device=device, dtype=dtype)
+        self.V = torch.zeros(0, device=device, dtype=dtype)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._mode = "decode"
-        self._slot = 0
-        self._start = 0
-        self._q = 0
-        self._pos = torch.zeros(0, dtype=torch.long)
+        self._start = 0  # prefill: first slot of the group
+        self._n = 0  # decode: rows 0..n-1
+        self._pos = torch.zeros(0, dtype=torch.long, device=device)
         self._att = 0
         self.ensure_capacity(min(_MIN_CAPACITY, max_context))
 
@@ -51,69 +59,60 @@ class SlotKVCache:
         if needed <= self.capacity:
             return
         new = min(max(needed, 2 * self.capacity, _MIN_CAPACITY), self.max_context)
-        shape = (self.max_batch, self.n_kv, new, self.head_dim)
-        for store in (self.k, self.v):
-            for i in range(self.n_layers):
-                t = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if i < len(store):
-                    t[:, :, : self.capacity].copy_(store[i])
-                    store[i] = t
-                else:
-                    store.append(t)
+        shape = (self.n_layers, self.max_batch, self.n_kv, new, self.head_dim)
+        # zeros, not empty: masked positions still enter P @ V, and 0 * NaN would poison a row
+        K = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        V = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            K[:, :, :, : self.capacity].copy_(self.K)
+            V[:, :, :, : self.capacity].copy_(self.V)
+        self.K, self.V = K, V
+        self.k, self.v = list(K.unbind(0)), list(V.unbind(0))
         self.capacity = new
+        self.generation += 1
 
-    def set_prefill(self, slot: int, start: int, q_len: int) -> torch.Tensor:
-        """Next forward writes ``q_len`` positions from ``start`` into ``slot``; returns its causal
-        mask ``(1, 1, q_len, start + q_len)`` (True = attend)."""
-        self._mode, self._slot, self._start, self._q = "prefill", slot, start, q_len
-        kv = torch.arange(start + q_len, device=self.device)
-        q = torch.arange(start, start + q_len, device=self.device)
-        return (kv[None, :] <= q[:, None])[None, None]
+    def set_prefill(self, first_slot: int, positions: torch.Tensor, kv_len: int) -> None:
+        """Next forward writes slots ``first_slot..first_slot+m-1`` at ``positions`` (m, q) and
+        attends over their first ``kv_len`` positions (the caller passes the 4D mask)."""
+        self._mode, self._start, self._pos, self._att = "prefill", first_slot, positions, kv_len
 
-    def set_decode(self, positions: torch.Tensor) -> torch.Tensor:
-        """Next forward writes one position per row of slots 0..n-1; returns the mask
-        ``(n, 1, 1, max(pos) + 1)`` hiding each row's unused cache positions."""
-        self._mode, self._pos = "decode", positions
-        self._rows = torch.arange(len(positions), device=self.device)
-        self._att = int(positions.max()) + 1
-        kv = torch.arange(self._att, device=self.device)
-        return (kv[None, :] <= positions[:, None])[:, None, None, :]
+    def set_decode(self, positions: torch.Tensor, kv_len: int) -> None:
+        """Next forward writes position ``positions[i]`` of slot ``i`` for each row (slots 0..B-1)
+        and attends over their first ``kv_len`` positions. ``positions`` is kept, not copied (a
+        static buffer under CUDA graphs)."""
+        self._mode, self._pos, self._att, self._n = "decode", positions, kv_len, positions.shape[0]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[layer_idx], self.v[layer_idx]
-        if self._mode == "prefill":
-            s, a, b = self._slot, self._start, self._start + self._q
-            k[s, :, a:b] = key_states[0]
-            v[s, :, a:b] = value_states[0]
-            return k[s : s + 1, :, :b], v[s : s + 1, :, :b]
-        n = len(self._pos)
-        k[self._rows, :, self._pos] = key_states[:, :, 0]  # (n, n_kv, head_dim)
-        v[self._rows, :, self._pos] = value_states[:, :, 0]
-        return k[:n, :, : self._att], v[:n, :, : self._att]
+        # scatter_ along the position dim (100x faster than advanced-index assignment on CPU)
+        a, b = (self._start, self._start + self._pos.shape[0]) if self._mode == "prefill" else (0, self._n)
+        index = self._index(key_states.shape)
+        k[a:b].scatter_(2, index, key_states)  # key_states (rows, n_kv, q, head_dim)
+        v[a:b].scatter_(2, index, value_states)
+        return k[a:b, :, : self._att], v[a:b, :, : self._att]
+
+    def _index(self, shape: torch.Size) -> torch.Tensor:
+        pos = self._pos if self._pos.dim() == 2 else self._pos[:, None]  # (rows, q)
+        return pos[:, None, :, None].expand(shape)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._start + self._q if self._mode == "prefill" else self._att
+        return self._att
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot ``src``'s first ``length`` positions into slot ``dst``."""
-        for store in (self.k, self.v):
-            for t in store:
-                t[dst, :, :length] = t[src, :, :length]
+        """Copy slot ``src``'s first ``length`` positions into slot ``dst`` (all layers, one copy each)."""
+        self.K[:, dst, :, :length] = self.K[:, src, :, :length]
+        self.V[:, dst, :, :length] = self.V[:, src, :, :length]
 
     def read(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one slot's keys and values: ``(n_layers, n_kv, length, head_dim)`` each."""
-        return (
-            torch.stack([t[slot, :, :length] for t in self.k]),
-            torch.stack([t[slot, :, :length] for t in self.v]),
-        )
+        return self.K[:, slot, :, :length].clone(), self.V[:, slot, :, :length].clone()
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
         self.ensure_capacity(length)
-        for i in range(self.n_layers):
-            self.k[i][slot, :, :length] = k[i, :, :length]
-            self.v[i][slot, :, :length] = v[i, :, :length]
+        self.K[:, slot, :, :length] = k[:, :, :length]
+        self.V[:, slot, :, :length] = v[:, :, :length]
 
 
 class PrefixCache:

@@ -1,61 +1,171 @@
-"""Batched sampling with one ``torch.Generator`` per request.
+"""Batched, batch-invariant sampling: a few tensor ops for the whole batch, no per-request RNG.
 
-Each row draws its own uniform number from its own generator and picks its token by inverse
-CDF over its own filtered distribution, so a request's tokens depend only on its logits and its
-seed, never on which requests share the batch. Logprobs follow base.py: the raw-logit
-log-softmax of the sampled token, before temperature / top-k / top-p.
+Gumbel-max: a row's token is ``argmax(logits / T + g)`` over its kept tokens, where the noise
+``g(seed, step, token)`` is a counter-based hash (vectorised 64-bit integer ops, no generator):
+a request's tokens depend only on its own logits and seed, never on its batch-mates, and float
+noise in the logits flips a token only when two perturbed scores nearly tie (inverse-CDF
+sampling flips whenever the noise crosses a CDF boundary, which happens in the low-mass tail).
+Temperature, top-k and top-p are per-row tensors; top-k / top-p become one probability threshold
+per row (``keep p >= tau``), found from the 512 most likely tokens (``exact_static=False``: cheap,
+data-dependent, for eager CPU; noise then only for those candidates) or by bisection on the fp32
+bit pattern (``exact_static=True``: fixed shapes and no host sync, so a CUDA graph holds it).
+Both keep the smallest most-likely set whose mass reaches ``top_p`` (ties at the edge kept), and
+both give the same token for the same logits.
+
+Logprobs follow base.py: ``log_softmax`` of the RAW logits (before temperature / top-k / top-p)
+at the sampled token.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from agentloop.engine.base import SamplingParams
-
-_NUCLEUS_CANDIDATES = 512  # top-p looks at the 512 most likely tokens first; full sort only if they miss
-
-
-def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> tuple[list[int], list[float]]:
-    """Sample one token per row of ``logits`` (n, V) fp32; returns token ids and their logprobs."""
-    vocab = logits.shape[1]
-    tokens = torch.argmax(logits, dim=-1)  # (n,) greedy rows keep this
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
-        scores = logits.index_select(0, idx) / temp[:, None]  # (r, V)
-        top_k = [params[i].top_k for i in rows]
-        if any(k > 0 for k in top_k):
-            k_max = min(max(top_k), vocab)
-            kth = torch.topk(scores, k_max, dim=-1).values  # (r, k_max), sorted descending
-            k_idx = torch.tensor(
-                [min(k, vocab) - 1 if k > 0 else k_max - 1 for k in top_k], device=logits.device
-            )
-            thresh = kth.gather(1, k_idx[:, None])
-            thresh[torch.tensor([k == 0 for k in top_k], device=logits.device)] = -float("inf")
-            scores = scores.masked_fill(scores < thresh, -float("inf"))
-        probs = torch.softmax(scores, dim=-1)  # (r, V)
-        top_p = [params[i].top_p for i in rows]
-        if any(p < 1.0 for p in top_p):
-            probs = _nucleus(probs, torch.tensor(top_p, device=logits.device, dtype=probs.dtype))
-        # One uniform in (0, 1] per row from the row's own generator (CPU generators, moved once).
-        u = torch.cat([1.0 - torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows])
-        cdf = probs.double().cumsum(dim=-1)  # (r, V)
-        target = (u.to(cdf.device) * cdf[:, -1])[:, None]
-        picked = torch.searchsorted(cdf, target).clamp_(max=vocab - 1)[:, 0]
-        tokens[idx] = picked
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logprobs.tolist()  # one device->host sync per step
+SampleMode = Literal["greedy", "plain", "top_p", "top_k"]  # what the batch needs; "top_k" also does top-p
+_CANDIDATES = 512  # eager top-p first looks at the 512 most likely tokens; a full sort only if they miss
+_ONE_BITS = 0x3F800001  # bit pattern just above 1.0f: every probability's bits are below it
+_BISECT_STEPS = 30  # 2**30 > _ONE_BITS, so 30 halvings pin the exact threshold
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_MIX1, _MIX2 = 0x7FEB352D, 0x68E31DA5  # odd, < 2**31: a 32-bit value times one fits in int64
+_MIN_TEMPERATURE = 1e-5
 
 
-def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (per row)."""
-    k = min(_NUCLEUS_CANDIDATES, probs.shape[-1])
-    vals, ids = torch.topk(probs, k, dim=-1)  # (r, k) sorted descending
-    if bool((vals.sum(-1) < top_p).any()):  # some nucleus is wider than the candidates: sort all
-        vals, ids = torch.sort(probs, dim=-1, descending=True)
-    before = vals.cumsum(-1) - vals  # mass strictly before each token
-    keep = before < top_p[:, None]
-    return torch.zeros_like(probs).scatter_(1, ids, vals * keep)
+def row_key(seed: int, step: int) -> int:
+    """The 32-bit noise key of a request with ``seed`` at its ``step``-th token (SplitMix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) & _M32
+
+
+def gumbel(key: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise ``(B, n)`` fp32 for rows' keys ``(B,)`` and token ids ``(B, n)`` or ``(n,)``
+    (int64); a pure function of (key, token id)."""
+    x = key[:, None] ^ ((token_ids * 0x9E3779B1) & _M32)  # values stay < 2**32
+    x = (x * _MIX1) & _M32
+    x ^= x >> 15
+    x = (x * _MIX2) & _M32
+    x ^= x >> 13
+    x = (x * _MIX1) & _M32
+    x ^= x >> 16
+    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
+
+
+def sample_mode(temperatures: list[float], top_ks: list[int], top_ps: list[float]) -> SampleMode:
+    """The cheapest mode that serves every row of a batch."""
+    if all(t <= 0 for t in temperatures):
+        return "greedy"
+    if any(k > 0 for k in top_ks):
+        return "top_k"
+    return "top_p" if any(p < 1.0 for p in top_ps) else "plain"
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    key: torch.Tensor,
+    mode: SampleMode,
+    exact_static: bool,
+    greedy_rows: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns ``(tokens (B,) int64, logprobs (B,) fp32)``.
+
+    ``logits`` (B, V) fp32; ``temperature`` / ``top_p`` (B,) float (temperature 0 = greedy row);
+    ``top_k`` (B,) int64 (0 = off); ``key`` (B,) int64 from :func:`row_key`;
+    ``greedy_rows=False`` promises no row has temperature 0 (skips an argmax over (B, V)).
+    """
+    if mode == "greedy":
+        tokens = logits.argmax(dim=-1)
+    else:
+        temp = temperature.to(logits.dtype).clamp(min=_MIN_TEMPERATURE)
+        scores = logits / temp[:, None]  # (B, V)
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        if mode == "plain":
+            tokens = (scores + gumbel(key, vocab)).argmax(dim=-1)
+        elif exact_static:
+            probs = torch.softmax(scores, dim=-1)
+            tau = _threshold_bisect(probs, top_k, top_p, mode)
+            noisy = (scores + gumbel(key, vocab)).masked_fill_(probs < tau[:, None], -float("inf"))
+            tokens = noisy.argmax(dim=-1)
+        else:
+            tokens = _sample_candidates(scores, top_k, top_p, key, mode)
+        if greedy_rows:
+            tokens = torch.where(temperature > 0, tokens, logits.argmax(dim=-1))
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[
+        :, 0
+    ]  # 3x logsumexp's speed on CPU
+    return tokens, logprobs
+
+
+def _sample_candidates(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, key: torch.Tensor, mode: SampleMode
+) -> torch.Tensor:
+    """Eager top-k / top-p: rows whose kept set lies in the 512 most likely tokens (nearly all, for
+    a trained model) draw noise for those candidates only; other rows sort the full vocabulary."""
+    probs = torch.softmax(scores, dim=-1)  # (B, V)
+    vocab = probs.shape[-1]
+    k_max = int(top_k.max()) if mode == "top_k" else 0  # host sync: eager path only
+    vals, ids = torch.topk(probs, min(vocab, max(_CANDIDATES, k_max)), dim=-1)  # (B, k) descending
+    tau, covered = _threshold_sorted(vals, probs.sum(-1), top_k, top_p, vocab)
+    noisy = (scores.gather(1, ids) + gumbel(key, ids)).masked_fill_(vals < tau[:, None], -float("inf"))
+    tokens = ids.gather(1, noisy.argmax(dim=-1, keepdim=True))[:, 0]
+    rest = (~covered).nonzero()[:, 0]  # host sync: eager path only
+    if len(rest):
+        sub = probs.index_select(0, rest)
+        vals = torch.sort(sub, dim=-1, descending=True).values
+        tau, _ = _threshold_sorted(vals, sub.sum(-1), top_k[rest], top_p[rest], vocab)
+        ids = torch.arange(vocab, device=scores.device)
+        noisy = scores.index_select(0, rest) + gumbel(key[rest], ids)
+        tokens[rest] = noisy.masked_fill_(sub < tau[:, None], -float("inf")).argmax(dim=-1)
+    return tokens
+
+
+def _threshold_sorted(
+    vals: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, full_vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threshold from each row's largest probabilities ``vals`` (B, k) sorted descending; also
+    whether the kept set surely lies within them (``covered``)."""
+    k = vals.shape[-1]
+    use_k = top_k > 0
+    kth = vals.gather(1, (top_k.clamp(min=1, max=k) - 1)[:, None])[:, 0]
+    tau_k = torch.where(use_k, kth, torch.zeros_like(kth))
+    kept = vals * (vals >= tau_k[:, None])
+    target = top_p.to(vals.dtype) * torch.where(use_k, kept.sum(-1), total)  # top-k renormalises
+    before = kept.cumsum(-1) - kept  # mass strictly before each candidate
+    n_keep = ((before < target[:, None]) & (kept > 0)).sum(-1).clamp(min=1)
+    tau_p = vals.gather(1, (n_keep - 1)[:, None])[:, 0]
+    tau = torch.where(top_p >= 1.0, tau_k, torch.maximum(tau_p, tau_k))
+    covered = use_k | ((top_p < 1.0) & (kept.sum(-1) >= target)) | (k == full_vocab)
+    return tau, covered
+
+
+def _threshold_bisect(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mode: SampleMode
+) -> torch.Tensor:
+    """Per-row threshold by bisection on the fp32 bit pattern (monotone for p >= 0): fixed shapes,
+    no host sync; 30 (top-p) or 60 (top-k + top-p) masked reductions over (B, V)."""
+    bits = probs.float().contiguous().view(torch.int32)  # (B, V)
+    n = probs.shape[0]
+    lo = torch.zeros(n, dtype=torch.int32, device=probs.device)
+    if mode == "top_k":  # largest b with count(bits >= b) >= k
+        k = torch.where(top_k > 0, top_k.clamp(max=probs.shape[-1]), probs.shape[-1])
+        hi = torch.full_like(lo, _ONE_BITS)
+        for _ in range(_BISECT_STEPS):
+            mid = lo + (hi - lo) // 2
+            ok = (bits >= mid[:, None]).sum(-1) >= k
+            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    tau_k = lo
+    mass = (probs * (bits >= tau_k[:, None])).sum(-1)
+    target = top_p.to(probs.dtype) * mass  # top-p on the top-k-renormalised distribution
+    lo, hi = tau_k, torch.full_like(tau_k, _ONE_BITS)
+    for _ in range(_BISECT_STEPS):  # largest b >= tau_k with mass(bits >= b) >= target
+        mid = lo + (hi - lo) // 2
+        ok = (probs * (bits >= mid[:, None])).sum(-1) >= target
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    tau = torch.where(top_p >= 1.0, tau_k, lo)
+    return tau.view(torch.float32).to(probs.dtype)

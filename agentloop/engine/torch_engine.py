@@ -1,16 +1,21 @@
 """TorchEngine: the default engine, any transformers causal LM on CPU (fp32) or CUDA (bf16).
 
 Continuous batching with a slot KV cache: every running request owns one row ("slot") of a
-preallocated per-layer cache ``(max_batch_size, n_kv_heads, capacity, head_dim)``; running
+preallocated cache ``(n_layers, max_batch_size, n_kv_heads, capacity, head_dim)``; running
 requests are kept compact in slots ``0..n-1`` so a decode step reads a view, never a copy.
 One engine step (run by a dedicated thread, so the asyncio side never blocks on a forward):
 
-1. ``_schedule()``  admit waiting requests into free slots and prefill them one by one
-   (reusing the longest cached prefix of a recently finished request);
-2. ``_execute()``   one batched decode forward of all older running requests (a 4D mask hides
-   each row's unused cache positions; positions are per row);
-3. ``_update()``    sample with each request's own ``torch.Generator``, append, finish on
-   eos / stop ids / stop strings / max_tokens / context limit, resolve the caller's future.
+1. ``_schedule()``  admit waiting requests into free slots and prefill them in left-padded groups
+   of at most ``max_prefill_tokens`` (each reusing the longest cached prefix of a recently finished
+   request), sampling their first tokens together;
+2. ``_execute()``   one batched decode forward + sampling of all older running requests
+   (agentloop.engine._decode: static device buffers, a mask built on device, one host->device copy
+   in and one device->host copy out; on CUDA replayed from captured CUDA graphs);
+3. ``_update()``    append, finish on eos / stop ids / stop strings / max_tokens / context limit,
+   resolve the caller's future.
+
+Sampling (agentloop.engine._sampling) is batched and batch-invariant: Gumbel-max with noise hashed
+from ``(seed, step, token)``, so no per-request generator and no per-request kernels.
 
 Why not transformers' own continuous batching (``generate_batch`` / ``ContinuousBatchingManager``,
 transformers 5.24): it samples the whole batch with one ``torch.multinomial`` on the global RNG
@@ -32,7 +37,9 @@ import asyncio
 import collections
 import inspect
 import queue
+import random
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,8 +50,9 @@ import anyio
 import structlog
 import torch
 
+from agentloop.engine._decode import DecodeRow, ModelRunner
 from agentloop.engine._kv import PrefixCache, SlotKVCache
-from agentloop.engine._sampling import sample_batch
+from agentloop.engine._sampling import row_key, sample, sample_mode
 from agentloop.engine.base import SamplingParams, TokenOutput
 from agentloop.errors import ContextLengthExceededError, EngineError
 
@@ -58,7 +66,7 @@ class _Request:
     sampling: SamplingParams
     future: asyncio.Future[TokenOutput]
     loop: asyncio.AbstractEventLoop
-    generator: torch.Generator
+    seed: int
     end_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -68,7 +76,13 @@ class _Request:
 
 
 class TorchEngine:
-    """Continuous-batching engine over a transformers causal LM (see module docstring)."""
+    """Continuous-batching engine over a transformers causal LM (see module docstring).
+
+    ``cuda_graphs`` (CUDA only; ignored on CPU): replay the decode step from CUDA graphs captured
+    lazily per (batch bucket 1, 2, 4, ..., kv-length bucket, sampling mode); a capture that fails
+    or disagrees with the eager step turns them off with a warning. ``max_prefill_tokens``: most
+    (padded) tokens one batched prefill forward takes.
+    """
 
     def __init__(
         self,
@@ -81,11 +95,15 @@ class TorchEngine:
         max_context: int | None = None,
         prefix_cache_entries: int = 16,
         weight_update_policy: Literal["drain", "abort"] = "drain",
+        cuda_graphs: bool = True,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if weight_update_policy not in ("drain", "abort"):
             raise ValueError(f"weight_update_policy must be 'drain' or 'abort', got {weight_update_policy!r}")
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
@@ -111,6 +129,16 @@ class TorchEngine:
         self._cache_kw = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
+        self._max_prefill_tokens = max_prefill_tokens
+        self._runner = ModelRunner(
+            self._model,
+            self._cache,
+            self._cache_kw,
+            max_batch_size,
+            self._max_context,
+            self._device,
+            cuda_graphs,
+        )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -128,6 +156,7 @@ class TorchEngine:
             tuple[dict[str, torch.Tensor], asyncio.Future[int], asyncio.AbstractEventLoop]
         ] = []
         self._stats = collections.Counter[str]()
+        self._timers = {"decode_s": 0.0, "prefill_s": 0.0}
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -174,10 +203,9 @@ class TorchEngine:
         if rid in self._inflight:
             raise ValueError(f"request_id {rid!r} is already in flight; use a unique id per request")
         loop = asyncio.get_running_loop()
-        gen = torch.Generator()
-        gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         end_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
-        req = _Request(rid, prompt, sampling, loop.create_future(), loop, gen, end_ids)
+        req = _Request(rid, prompt, sampling, loop.create_future(), loop, seed, end_ids)
         await self.start()
         self._inflight[rid] = req
         self._inbox.put(("add", req))
@@ -222,6 +250,10 @@ class TorchEngine:
         s: dict[str, Any] = dict(self._stats)
         steps = s.get("decode_steps", 0)
         s["mean_decode_batch"] = s.get("decode_rows", 0) / steps if steps else 0.0
+        s["decode_ms_per_step"] = 1e3 * self._timers["decode_s"] / steps if steps else 0.0
+        s["prefill_s"] = self._timers["prefill_s"]
+        s.update(cuda_graphs=self._runner.cuda_graphs, graph_captures=self._runner.captures,
+                 graph_replays=self._runner.replays)  # fmt: skip
         s.update(
             running=len(self._running), waiting=len(self._waiting), weights_version=self._weights_version
         )
@@ -281,7 +313,7 @@ class TorchEngine:
         elif kind == "update":
             self._updates.append(arg)
             if self._policy == "abort":
-                for req in list(self._running):
+                for req in reversed(self._running):  # last slot first: nothing moves
                     self._finish(req, "abort")
         elif kind == "abort":
             for req in [*self._waiting, *self._running]:
@@ -291,78 +323,129 @@ class TorchEngine:
     def _step(self) -> None:
         if self._updates and not self._running:
             self._apply_updates()
-        new = self._schedule() if not self._updates else []
+        new = set(self._schedule()) if not self._updates else set()
         old = [r for r in self._running if r not in new]
         if old:
             try:
-                logits = self._execute(old)
+                tokens, logprobs = self._execute(old)
             except Exception as exc:  # never hang a caller: fail the batch, keep serving
                 log.exception("engine.decode_failed", batch=len(old))
-                for req in old:
+                for req in reversed(old):  # last slot first: nothing moves
                     self._fail(req, exc)
                 return
-            self._update(old, logits)
+            self._update(old, tokens, logprobs)
 
     def _schedule(self) -> list[_Request]:
-        """Admit waiting requests while slots are free; prefill each and sample its first token."""
+        """Admit waiting requests while slots are free; prefill them in groups, sample first tokens."""
         admitted: list[_Request] = []
         while self._waiting and len(self._running) < self._max_batch:
-            req = self._waiting.popleft()
-            req.slot = len(self._running)
-            self._running.append(req)
-            try:
-                logits = self._prefill(req)
-            except Exception as exc:
-                log.exception("engine.prefill_failed", request_id=req.request_id)
-                self._fail(req, exc)
-                continue
-            admitted.append(req)
-            self._update([req], logits)
+            group = [self._waiting.popleft()]
+            longest = len(group[0].prompt_ids)
+            while self._waiting and len(self._running) + len(group) < self._max_batch:
+                longest_next = max(longest, len(self._waiting[0].prompt_ids))
+                if longest_next * (len(group) + 1) > self._max_prefill_tokens:
+                    break
+                group.append(self._waiting.popleft())
+                longest = longest_next
+            admitted += self._admit(group)
         return admitted
 
-    def _prefill(self, req: _Request) -> torch.Tensor:
-        prompt = req.prompt_ids
-        cached = self._prefix.lookup(prompt, self._cache, req.slot, max_len=len(prompt) - 1)
-        req.num_cached = cached
-        self._stats["prompt_tokens"] += len(prompt)
-        self._stats["cached_prompt_tokens"] += cached
-        self._stats["prefix_cache_hits"] += int(cached > 0)
-        ids = torch.tensor([prompt[cached:]], device=self._device)
-        pos = torch.arange(cached, len(prompt), device=self._device)[None]
-        self._cache.ensure_capacity(len(prompt) + 1)
-        mask = self._cache.set_prefill(req.slot, cached, len(prompt) - cached)
-        out = self._model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                          logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
-        req.kv_len = len(prompt)
-        return out.logits[:, -1].float()  # (1, V)
+    def _admit(self, group: list[_Request]) -> list[_Request]:
+        """Give ``group`` consecutive slots and prefill it; when the batched prefill fails, retry
+        one by one so only the faulty request fails."""
+        first = len(self._running)
+        for i, req in enumerate(group):
+            req.slot = first + i
+            self._running.append(req)
+        try:
+            logits = self._prefill(group)
+        except Exception as exc:
+            if len(group) == 1:
+                log.exception("engine.prefill_failed", request_id=group[0].request_id)
+                self._fail(group[0], exc)
+                return []
+            for req in reversed(group):  # last slot first: nothing moves
+                self._release(req)
+            return [r for req in group for r in self._admit([req])]
+        tokens, logprobs = self._sample(group, logits)
+        self._update(group, tokens, logprobs)
+        return group
 
-    def _execute(self, reqs: list[_Request]) -> torch.Tensor:
-        """One batched decode forward for ``reqs`` (all in slots 0..n-1); returns (n, V) logits."""
+    def _prefill(self, group: list[_Request]) -> torch.Tensor:
+        cached = []
+        for req in group:
+            prompt = req.prompt_ids
+            hit = self._prefix.lookup(prompt, self._cache, req.slot, max_len=len(prompt) - 1)
+            req.num_cached = hit
+            cached.append(hit)
+            self._stats["prompt_tokens"] += len(prompt)
+            self._stats["cached_prompt_tokens"] += hit
+            self._stats["prefix_cache_hits"] += int(hit > 0)
+        self._cache.ensure_capacity(max(len(r.prompt_ids) for r in group) + 1)
+        t0 = time.perf_counter()
+        logits = self._runner.prefill(group[0].slot, [r.prompt_ids for r in group], cached)
+        for req in group:
+            req.kv_len = len(req.prompt_ids)
+        self._stats["prefill_batches"] += 1
+        self._timers["prefill_s"] += time.perf_counter() - t0
+        return logits
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Sample the first token of freshly prefilled requests (one batched call, one sync)."""
+        sps = [r.sampling for r in reqs]
+        mode = sample_mode([p.temperature for p in sps], [p.top_k for p in sps], [p.top_p for p in sps])
+        dev = logits.device
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([p.temperature for p in sps], device=dev),
+            torch.tensor([p.top_k for p in sps], device=dev),
+            torch.tensor([p.top_p for p in sps], device=dev),
+            torch.tensor([row_key(r.seed, len(r.output_ids)) for r in reqs], device=dev),
+            mode,
+            exact_static=dev.type == "cuda",  # no host syncs on a GPU
+            greedy_rows=any(p.temperature <= 0 for p in sps),
+        )
+        res = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        return [int(t) for t in res[0]], res[1]
+
+    def _execute(self, reqs: list[_Request]) -> tuple[list[int], list[float]]:
+        """One batched decode step for ``reqs`` (all in slots 0..n-1); returns tokens and logprobs."""
         n = len(reqs)
         reqs.sort(key=lambda r: r.slot)
-        assert [r.slot for r in reqs] == list(range(n)), "decode rows must be the compact slots 0..n-1"
-        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], device=self._device)
-        pos = torch.tensor([[r.kv_len] for r in reqs], device=self._device)
+        assert reqs[0].slot == 0 and reqs[-1].slot == n - 1, "decode rows must be the compact slots 0..n-1"
         self._cache.ensure_capacity(max(r.kv_len for r in reqs) + 1)
-        mask = self._cache.set_decode(pos[:, 0])
-        out = self._model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                          logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
+        rows: list[DecodeRow] = []
+        for r in reqs:
+            sp = r.sampling
+            key = row_key(r.seed, len(r.output_ids))
+            rows.append((r.output_ids[-1], r.kv_len, sp.top_k, key, sp.temperature, sp.top_p))
+        temps = [row[4] for row in rows]
+        mode = sample_mode(temps, [row[2] for row in rows], [row[5] for row in rows])
+        t0 = time.perf_counter()
+        tokens, logprobs = self._runner.decode(rows, mode, any(t <= 0 for t in temps))
+        self._timers["decode_s"] += time.perf_counter() - t0
         for r in reqs:
             r.kv_len += 1
         self._stats["decode_steps"] += 1
         self._stats["decode_rows"] += n
-        return out.logits[:, -1].float()
+        return tokens, logprobs
 
-    def _update(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        """Sample one token per request, append it, and finish the requests that are done."""
-        tokens, logprobs = sample_batch(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+    def _update(self, reqs: list[_Request], tokens: list[int], logprobs: list[float]) -> None:
+        """Append each request's sampled token and finish the requests that are done."""
+        done: list[tuple[_Request, Literal["stop", "length"]]] = []
         for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
             self._stats["generated_tokens"] += 1
             reason = self._finish_reason(req, tok)
             if reason is not None:
-                self._finish(req, reason)
+                done.append((req, reason))
+        # highest slot first, so releasing never moves a slot that is about to finish too; only the
+        # last prefix_cache_entries go to the LRU (storing the others would only be evicted again)
+        done.sort(key=lambda d: -d[0].slot)
+        skip = len(done) - self._prefix.max_entries
+        for i, (req, reason) in enumerate(done):
+            self._finish(req, reason, store=i >= skip)
 
     def _finish_reason(self, req: _Request, tok: int) -> Literal["stop", "length"] | None:
         sp = req.sampling
@@ -395,8 +478,8 @@ class TorchEngine:
             mover.slot = req.slot
         req.slot = -1
 
-    def _finish(self, req: _Request, reason: Literal["stop", "length", "abort"]) -> None:
-        if req.slot >= 0 and reason != "abort" and req.kv_len > 0:
+    def _finish(self, req: _Request, reason: Literal["stop", "length", "abort"], store: bool = True) -> None:
+        if store and req.slot >= 0 and reason != "abort" and req.kv_len > 0:
             self._prefix.store((req.prompt_ids + req.output_ids)[: req.kv_len], self._cache, req.slot)
         self._release(req)
         self._stats[f"finished_{reason}"] += 1

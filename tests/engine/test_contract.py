@@ -41,6 +41,10 @@ async def test_same_seed_same_tokens(engine: Any, chat_prompt: list[int]) -> Non
 
 
 async def test_batched_equals_alone(engine: Any, chat_prompt: list[int]) -> None:
+    """Greedy and seeded sampled requests give the same tokens alone or batched. Sampling itself is
+    batch-invariant (TorchEngine: Gumbel-max with noise hashed from (seed, step, token)); the
+    logits still differ by float noise across batch shapes, which flips a sampled token only when
+    two perturbed scores nearly tie (the tiny model's peaked logits make that vanishingly rare)."""
     prompts = _variants(chat_prompt, 12)
     seeded = SamplingParams(temperature=0.8, max_tokens=24, seed=3, ignore_eos=True)
     with anyio.fail_after(60):

@@ -1,0 +1,179 @@
+"""TorchEngine's forward passes: batched left-padded prefill and a static decode step.
+
+The decode step reads its per-row inputs (last token, position, sampling settings and the row's
+noise key) from preallocated device buffers filled with ONE host->device copy per kind (ints,
+floats), runs one forward over slots ``0..B-1`` with a mask built on device from the positions,
+samples the whole batch (agentloop.engine._sampling) and returns ``(2, B)`` (token, logprob), read
+back with ONE device->host copy. With ``cuda_graphs`` the step is captured per
+``(batch bucket, kv-length bucket, sampling mode)`` and replayed, so a step costs one graph
+launch instead of hundreds of kernel launches; padded rows write only into free slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from agentloop.engine._kv import SlotKVCache
+from agentloop.engine._sampling import SampleMode, sample
+
+log = structlog.get_logger(__name__)
+
+DecodeRow = tuple[int, int, int, int, float, float]  # last token, position, top_k, noise key, temp, top_p
+GraphKey = tuple[int, int, SampleMode, bool]  # batch bucket, kv-length bucket, sampling mode, greedy rows
+_MIN_KV_BUCKET = 256
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    b = floor
+    while b < n:
+        b *= 2
+    return b
+
+
+class ModelRunner:
+    """Runs prefill and decode forwards of ``model`` over ``cache`` (see module docstring)."""
+
+    def __init__(
+        self, model: Any, cache: SlotKVCache, cache_kw: str, max_batch: int, max_context: int,
+        device: torch.device, cuda_graphs: bool,
+    ) -> None:  # fmt: skip
+        self._model, self._cache, self._cache_kw = model, cache, cache_kw
+        self._device = device
+        self._max_batch = max_batch
+        self.static_sampling = device.type == "cuda"  # no host sync inside a step: top-p by bisection
+        self.cuda_graphs = bool(cuda_graphs) and self.static_sampling
+        self.graph_shapes = self.cuda_graphs  # bucketed shapes; tests set it on CPU to check the padding
+        self._ints = torch.zeros(4, max_batch, dtype=torch.long, device=device)  # ids, positions, top_k, key
+        self._floats = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # temperature, top_p
+        self._arange = torch.arange(max_context + 1, device=device)
+        self._graphs: dict[GraphKey, tuple[Any, torch.Tensor]] = {}
+        self._graph_generation = cache.generation
+        self._pool: Any = None
+        self._checked = False
+        self.captures = 0
+        self.replays = 0
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, first_slot: int, prompts: Sequence[list[int]], cached: Sequence[int]) -> torch.Tensor:
+        """One forward over ``prompts[i][cached[i]:]`` (left-padded) into slots ``first_slot + i``;
+        returns the last real position's logits ``(m, V)`` fp32. Padding queries write only at
+        positions ``>= len(prompt)`` of their own slot, which no real query attends to."""
+        m = len(prompts)
+        q = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
+        cap = self._cache.capacity
+        ids: list[int] = []
+        pos: list[int] = []
+        for p, c in zip(prompts, cached, strict=True):
+            pad = q - (len(p) - c)
+            ids += [0] * pad + p[c:]
+            pos += [min(len(p) + i, cap - 1) for i in range(pad)] + list(range(c, len(p)))
+        ids_t = torch.tensor(ids, dtype=torch.long).view(m, q).to(self._device)
+        pos_t = torch.tensor(pos, dtype=torch.long).view(m, q).to(self._device)
+        kv_len = max(len(p) for p in prompts)
+        self._cache.set_prefill(first_slot, pos_t, kv_len)
+        mask = (self._arange[:kv_len][None, None, :] <= pos_t[:, :, None])[:, None]  # (m, 1, q, kv_len)
+        out = self._model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
+                          logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
+        return out.logits[:, -1].float()
+
+    # ------------------------------------------------------------------ decode
+    def decode(
+        self, rows: Sequence[DecodeRow], mode: SampleMode, greedy_rows: bool
+    ) -> tuple[list[int], list[float]]:
+        """One decode step for slots ``0..len(rows)-1``; returns sampled ids and their logprobs."""
+        n = len(rows)
+        b = min(_pow2_at_least(n), self._max_batch) if self.graph_shapes else n
+        pad = b - n
+        tok, pos, top_k, keys, temp, top_p = (list(c) for c in zip(*rows, strict=True))
+        zeros = [0] * pad
+        # Padding rows b > n hit slots n..b-1: free, or requests prefilled this very step. They write
+        # at the last cache position, which is >= every slot's kv_len, so a real row overwrites it
+        # before it ever attends to it (the invariant the prefill padding relies on too).
+        junk = [self._cache.capacity - 1] * pad
+        ints = torch.tensor([*tok, *zeros, *pos, *junk, *top_k, *zeros, *keys, *zeros], dtype=torch.long)
+        floats = torch.tensor([*temp, *[0.0] * pad, *top_p, *[1.0] * pad], dtype=torch.float32)
+        self._ints[:, :b].copy_(ints.view(4, b), non_blocking=True)  # one host->device copy per kind
+        self._floats[:, :b].copy_(floats.view(2, b), non_blocking=True)
+        need = max(pos) + 1
+        if self.graph_shapes:
+            kv_len = min(_pow2_at_least(need, _MIN_KV_BUCKET), self._cache.capacity)
+            gkey: GraphKey = (b, kv_len, mode, greedy_rows)
+            out = self._graph_step(gkey, n) if self.cuda_graphs else self._forward(*gkey)
+        else:
+            out = self._forward(b, need, mode, greedy_rows)
+        res = out[:, :n].tolist()  # the one device->host copy (and sync) of the step
+        return [int(t) for t in res[0]], res[1]
+
+    def _forward(self, b: int, kv_len: int, mode: SampleMode, greedy_rows: bool) -> torch.Tensor:
+        ids = self._ints[0, :b, None]  # (b, 1)
+        pos = self._ints[1, :b, None]
+        self._cache.set_decode(pos[:, 0], kv_len)
+        mask = (self._arange[:kv_len][None, :] <= pos)[:, None, None, :]  # (b, 1, 1, kv_len)
+        out = self._model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                          logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
+        logits = out.logits[:, -1].float()  # (b, V)
+        i, f = self._ints[:, :b], self._floats[:, :b]
+        tokens, logprobs = sample(logits, f[0], i[2], f[1], i[3], mode, self.static_sampling, greedy_rows)
+        return torch.stack([tokens.double(), logprobs.double()])  # (2, b)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _graph_step(self, key: GraphKey, n: int) -> torch.Tensor:
+        if self._cache.generation != self._graph_generation:  # the cache was reallocated
+            self.drop_graphs()
+        entry = self._graphs.get(key)
+        if entry is None:
+            return self._capture(key, n)
+        entry[0].replay()
+        self.replays += 1
+        return entry[1]
+
+    def drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+        self._graph_generation = self._cache.generation
+
+    def _capture(self, key: GraphKey, n: int) -> torch.Tensor:
+        """Warm up eagerly on a side stream (this IS the step's result: its cache writes are
+        idempotent), capture, replay; the first capture is checked against the eager result."""
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            ref = self._forward(*key).clone()
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(self._device)
+            # torch.cuda.graph() without its gc.collect() + empty_cache(): captures happen mid-serving
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    out = self._forward(*key)
+                finally:
+                    graph.capture_end()
+            graph.replay()
+        except Exception as exc:  # never fail a request for a capture: stay eager from now on
+            log.warning(
+                "engine.cuda_graph_capture_failed", key=str(key), error=f"{type(exc).__name__}: {exc}"
+            )
+            self.cuda_graphs = self.graph_shapes = False
+            self.drop_graphs()
+            return ref
+        self.captures += 1
+        if not self._checked:
+            same = (out[0, :n] == ref[0, :n]).float().mean().item()
+            lp_err = (out[1, :n] - ref[1, :n]).abs().max().item()
+            self._checked = True
+            if same < 0.9 or lp_err > 0.1:
+                log.error("engine.cuda_graph_mismatch", same_tokens=same, max_logprob_diff=lp_err)
+                self.cuda_graphs = self.graph_shapes = False
+                self.drop_graphs()
+                return ref
+        self._graphs[key] = (graph, out)
+        log.info("engine.cuda_graph_captured", batch=key[0], kv_len=key[1], mode=key[2], greedy_rows=key[3])
+        return out

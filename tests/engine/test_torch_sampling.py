@@ -1,0 +1,125 @@
+"""TorchEngine's batched sampling (agentloop.engine._sampling) and its static-shape decode path.
+
+The CUDA-graph path cannot run here; what it relies on can: bucketed batch shapes whose padding
+rows write into other slots' future positions, and top-k / top-p by bisection (no host sync).
+``graph_shapes`` / ``static_sampling`` switch those on for the CPU engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from agentloop.engine._sampling import _threshold_bisect, _threshold_sorted, row_key, sample
+from agentloop.engine.base import SamplingParams
+from tests.engine.conftest import make_engine
+
+V = 3000
+
+
+def _reference_keep(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The kept set by a full sort: top-k, then the smallest prefix whose mass reaches top_p."""
+    vals, ids = probs.sort(-1, descending=True)
+    in_k = torch.arange(probs.shape[-1])[None] < torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
+    kept = vals * in_k
+    before = kept.cumsum(-1) - kept
+    keep = in_k & ((before < (top_p * kept.sum(-1))[:, None]) | (top_p[:, None] >= 1))
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(1, ids, keep)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 10.0], ids=["flat", "medium", "peaked"])
+def test_thresholds_match_a_full_sort(scale: float) -> None:
+    torch.manual_seed(0)
+    probs = (torch.randn(32, V) * scale).softmax(-1)
+    top_k = torch.tensor([0, 5, 50, 0] * 8)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.3] * 8)
+    ref = _reference_keep(probs, top_k, top_p)
+    tau = _threshold_bisect(probs, top_k, top_p, "top_k")
+    assert torch.equal(probs >= tau[:, None], ref)
+    vals = probs.sort(-1, descending=True).values
+    tau_sorted, covered = _threshold_sorted(vals, probs.sum(-1), top_k, top_p, V)
+    assert bool(covered.all()) and torch.equal(probs >= tau_sorted[:, None], ref)
+
+
+@pytest.mark.parametrize("mode, top_p", [("plain", 1.0), ("top_p", 0.7)])
+def test_sampling_follows_the_filtered_distribution(mode: str, top_p: float) -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).repeat(2000, 1)
+    n = logits.shape[0]
+    args = (torch.ones(n), torch.zeros(n, dtype=torch.long), torch.full((n,), top_p))
+    keys = torch.tensor([row_key(s, 0) for s in range(n)])
+    eager, _ = sample(logits, *args, keys, mode, exact_static=False)  # type: ignore[arg-type]
+    static, _ = sample(logits, *args, keys, mode, exact_static=True)  # type: ignore[arg-type]
+    assert torch.equal(eager, static)  # both paths pick the same token for the same logits
+    expected = logits[0].softmax(-1)
+    if top_p < 1:
+        expected = (
+            expected
+            * _reference_keep(expected[None], torch.zeros(1, dtype=torch.long), torch.tensor([top_p]))[0]
+        )
+    expected = expected / expected.sum()
+    freq = torch.bincount(eager, minlength=5).float() / n
+    assert torch.allclose(freq, expected, atol=0.035), (freq, expected)
+
+
+def test_sampling_is_batch_invariant_and_logprobs_are_raw() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(16, V) * 4
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.5] * 4)
+    top_k = torch.tensor([0, 0, 20, 0] * 4)
+    top_p = torch.tensor([1.0, 0.9, 0.8, 1.0] * 4)
+    keys = torch.tensor([row_key(7, i) for i in range(16)])
+    tokens, logprobs = sample(logits, temp, top_k, top_p, keys, "top_k", exact_static=False)
+    for i in (0, 5, 10, 15):
+        alone, _ = sample(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
+                          keys[i : i + 1], "top_k", exact_static=False)  # fmt: skip
+        assert alone.item() == tokens[i].item()
+    assert torch.equal(tokens[::4], logits[::4].argmax(-1))  # temperature 0 rows are greedy
+    ref = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]  # before temperature / top-k / top-p
+    assert torch.allclose(logprobs, ref, atol=1e-6)
+    assert row_key(7, 0) == row_key(7, 0) != row_key(7, 1) != row_key(8, 1)
+
+
+async def test_graph_shapes_give_the_same_tokens(tiny_model_dir: Path, chat_prompt: list[int]) -> None:
+    """Bucketed decode batches (padding rows land on slots prefilled in the same step) and
+    bisection sampling produce what the plain CPU path produces."""
+    prompts = [chat_prompt[: len(chat_prompt) - i % 4] + [900 + i] * (i % 3) for i in range(11)]
+    params = [
+        SamplingParams(
+            temperature=[0.0, 0.8, 1.0][i % 3],
+            top_p=[1.0, 0.9, 0.95][i % 3],
+            top_k=[0, 0, 30][i % 3],
+            max_tokens=12 + i,
+            seed=i,
+            ignore_eos=True,
+        )
+        for i in range(len(prompts))
+    ]
+    outs = []
+    for static in (False, True):
+        eng = make_engine("torch", tiny_model_dir, max_batch_size=16, max_context=512)
+        eng._runner.graph_shapes = eng._runner.static_sampling = static
+        try:
+            with anyio.fail_after(60):
+                # 3 running rows pad to a batch of 4, whose padding row is slot 3: the first request
+                # admitted while they run, prefilled in that very step
+                first = [
+                    asyncio.ensure_future(eng.generate(p, sp))
+                    for p, sp in zip(prompts[:3], params[:3], strict=True)
+                ]
+                while not eng.stats().get("decode_steps"):
+                    await asyncio.sleep(0.005)
+                rest = await asyncio.gather(
+                    *[eng.generate(p, sp) for p, sp in zip(prompts[3:], params[3:], strict=True)]
+                )
+                outs.append([*[await f for f in first], *rest])
+        finally:
+            await eng.stop()
+    plain, bucketed = outs
+    assert [o.token_ids for o in bucketed] == [o.token_ids for o in plain]
+    for a, b in zip(plain, bucketed, strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
