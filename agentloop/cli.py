@@ -27,7 +27,30 @@ def build_parser() -> argparse.ArgumentParser:
     from agentloop.commands import register
 
     register(sub)
+    _add_demo_command(sub)
     return parser
+
+
+def _add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`agentloop demo [OPTIONS]`: GRPO on an arithmetic agent with SmolLM2 on CPU.
+
+    The options belong to trainer.demo, imported only when the command runs (it pulls in torch).
+    """
+
+    def run(args: argparse.Namespace) -> int:
+        from trainer.demo import build_parser as demo_parser
+        from trainer.demo import main as demo_main
+
+        return demo_main(demo_parser().parse_args(args.demo_args))
+
+    demo = sub.add_parser(  # prefix_chars no option uses: every word goes to demo_args untouched
+        "demo",
+        add_help=False,
+        prefix_chars="\x00",
+        help="train SmolLM2 on arithmetic with GRPO on this CPU (demo --help: its options)",
+    )
+    demo.add_argument("demo_args", nargs="*")
+    demo.set_defaults(func=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
