@@ -189,6 +189,7 @@ class Actor:
         active = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
         totals["actor/active_samples"] = float(len(active))
         if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
+            totals["actor/grad_norm"] = 0.0
             return totals
         for mb, _rows in self._train_micro_batches(active):
             m = mb.response_mask.bool()  # (b, r)
