@@ -86,7 +86,7 @@ class AgentSettings:
 
     max_tokens: int = 32
     format_bonus: float = 0.1
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 60.0  # a reply is <= 24 tokens: a stuck request fails fast and is retried
 
 
 SETTINGS = AgentSettings()
@@ -121,7 +121,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or HF folder")
     p.add_argument("--name", default=None, help="run folder name under --out (default: demo-<time>)")
     p.add_argument("--out", default="runs", help="parent folder of the run folder")
-    p.add_argument("--steps", type=int, default=13, help="training steps")
+    p.add_argument("--steps", type=int, default=24, help="training steps")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
