@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentloop.errors import ContextLengthExceededError
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -85,3 +87,48 @@ class InferenceEngine(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+# ---------------------------------------------------------------- input checks shared by every engine
+
+
+def check_sampling(sampling: Any) -> SamplingParams:
+    """``sampling`` as SamplingParams (None: the defaults; a dict is validated)."""
+    if sampling is None:
+        return SamplingParams.model_validate({})
+    if isinstance(sampling, Mapping):
+        return SamplingParams.model_validate(sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
+    return sampling
+
+
+def check_prompt(prompt_ids: Any, vocab_size: int, max_context: int) -> list[int]:
+    """A non-empty list of ids in [0, vocab_size) that leaves room for one generated token."""
+    if not isinstance(prompt_ids, list | tuple) or not prompt_ids:
+        raise ValueError(f"prompt_ids must be a non-empty list of token ids, got {type(prompt_ids).__name__}")
+    for i, t in enumerate(prompt_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt_ids[{i}] must be an int in [0, {vocab_size}), got {t!r}")
+    if len(prompt_ids) + 1 > max_context:
+        raise ContextLengthExceededError(
+            f"prompt has {len(prompt_ids)} tokens; the context holds {max_context} "
+            f"(prompt + at least 1 generated token); shorten the prompt"
+        )
+    return list(prompt_ids)
+
+
+def check_named_tensors(named_tensors: Any, param_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Every name is one of the model's parameters and every tensor has that parameter's shape."""
+    if not isinstance(named_tensors, Mapping) or not named_tensors:
+        raise ValueError("update_weights expects a non-empty mapping of parameter name -> tensor")
+    unknown = sorted(k for k in named_tensors if k not in param_shapes)
+    if unknown:
+        raise ValueError(
+            f"update_weights got {len(unknown)} unknown parameter name(s), e.g. {unknown[:3]}; "
+            f"expected names of the model's state_dict such as {next(iter(param_shapes))!r}"
+        )
+    for k, t in named_tensors.items():
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != param_shapes[k]:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"update_weights: {k!r} must be a tensor of shape {param_shapes[k]}, got {got}")

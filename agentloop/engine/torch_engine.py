@@ -53,8 +53,14 @@ import torch
 from agentloop.engine._decode import DecodeRow, ModelRunner
 from agentloop.engine._kv import PrefixCache, SlotKVCache
 from agentloop.engine._sampling import row_key, sample, sample_mode
-from agentloop.engine.base import SamplingParams, TokenOutput
-from agentloop.errors import ContextLengthExceededError, EngineError
+from agentloop.engine.base import (
+    SamplingParams,
+    TokenOutput,
+    check_named_tensors,
+    check_prompt,
+    check_sampling,
+)
+from agentloop.errors import EngineError
 
 log = structlog.get_logger(__name__)
 
@@ -195,8 +201,8 @@ class TorchEngine:
         self, prompt_ids: list[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> TokenOutput:
         """Generate a response to ``prompt_ids``; cancelling the await aborts the request."""
-        sampling = self._check_sampling(sampling)
-        prompt = self._check_prompt(prompt_ids)
+        sampling = check_sampling(sampling)
+        prompt = check_prompt(prompt_ids, self._vocab_size, self._max_context)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
@@ -226,20 +232,7 @@ class TorchEngine:
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Load ``named_tensors`` (a subset of the model's state dict) between decode steps."""
-        if not isinstance(named_tensors, Mapping) or not named_tensors:
-            raise ValueError("update_weights expects a non-empty mapping of parameter name -> tensor")
-        unknown = sorted(k for k in named_tensors if k not in self._param_shapes)
-        if unknown:
-            raise ValueError(
-                f"update_weights got {len(unknown)} unknown parameter name(s), e.g. {unknown[:3]}; "
-                f"expected names of the model's state_dict such as {next(iter(self._param_shapes))!r}"
-            )
-        for k, t in named_tensors.items():
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._param_shapes[k]:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"update_weights: {k!r} must be a tensor of shape {self._param_shapes[k]}, got {got}"
-                )
+        check_named_tensors(named_tensors, self._param_shapes)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
         await self.start()
@@ -258,32 +251,6 @@ class TorchEngine:
             running=len(self._running), waiting=len(self._waiting), weights_version=self._weights_version
         )
         return s
-
-    # ------------------------------------------------------------------ validation
-    @staticmethod
-    def _check_sampling(sampling: Any) -> SamplingParams:
-        if sampling is None:
-            return SamplingParams.model_validate({})
-        if isinstance(sampling, Mapping):
-            return SamplingParams.model_validate(sampling)
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
-        return sampling
-
-    def _check_prompt(self, prompt_ids: Any) -> list[int]:
-        if not isinstance(prompt_ids, list | tuple) or not prompt_ids:
-            raise ValueError(
-                f"prompt_ids must be a non-empty list of token ids, got {type(prompt_ids).__name__}"
-            )
-        for i, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size:
-                raise ValueError(f"prompt_ids[{i}] must be an int in [0, {self._vocab_size}), got {t!r}")
-        if len(prompt_ids) + 1 > self._max_context:
-            raise ContextLengthExceededError(
-                f"prompt has {len(prompt_ids)} tokens; the context holds {self._max_context} "
-                f"(prompt + at least 1 generated token); shorten the prompt"
-            )
-        return list(prompt_ids)
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:

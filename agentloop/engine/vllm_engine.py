@@ -40,8 +40,14 @@ from typing import Any, Literal, TypeVar
 import structlog
 import torch
 
-from agentloop.engine.base import SamplingParams, TokenOutput
-from agentloop.errors import ContextLengthExceededError, EngineError
+from agentloop.engine.base import (
+    SamplingParams,
+    TokenOutput,
+    check_named_tensors,
+    check_prompt,
+    check_sampling,
+)
+from agentloop.errors import EngineError
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -270,8 +276,8 @@ class VLLMEngine:
         self, prompt_ids: list[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> TokenOutput:
         """Generate a response to ``prompt_ids``; cancelling the await aborts the request."""
-        sampling = self._check_sampling(sampling)
-        prompt = self._check_prompt(prompt_ids)
+        sampling = check_sampling(sampling)
+        prompt = check_prompt(prompt_ids, self._vocab_size, self._max_context)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
@@ -293,7 +299,7 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Load ``named_tensors`` (Hugging Face names, a subset of the checkpoint) without a restart."""
-        self._check_tensors(named_tensors)
+        check_named_tensors(named_tensors, self._param_shapes)
         await self.start()
         t0 = time.perf_counter()
         tensors = {k: v for k, v in named_tensors.items() if k not in self._tied_aliases}
@@ -443,52 +449,11 @@ class VLLMEngine:
         finally:
             await self._llm.resume_generation()
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ helpers
     def _model_dtype(self) -> torch.dtype:
         if self._llm is not None:
             return self._llm.model_config.dtype
         return torch.bfloat16
-
-    @staticmethod
-    def _check_sampling(sampling: Any) -> SamplingParams:
-        if sampling is None:
-            return SamplingParams.model_validate({})
-        if isinstance(sampling, Mapping):
-            return SamplingParams.model_validate(sampling)
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
-        return sampling
-
-    def _check_prompt(self, prompt_ids: Any) -> list[int]:
-        if not isinstance(prompt_ids, list | tuple) or not prompt_ids:
-            raise ValueError(
-                f"prompt_ids must be a non-empty list of token ids, got {type(prompt_ids).__name__}"
-            )
-        for i, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size:
-                raise ValueError(f"prompt_ids[{i}] must be an int in [0, {self._vocab_size}), got {t!r}")
-        if len(prompt_ids) + 1 > self._max_context:
-            raise ContextLengthExceededError(
-                f"prompt has {len(prompt_ids)} tokens; the context holds {self._max_context} "
-                f"(prompt + at least 1 generated token); shorten the prompt"
-            )
-        return list(prompt_ids)
-
-    def _check_tensors(self, named_tensors: Any) -> None:
-        if not isinstance(named_tensors, Mapping) or not named_tensors:
-            raise ValueError("update_weights expects a non-empty mapping of parameter name -> tensor")
-        unknown = sorted(k for k in named_tensors if k not in self._param_shapes)
-        if unknown:
-            raise ValueError(
-                f"update_weights got {len(unknown)} unknown parameter name(s), e.g. {unknown[:3]}; "
-                f"expected checkpoint names such as {next(iter(self._param_shapes))!r}"
-            )
-        for k, t in named_tensors.items():
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._param_shapes[k]:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"update_weights: {k!r} must be a tensor of shape {self._param_shapes[k]}, got {got}"
-                )
 
 
 def _pack(
