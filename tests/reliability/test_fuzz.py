@@ -14,7 +14,7 @@ import anyio
 import anyio.from_thread
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -144,7 +144,13 @@ def proxy_app(portal: anyio.from_thread.BlockingPortal, tokenizer: Any) -> tuple
     return proxy.app, portal.call(live_attempt)
 
 
+VALID_CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+VALID_COMPLETION = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+
+
 @given(body=chat_bodies | raw_bodies, session=st.booleans())
+@example(body=VALID_CHAT, session=False)  # a well-formed request always goes through: the fuzzing
+@example(body=VALID_CHAT, session=True)  # reaches the engine path, not only the validators
 @FUZZ
 def test_proxy_chat_completions(portal: Any, proxy_app: tuple[Any, str], body: bytes, session: bool) -> None:
     app, prefix = proxy_app
@@ -159,6 +165,7 @@ def test_proxy_chat_completions(portal: Any, proxy_app: tuple[Any, str], body: b
 
 
 @given(body=completion_bodies | raw_bodies, session=st.booleans())
+@example(body=VALID_COMPLETION, session=False)
 @FUZZ
 def test_proxy_completions(portal: Any, proxy_app: tuple[Any, str], body: bytes, session: bool) -> None:
     app, prefix = proxy_app
