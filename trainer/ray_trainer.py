@@ -86,6 +86,7 @@ class _Pending:
     step: int
     rollout_ids: list[str]
     enqueued_at: float
+    cursor_before: dict[str, int]  # the data cursor before this batch was drawn (what a resume restarts from)
 
 
 class Trainer:
@@ -200,7 +201,9 @@ class Trainer:
                     if cfg.trainer.save_freq > 0 and (
                         step % cfg.trainer.save_freq == 0 or step == total_steps
                     ):
-                        await self._checkpoint(ckpt, worker, cursor, step, pending_start=step + len(pending))
+                        # async mode has batches enqueued but not trained: resume re-draws them
+                        data_state = pending[0].cursor_before if pending else cursor.state()
+                        await self._checkpoint(ckpt, worker, step, data_state)
                 progress.close()
                 for p in pending:  # async mode may have enqueued beyond the last step
                     for rid in p.rollout_ids:
@@ -230,6 +233,7 @@ class Trainer:
         n = self.config.actor_rollout_ref.rollout.n
         ids = []
         config = RolloutConfig(max_attempts=2, unresponsive_s=300.0)
+        cursor_before = cursor.state()
         for index, task in cursor.next_batch(train):
             for sample in range(n):
                 rollout = await store.enqueue_rollout(
@@ -239,7 +243,9 @@ class Trainer:
                     metadata={"step": step, "data_index": index, "sample_index": sample},
                 )
                 ids.append(rollout.rollout_id)
-        return _Pending(step=step, rollout_ids=ids, enqueued_at=time.perf_counter())
+        return _Pending(
+            step=step, rollout_ids=ids, enqueued_at=time.perf_counter(), cursor_before=cursor_before
+        )
 
     async def _train_step(
         self,
@@ -349,12 +355,11 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     async def _checkpoint(
-        self, ckpt: CheckpointManager, worker: Any, cursor: DataCursor, step: int, pending_start: int
+        self, ckpt: CheckpointManager, worker: Any, step: int, data_state: dict[str, int]
     ) -> None:
-        del pending_start
         path = ckpt.begin(step)
         await worker.save.remote(str(path / "actor.pt"))
-        ckpt.commit(step, {"step": step, "cursor": cursor.state()})
+        ckpt.commit(step, {"step": step, "cursor": data_state})
 
     async def _resume(
         self, ckpt: CheckpointManager, worker: Any, engine: Any, cursor: DataCursor, store: Store

@@ -55,3 +55,16 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path: Path, tiny_model_
     assert got["step"] == 3
     for key in COMPARED:
         assert abs(got[key] - expected[key]) < 1e-4, (key, got[key], expected[key])
+
+
+def test_async_checkpoint_records_the_first_untrained_batch(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With max_staleness 1 the next batch is already enqueued when step 1 checkpoints; the saved data
+    position must point at that batch, so a resume re-draws it instead of skipping it."""
+    cfg = config(str(tiny_model_dir), str(tmp_path / "async"), 2)
+    cfg["actor_rollout_ref"]["rollout"]["max_staleness"] = 1
+    Trainer(cfg).fit(seeded_agent, TASKS)
+    state = json.loads(
+        (tmp_path / "async" / "checkpoints" / "global_step_1" / "trainer_state.json").read_text()
+    )
+    batch = cfg["data"]["train_batch_size"]
+    assert state["cursor"]["position"] == batch  # one batch trained; the second (enqueued) is not counted
