@@ -14,6 +14,14 @@ with the SmolLM2 tokenizer. Prints JSON (and writes it to ``--out``).
 Both sides warm up on the full batch (4 tokens) before the timed run; the engine's counters
 (ms per decode step, prefill seconds, CUDA graph captures / replays) come with the result.
     python benchmarks/engine_bench.py --backend vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
+
+``--via-proxy``: what the proxy costs in generated tokens/s. ONE engine (``--backend torch|vllm``)
+serves the same workload two ways in alternating rounds: N ``engine.generate`` calls at once
+(direct), and N agents at once, each with its own ``openai.AsyncOpenAI`` client making one chat
+completion on its own rollout attempt of a real ``Proxy`` + store. Reports
+``proxy_loss = 1 - proxy / direct`` (medians); ``bench_via_proxy`` says why the two ways are the same work.
+    python benchmarks/engine_bench.py --via-proxy --quick                      # CPU smoke: 16 agents x 16
+    python benchmarks/engine_bench.py --via-proxy --backend vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,6 +130,202 @@ def machine_info(device: str) -> dict[str, Any]:
     return machine
 
 
+# ---------------------------------------------------------------- --via-proxy
+
+TOKENIZER_VOCAB = 49152  # the SmolLM2 tokenizer that every random model here is saved with
+
+
+def tokenizer_vocab_config(name: str, model_dir: str | None) -> tuple[str, str | None]:
+    """A random config with the tokenizer's vocabulary, and its own folder.
+
+    The proxy answers only ids its tokenizer knows (it rejects ids past ``len(tokenizer) + 1024``
+    with a 503), while a random model of Qwen2's vocabulary (151936) samples ids up to 151935 from
+    SmolLM2's 49152: through the proxy a random model must have the tokenizer's vocabulary.
+    """
+    derived = f"{name}-vocab{TOKENIZER_VOCAB}"
+    RANDOM_CONFIGS.setdefault(derived, {**RANDOM_CONFIGS[name], "vocab_size": TOKENIZER_VOCAB})
+    return derived, None if model_dir is None else f"{model_dir.rstrip('/')}-vocab{TOKENIZER_VOCAB}"
+
+
+def _agent_messages(tag: str, i: int) -> list[dict[str, str]]:
+    """Agent ``i``'s one user message in round ``tag`` (unique per round: no prompt is ever cached)."""
+    q = QUESTIONS[i % len(QUESTIONS)] + " Please answer carefully." * (i % 4)
+    return [{"role": "user", "content": f"[{tag}-{i}] {q}"}]
+
+
+async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
+    """Direct ``engine.generate`` vs N agents through the proxy, on one engine, alternating rounds.
+
+    Same work both ways: the direct prompts are the proxy's own chat-template rendering of each
+    agent's messages, and the direct calls replay the SamplingParams the proxy recorded for its calls
+    (the template's stop ids, logprobs on); every timed proxy call's recorded prompt ids and sampling
+    are checked against the direct ones. The proxy has no way to ask for ``ignore_eos``, so neither
+    way sets it: tokens/s counts the tokens each round really produced (finish reasons are reported;
+    a random-weight model almost never samples a stop id). Chat completions rather than raw-token
+    ``/completions``: that is what agents send, so the templating and token ledger are in the loss.
+    Agent clients run in this process (as the trainer's local runner does) and are built before the
+    clock starts; each round's rollouts are enqueued and dequeued before it and finished after it.
+    """
+    import ssl
+    import statistics
+    import tempfile
+    from collections import Counter
+
+    import openai
+
+    from agentloop.proxy import Proxy
+    from agentloop.store.memory import MemoryStore
+    from agentloop.store.sqlite import SQLiteStore
+    from agentloop.types import AttemptStatus, LLMCall
+
+    n, m = args.prompts, args.new_tokens
+    if args.backend == "vllm":
+        from agentloop.engine.models import load_engine
+
+        device, dtype_name = "cuda", "bfloat16"
+        engine: Any = load_engine(str(path), device="cuda", backend="vllm", dtype="bfloat16",
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
+                                  max_batch_size=max(n, 256))  # fmt: skip
+    else:
+        device = pick_device(args.device)
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        dtype_name = str(dtype).removeprefix("torch.")
+        engine = TorchEngine(path, device=device, dtype=dtype, max_batch_size=max(n, 1),
+                             cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    if vocab > len(engine.tokenizer) + 1024:
+        raise SystemExit(
+            f"--via-proxy: the model's vocabulary ({vocab}) is larger than its tokenizer's "
+            f"({len(engine.tokenizer)}); the proxy would reject the ids past it. Use a model whose "
+            "vocabulary matches its tokenizer (--random-config does that by itself)."
+        )
+    t0 = time.perf_counter()
+    await engine.start()  # vLLM starts in tens of seconds: not inside the first proxied request
+    start_s = time.perf_counter() - t0
+    tmp = tempfile.TemporaryDirectory(prefix="engine-bench-proxy-")
+    store: Any = SQLiteStore(Path(tmp.name) / "store.db") if args.store == "sqlite" else MemoryStore()
+    proxy = Proxy(engine, store, default_max_tokens=m)
+    await proxy.start()
+    template = proxy.service.template
+    tls = ssl.create_default_context()  # one for all clients (building one per client costs ~20 ms)
+
+    def render(tag: str, i: int) -> list[int]:
+        return template.encode(template.render(_agent_messages(tag, i), None, add_generation_prompt=True))
+
+    async def direct_round(tag: str, sp: SamplingParams) -> tuple[float, list[int], list[str]]:
+        batch = [render(tag, i) for i in range(n)]
+        t = time.perf_counter()
+        outs = await asyncio.gather(*[engine.generate(p, sp) for p in batch])
+        dt = time.perf_counter() - t
+        return dt, [len(o.token_ids) for o in outs], [o.finish_reason for o in outs]
+
+    async def proxy_round(tag: str, max_tokens: int) -> tuple[float, list[int], list[str], list[LLMCall]]:
+        for i in range(n):
+            await store.enqueue_rollout({"agent": i, "round": tag})
+        attempts = [await store.dequeue_rollout(f"bench-agent-{i}") for i in range(n)]
+        resource = proxy.as_resource()
+        clients = [
+            openai.AsyncOpenAI(
+                base_url=resource.get_base_url(a.rollout_id, a.attempt.attempt_id), api_key="EMPTY",
+                max_retries=0, http_client=openai.DefaultAsyncHttpxClient(verify=tls, timeout=600.0),
+            )
+            for a in attempts if a is not None
+        ]  # fmt: skip
+        assert len(clients) == n, f"dequeued {len(clients)} of {n} rollouts"
+
+        async def agent(i: int) -> tuple[int, str]:
+            r = await clients[i].chat.completions.create(
+                model="agentloop", messages=_agent_messages(tag, i),  # type: ignore[arg-type]
+                max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
+            )  # fmt: skip
+            assert r.usage is not None
+            return r.usage.completion_tokens, str(r.choices[0].finish_reason)
+
+        t = time.perf_counter()
+        done = await asyncio.gather(*[agent(i) for i in range(n)])
+        dt = time.perf_counter() - t
+        calls = []
+        for c, a in zip(clients, attempts, strict=True):
+            assert a is not None
+            await c.close()
+            await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status=AttemptStatus.SUCCEEDED)
+            (span,) = await store.query_spans(a.rollout_id, a.attempt.attempt_id)
+            calls.append(span.payload)
+        return dt, [k for k, _ in done], [f for _, f in done], calls
+
+    direct_tps: list[float] = []
+    proxy_tps: list[float] = []
+    tokens: dict[str, list[int]] = {"direct": [], "proxy": []}
+    reasons: dict[str, Counter[str]] = {"direct": Counter(), "proxy": Counter()}
+    weights_versions: set[int | None] = set()
+    try:
+        # warm-up both ways (short); the proxy's recorded sampling becomes the direct calls' sampling
+        _, _, _, calls = await proxy_round("warm", min(m, 8))
+        sp = SamplingParams.model_validate(calls[0].sampling).model_copy(update={"max_tokens": m})
+        await direct_round("warm", sp.model_copy(update={"max_tokens": min(m, 8)}))
+        for r in range(args.reps):  # ABBA order: a drift over the run hits both ways alike
+            for way in ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct"):
+                tag = f"{way}{r}"
+                if way == "direct":
+                    dt, counts, fin = await direct_round(tag, sp)
+                    direct_tps.append(sum(counts) / dt)
+                else:
+                    dt, counts, fin, calls = await proxy_round(tag, m)
+                    proxy_tps.append(sum(counts) / dt)
+                    for i, call in enumerate(calls):  # the same work as the direct round, call by call
+                        assert call.prompt_ids == render(tag, i), f"agent {i}: the proxy's prompt differs"
+                        assert call.sampling == sp.model_dump(mode="json"), (call.sampling, sp)
+                        assert len(call.response_ids) == counts[i], (len(call.response_ids), counts[i])
+                        weights_versions.add(call.weights_version)
+                tokens[way].append(sum(counts))
+                reasons[way].update(fin)
+    finally:
+        await proxy.stop()
+        await engine.stop()
+        await store.close()
+        tmp.cleanup()
+    direct_med, proxy_med = statistics.median(direct_tps), statistics.median(proxy_tps)
+    lengths = [len(render("x", i)) for i in range(n)]
+    result: dict[str, Any] = {
+        "mode": "via_proxy",
+        "backend": args.backend,
+        "model": args.model,
+        "device": device,
+        "dtype": dtype_name,
+        "workload": {
+            "agents": n,
+            "max_new_tokens": m,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "logprobs": True,
+            "ignore_eos": False,
+            "stop_token_ids": sp.stop_token_ids,
+            "prompt_tokens_min_max": [min(lengths), max(lengths)],
+            "rounds": args.reps,
+            "store": args.store,
+            "request": "one chat completion per agent, each on its own rollout attempt",
+            "clients": "one openai.AsyncOpenAI per agent, in this process, built before the clock",
+        },
+        "fairness": (
+            "token-identical prompts (the proxy's chat-template rendering, checked against every recorded "
+            "call) and identical SamplingParams (the proxy's recorded ones, replayed) both ways; the proxy "
+            "cannot set ignore_eos, so neither way does and tokens/s counts the tokens really produced"
+        ),
+        "direct_tokens_per_s": round(direct_med, 1),
+        "proxy_tokens_per_s": round(proxy_med, 1),
+        "proxy_loss": round(1 - proxy_med / direct_med, 4),
+        "rounds_direct": [round(x, 1) for x in direct_tps],
+        "rounds_proxy": [round(x, 1) for x in proxy_tps],
+        "tokens_per_round": tokens,
+        "finish_reasons": {k: dict(v) for k, v in reasons.items()},
+        "weights_versions_recorded": sorted(v for v in weights_versions if v is not None),
+        "engine_start_s": round(start_s, 1),
+    }
+    if args.backend == "vllm":
+        result["vllm"] = __import__("vllm").__version__
+    return result
+
+
 def emit(result: dict[str, Any], out: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
@@ -139,22 +344,33 @@ async def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128, help="vllm backend: random prompt length")
-    ap.add_argument("--reps", type=int, default=3, help="vllm backend: timed rounds per engine")
+    ap.add_argument("--reps", type=int, default=3, help="vllm backend and --via-proxy: timed rounds per way")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x 16 new tokens")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="TorchEngine without CUDA graphs (A/B)")
+    ap.add_argument("--via-proxy", action="store_true", help="direct engine vs N agents through the proxy")
+    ap.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="--via-proxy: the store")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="--via-proxy, vllm backend")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.new_tokens = 8, 16
+        args.prompts, args.new_tokens = (16 if args.via_proxy else 8), 16
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.random_config:
-        path = build_random_model(args.random_config, args.model_dir)
-        args.model = f"random:{args.random_config}"
+        name, model_dir = args.random_config, args.model_dir
+        if args.via_proxy:
+            name, model_dir = tokenizer_vocab_config(name, model_dir)
+        path = build_random_model(name, model_dir)
+        args.model = f"random:{name}"
     else:
         path = resolve_model(args.model)
+    if args.via_proxy:
+        result = await bench_via_proxy(path, args)
+        result["machine"] = machine_info(result["device"])
+        emit(result, args.out)
+        return
     if args.backend == "vllm":
         from vllm_bench import bench_vllm
 

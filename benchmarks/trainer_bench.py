@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up")
     ap.add_argument("--token-budget", type=int, default=16384, help="ppo_max_token_len_per_gpu")
     ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=False (A/B)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed updates (compilation, allocator)")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N CUDA kernels of one update")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,6 +86,7 @@ def main() -> None:
                         "ppo_mini_batch_size": args.batch // 2,
                         "ppo_max_token_len_per_gpu": args.token_budget,
                         "optim": {"lr": 1e-6},
+                        "use_torch_compile": not args.no_compile,
                     },
                 },
                 "trainer": {"device": args.device},
@@ -101,9 +105,20 @@ def main() -> None:
             for i in range(args.batch)
         ]
         batch, _ = build_batch(triplets, max_prompt_length=args.prompt, max_response_length=args.response)
-        actor.update(batch)  # warm-up (allocator, kernels)
+        t_warm = time.perf_counter()
+        for _ in range(args.warmup):  # compilation, allocator, kernels
+            actor.update(batch)
         if actor.device.type == "cuda":
             torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - t_warm
+        if args.profile and actor.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                actor.update(batch)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
+            print(table, file=sys.stderr)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             actor.update(batch)
@@ -128,6 +143,9 @@ def main() -> None:
         "device": str(actor.device),
         "card": card,
         "dtype": "bf16 autocast, fp32 master weights" if actor.device.type == "cuda" else "fp32",
+        "torch_compile": actor.compiled,
+        "warmup_s": round(warmup_s, 1),
+        "token_budget": args.token_budget,
         "batch": args.batch,
         "seq_len": seq,
         "steps": args.steps,

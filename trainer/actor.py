@@ -36,6 +36,7 @@ from trainer.algorithms import (
 )
 from trainer.batch import Batch, split_by_token_budget, split_mini_batches
 from trainer.config import TrainerConfig
+from trainer.head import head_logprobs
 
 log = structlog.get_logger("agentloop.trainer.actor")
 
@@ -70,14 +71,22 @@ class Actor:
             self.model.gradient_checkpointing_enable()
         if arr.model.lora_rank > 0:
             self.model = _wrap_lora(self.model, config)
+        # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
+        self.compiled = arr.actor.use_torch_compile and self.device.type == "cuda"
+        if self.compiled:
+            _compile_layers(self.model)
         needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.ref: nn.Module | None = None
         if needs_ref:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         optim = arr.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        self.optimizer = torch.optim.AdamW(  # fused: one kernel for all params on CUDA
+            params,
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            weight_decay=optim.weight_decay,
+            fused=self.device.type == "cuda",
         )
         self.step = 0
 
@@ -88,11 +97,27 @@ class Actor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (b, R) of the response tokens and, if asked, their entropy (b, R)."""
         p, r = mb.prompt_length, mb.response_length
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            logits = _response_logits(model, mb, p, r)  # (b, R, V): position t scores token t+1
+        cuda = self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+            hidden, head = _response_hidden(model, mb, p, r)
+            if hidden is not None and head is not None:
+                logprobs, ent = head_logprobs(
+                    hidden,
+                    head.weight,
+                    mb.responses,
+                    compute_dtype=torch.bfloat16 if cuda else torch.float32,
+                    compile=self.compiled,
+                )
+                return logprobs, (ent if entropy else None)
+            out = model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                use_cache=False,
+            )
+            logits = out.logits[:, p - 1 : p + r - 1]  # (b, R, V): position t scores token t+1
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R) float32
-        ent = entropy_from_logits(logits) if entropy else None
-        return logprobs, ent
+        return logprobs, (entropy_from_logits(logits) if entropy else None)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
@@ -251,36 +276,63 @@ class Actor:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the base model's names (LoRA merged), detached, on CPU."""
-        model = self.model
-        if hasattr(model, "merge_and_unload"):  # peft: a merged copy, the adapter stays trainable
-            model = copy.deepcopy(model).merge_and_unload()
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        if self.config.actor_rollout_ref.model.lora_rank > 0:
+            return _merged_lora_weights(self.model)
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
+        """Model (with LoRA: the frozen base under peft's names and the adapter), optimizer and step."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "lora_rank": self.config.actor_rollout_ref.model.lora_rank,
+        }
 
     def load_state(self, state: dict[str, Any]) -> None:
+        rank = self.config.actor_rollout_ref.model.lora_rank
+        saved = int(state.get("lora_rank", 0))  # checkpoints from before LoRA was recorded had none
+        if saved != rank:
+            raise ValueError(
+                f"the checkpoint was written with actor_rollout_ref.model.lora_rank={saved}, this run has "
+                f"{rank}; resume with the same lora_rank, or start afresh with trainer.resume=disable"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 
 
-def _response_logits(model: nn.Module, mb: Batch, p: int, r: int) -> torch.Tensor:
-    """Logits (b, R, V) at the positions that score the response tokens.
+def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch.Tensor | None, Any]:
+    """Final hidden states (b, R, d) at the positions that score the response tokens, and the LM head;
+    ``(None, None)`` for models whose logits are more than ``hidden @ head.weight.T`` (soft-capping,
+    logit scaling, a head with bias or wrapped by an adapter), which take the plain full forward.
 
-    The LM head runs on those R positions only, not on the prompt: with a 49k-151k vocabulary the head
-    is a fifth or more of the model's matmul work, and prompts are often longer than responses.
-    Models that post-process logits (soft-capping) take the plain full forward instead.
+    The head then runs on those R positions only (trainer/head.py), not on the prompt: with a
+    49k-151k vocabulary it is a fifth or more of the model's matmul work.
     """
     head = model.get_output_embeddings()
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if head is None or decoder is None or getattr(model.config, "final_logit_softcapping", None):
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
-        return out.logits[:, p - 1 : p + r - 1]
-    hidden = decoder(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+    cfg = model.config
+    plain_head = type(head) is nn.Linear and head.bias is None
+    if decoder is None or not plain_head or getattr(cfg, "final_logit_softcapping", None):
+        return None, None
+    if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None, None
+    hidden = decoder(  # use_cache=False: a KV cache in training only copies keys and values
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
     ).last_hidden_state  # (b, P+R, d)
-    return head(hidden[:, p - 1 : p + r - 1])  # (b, R, V)
+    return hidden[:, p - 1 : p + r - 1], head
+
+
+def _compile_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer in place (the layers share one compiled graph)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    for layer in layers or []:
+        layer.compile(dynamic=True)
 
 
 def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
@@ -313,12 +365,59 @@ def _micro_batches(batch: Batch, budget: int) -> list[tuple[Batch, torch.Tensor]
 
 
 def _wrap_lora(model: nn.Module, config: TrainerConfig) -> nn.Module:
+    """``model`` with LoRA adapters (peft): only the adapters train; the base weights stay frozen.
+
+    With gradient checkpointing on, peft makes the (frozen) embeddings' output require grad itself,
+    so the adapters inside checkpointed layers get gradients."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
-        raise ImportError("actor_rollout_ref.model.lora_rank > 0 needs `pip install peft`") from exc
+        raise ImportError(
+            "actor_rollout_ref.model.lora_rank > 0 needs peft: `pip install peft` (or lora_rank=0)"
+        ) from exc
     m = config.actor_rollout_ref.model
     lora = LoraConfig(
         r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=m.target_modules, task_type="CAUSAL_LM"
     )
-    return get_peft_model(model, lora)
+    try:
+        return get_peft_model(model, lora)  # type: ignore[arg-type]
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        linear = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, nn.Linear)})
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules={m.target_modules!r} does not fit this model ({exc}); "
+            f"use 'all-linear' or a list of its linear layers' names: {linear}"
+        ) from None
+
+
+@torch.no_grad()
+def _merged_lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state dict (its own names and shapes) with each LoRA delta added, on CPU.
+
+    What ``merge_and_unload`` would give, without copying the model or touching its base weights:
+    each adapted ``<name>.base_layer.weight`` becomes ``<name>.weight`` plus B @ A * scale.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()  # type: ignore[operator]
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged or module.disable_adapters:
+            continue  # merged: the delta is already in the base weight; disabled: it does not apply
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if active and (
+            not hasattr(module, "get_delta_weight") or any(module.use_dora.get(a) for a in active)
+        ):
+            raise NotImplementedError(f"merging the LoRA adapter of {name} ({type(module).__name__})")
+        for adapter in active:
+            delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]  # (out, in) like the weight
+            key = f"{name}.weight"
+            deltas[key] = deltas[key] + delta if key in deltas else delta
+    out: dict[str, torch.Tensor] = {}
+    for key, value in base.state_dict().items():
+        parts = key.split(".")
+        if any(p.startswith("lora_") for p in parts):
+            continue  # adapter tensors (lora_A, lora_B, lora_magnitude_vector, ...)
+        name = ".".join(p for p in parts if p != "base_layer")
+        merged = value + deltas[name].to(value.dtype) if name in deltas else value
+        out[name] = merged.detach().to("cpu", copy=True)
+    return out

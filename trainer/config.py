@@ -98,6 +98,26 @@ class ModelConfig(_Section):
         default="all-linear", description="Modules LoRA adapts (peft's syntax)."
     )
 
+    @field_validator("lora_rank", "lora_alpha", mode="before")
+    @classmethod
+    def _lora_int(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's `true` would silently become rank 1
+            raise ValueError(f"must be an integer, got {v!r}")
+        return v
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _lora_targets(cls, v: Any) -> Any:
+        ok = (isinstance(v, str) and v.strip()) or (
+            isinstance(v, list | tuple) and v and all(isinstance(x, str) and x.strip() for x in v)
+        )
+        if not ok:
+            raise ValueError(
+                "must be 'all-linear', a regex over module names, or a non-empty list of module names "
+                f"such as [q_proj, v_proj]; got {v!r}"
+            )
+        return list(v) if isinstance(v, tuple) else v
+
 
 class RolloutConfig(_Section):
     n: int = Field(default=4, ge=1, description="Responses sampled per prompt (the GRPO group size).")
@@ -112,7 +132,17 @@ class RolloutConfig(_Section):
     engine_backend: Literal["torch", "vllm"] = Field(
         default="torch", description="Inference engine implementation."
     )
+    gpu_memory_utilization: float = Field(
+        default=0.5, gt=0, le=1, description="vLLM only: share of GPU memory its engine may take."
+    )
     concurrency: int = Field(default=16, ge=1, description="Agent rollouts a runner runs at once.")
+
+
+def engine_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
+    """``load_engine`` keyword arguments for the configured backend."""
+    if rollout.engine_backend == "vllm":
+        return {"backend": "vllm", "gpu_memory_utilization": rollout.gpu_memory_utilization}
+    return {"backend": rollout.engine_backend}
 
 
 class OptimConfig(_Section):
@@ -165,6 +195,9 @@ class ActorConfig(_Section):
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
     policy_loss: str = Field(default="vanilla", description="Policy loss: vanilla (PPO clip), gspo or pg.")
     use_engine_logprobs: bool = Field(default=False, description="Use the engine's logprobs as old logprobs.")
+    use_torch_compile: bool = Field(
+        default=True, description="torch.compile the decoder layers and LM-head statistics (CUDA only)."
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -111,6 +111,7 @@ class ShardedActor(Actor):
                 attention_mask=mb.attention_mask,
                 position_ids=mb.position_ids,
                 logits_to_keep=r + 1,
+                use_cache=False,
             )
             logits = out.logits[:, :-1]  # (b, R, V): positions p-1 .. p+r-2
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R)

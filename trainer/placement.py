@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from agentloop.errors import ConfigError
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, engine_kwargs
 
 log = structlog.get_logger("agentloop.trainer.placement")
 
@@ -177,6 +177,7 @@ def place(config: TrainerConfig, model_path: str, device: str, *, engine_given: 
             plan.replicas,
             device,
             actor_options=lambda i: opts(first_replica_bundle + i, share),
+            **engine_kwargs(config.actor_rollout_ref.rollout),
         )
     return layout
 

@@ -41,7 +41,7 @@ from agentloop.types import Reward, RolloutConfig, RolloutStatus, Triplet
 from trainer.actor import Actor, resolve_device
 from trainer.batch import build_batch, merge_trajectory
 from trainer.checkpoint import CheckpointManager, DataCursor
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, engine_kwargs
 from trainer.metrics import MetricsLogger, plot_curves
 from trainer.placement import place, serve_store
 
@@ -138,7 +138,11 @@ class Trainer:
         own_store = store is None
         store = store or SQLiteStore(run_dir / "store.db")
         layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
-        engine = engine or layout.engine or load_engine(str(model_path), device=device)
+        engine = (
+            engine
+            or layout.engine
+            or load_engine(str(model_path), device=device, **engine_kwargs(cfg.actor_rollout_ref.rollout))
+        )
         worker = layout.worker or _start_worker(cfg, str(model_path), device)
         ckpt = CheckpointManager(run_dir / "checkpoints")
         cursor = DataCursor(len(train), cfg.data.train_batch_size, cfg.trainer.seed)

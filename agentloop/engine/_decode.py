@@ -44,7 +44,7 @@ class ModelRunner:
         self._model, self._cache, self._cache_kw = model, cache, cache_kw
         self._device = device
         self._max_batch = max_batch
-        self.static_sampling = device.type == "cuda"  # no host sync inside a step: top-p by bisection
+        self.static_sampling = device.type == "cuda"  # no host sync inside a step: top-p by radix select
         self.cuda_graphs = bool(cuda_graphs) and self.static_sampling
         self.graph_shapes = self.cuda_graphs  # bucketed shapes; tests set it on CPU to check the padding
         self._ints = torch.zeros(4, max_batch, dtype=torch.long, device=device)  # ids, positions, top_k, key

@@ -7,8 +7,8 @@ noise in the logits flips a token only when two perturbed scores nearly tie (inv
 sampling flips whenever the noise crosses a CDF boundary, which happens in the low-mass tail).
 Temperature, top-k and top-p are per-row tensors; top-k / top-p become one probability threshold
 per row (``keep p >= tau``), found from the 512 most likely tokens (``exact_static=False``: cheap,
-data-dependent, for eager CPU; noise then only for those candidates) or by bisection on the fp32
-bit pattern (``exact_static=True``: fixed shapes and no host sync, so a CUDA graph holds it).
+data-dependent, for eager CPU; noise then only for those candidates) or by a radix select on the
+fp32 bit pattern (``exact_static=True``: fixed shapes and no host sync, so a CUDA graph holds it).
 Both keep the smallest most-likely set whose mass reaches ``top_p`` (ties at the edge kept), and
 both give the same token for the same logits.
 
@@ -24,8 +24,8 @@ import torch
 
 SampleMode = Literal["greedy", "plain", "top_p", "top_k"]  # what the batch needs; "top_k" also does top-p
 _CANDIDATES = 512  # eager top-p first looks at the 512 most likely tokens; a full sort only if they miss
-_ONE_BITS = 0x3F800001  # bit pattern just above 1.0f: every probability's bits are below it
-_BISECT_STEPS = 30  # 2**30 > _ONE_BITS, so 30 halvings pin the exact threshold
+_RADIX_BITS = 15  # two levels of 2**15 buckets cover fp32 bit patterns of [0, 1] (< 2**30)
+_FIXED_ONE = float(1 << 42)  # fixed-point scale of probabilities: a row's sum stays far below 2**63
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 _MIX1, _MIX2 = 0x7FEB352D, 0x68E31DA5  # odd, < 2**31: a 32-bit value times one fits in int64
@@ -89,7 +89,7 @@ def sample(
             tokens = (scores + gumbel(key, vocab)).argmax(dim=-1)
         elif exact_static:
             probs = torch.softmax(scores, dim=-1)
-            tau = _threshold_bisect(probs, top_k, top_p, mode)
+            tau = _threshold_radix(probs, top_k, top_p, mode)
             noisy = (scores + gumbel(key, vocab)).masked_fill_(probs < tau[:, None], -float("inf"))
             tokens = noisy.argmax(dim=-1)
         else:
@@ -144,28 +144,40 @@ def _threshold_sorted(
     return tau, covered
 
 
-def _threshold_bisect(
+def _threshold_radix(
     probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mode: SampleMode
 ) -> torch.Tensor:
-    """Per-row threshold by bisection on the fp32 bit pattern (monotone for p >= 0): fixed shapes,
-    no host sync; 30 (top-p) or 60 (top-k + top-p) masked reductions over (B, V)."""
-    bits = probs.float().contiguous().view(torch.int32)  # (B, V)
-    n = probs.shape[0]
-    lo = torch.zeros(n, dtype=torch.int32, device=probs.device)
+    """Per-row threshold by a two-level radix select on the fp32 bit pattern (monotone for p >= 0):
+    fixed shapes, no host sync, a handful of passes over (B, V). Masses are summed in fixed point
+    (int64), so every sum is exact and independent of the order a GPU adds in."""
+    bits = probs.float().contiguous().view(torch.int32).long()  # (B, V), in [0, 2**30)
+    n, vocab = probs.shape
+    mass = (probs.double() * _FIXED_ONE).round().long()  # (B, V) fixed-point probabilities
     if mode == "top_k":  # largest b with count(bits >= b) >= k
-        k = torch.where(top_k > 0, top_k.clamp(max=probs.shape[-1]), probs.shape[-1])
-        hi = torch.full_like(lo, _ONE_BITS)
-        for _ in range(_BISECT_STEPS):
-            mid = lo + (hi - lo) // 2
-            ok = (bits >= mid[:, None]).sum(-1) >= k
-            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-    tau_k = lo
-    mass = (probs * (bits >= tau_k[:, None])).sum(-1)
-    target = top_p.to(probs.dtype) * mass  # top-p on the top-k-renormalised distribution
-    lo, hi = tau_k, torch.full_like(tau_k, _ONE_BITS)
-    for _ in range(_BISECT_STEPS):  # largest b >= tau_k with mass(bits >= b) >= target
-        mid = lo + (hi - lo) // 2
-        ok = (probs * (bits >= mid[:, None])).sum(-1) >= target
-        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-    tau = torch.where(top_p >= 1.0, tau_k, lo)
-    return tau.view(torch.float32).to(probs.dtype)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        tau_k = _radix_select(bits, torch.ones_like(bits), k)
+        kept_mass = torch.where(bits >= tau_k[:, None], mass, 0).sum(-1)  # (B,)
+    else:
+        tau_k = torch.zeros(n, dtype=torch.long, device=probs.device)
+        kept_mass = mass.sum(-1)
+    # top-p on the top-k-renormalised distribution: largest b with mass(bits >= b) >= top_p * kept
+    target = (top_p.double() * kept_mass.double()).ceil().long().clamp(min=1)
+    tau = torch.where(top_p >= 1.0, tau_k, torch.maximum(_radix_select(bits, mass, target), tau_k))
+    return tau.int().view(torch.float32).to(probs.dtype)
+
+
+def _radix_select(bits: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest ``b`` with ``sum(weight[bits >= b]) >= target``: ``bits`` (B, V) int64 in
+    [0, 2**30), ``weight`` (B, V) int64 >= 0, ``target`` (B,) int64 <= the row's total. Level one
+    histograms the high 15 bits; level two the low 15 bits inside the bucket level one picked."""
+    n, size = bits.shape[0], 1 << _RADIX_BITS
+    high = bits >> _RADIX_BITS
+    table = torch.zeros(n, size, dtype=torch.long, device=bits.device).scatter_add_(1, high, weight)
+    above = table.flip(-1).cumsum(-1).flip(-1)  # (B, size): weight in buckets >= j
+    j = ((above >= target[:, None]).sum(-1) - 1).clamp(min=0)  # (B,) the bucket holding the answer
+    higher = torch.where(j + 1 < size, above.gather(1, (j + 1).clamp(max=size - 1)[:, None])[:, 0], 0)
+    inside = torch.where(high == j[:, None], weight, 0)
+    low = torch.zeros(n, size, dtype=torch.long, device=bits.device).scatter_add_(1, bits & (size - 1), inside)
+    low_above = low.flip(-1).cumsum(-1).flip(-1)  # weight in bucket j at low bits >= l
+    lo = ((higher[:, None] + low_above >= target[:, None]).sum(-1) - 1).clamp(min=0)
+    return (j << _RADIX_BITS) | lo

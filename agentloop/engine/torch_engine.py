@@ -50,6 +50,7 @@ import anyio
 import structlog
 import torch
 
+from agentloop.engine._attention import use_grouped_sdpa
 from agentloop.engine._decode import DecodeRow, ModelRunner
 from agentloop.engine._kv import PrefixCache, SlotKVCache
 from agentloop.engine._sampling import row_key, sample, sample_mode
@@ -120,6 +121,7 @@ class TorchEngine:
         if tokenizer is None:
             raise ValueError("a preloaded model needs its tokenizer: TorchEngine(model, tokenizer)")
         self._model = model.to(device=device, dtype=dtype).eval()
+        self.grouped_attention = use_grouped_sdpa(self._model)  # no per-head copies of the KV cache
         self._tokenizer = tokenizer
         self._device = torch.device(device)
         cfg = model.config

@@ -1,7 +1,7 @@
 """TorchEngine's batched sampling (agentloop.engine._sampling) and its static-shape decode path.
 
 The CUDA-graph path cannot run here; what it relies on can: bucketed batch shapes whose padding
-rows write into other slots' future positions, and top-k / top-p by bisection (no host sync).
+rows write into other slots' future positions, and top-k / top-p by radix select (no host sync).
 ``graph_shapes`` / ``static_sampling`` switch those on for the CPU engine.
 """
 
@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 
-from agentloop.engine._sampling import _threshold_bisect, _threshold_sorted, row_key, sample
+from agentloop.engine._sampling import _threshold_radix, _threshold_sorted, row_key, sample
 from agentloop.engine.base import SamplingParams
 from tests.engine.conftest import make_engine
 
@@ -38,7 +38,7 @@ def test_thresholds_match_a_full_sort(scale: float) -> None:
     top_k = torch.tensor([0, 5, 50, 0] * 8)
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.3] * 8)
     ref = _reference_keep(probs, top_k, top_p)
-    tau = _threshold_bisect(probs, top_k, top_p, "top_k")
+    tau = _threshold_radix(probs, top_k, top_p, "top_k")
     assert torch.equal(probs >= tau[:, None], ref)
     vals = probs.sort(-1, descending=True).values
     tau_sorted, covered = _threshold_sorted(vals, probs.sum(-1), top_k, top_p, V)
@@ -85,7 +85,7 @@ def test_sampling_is_batch_invariant_and_logprobs_are_raw() -> None:
 
 async def test_graph_shapes_give_the_same_tokens(tiny_model_dir: Path, chat_prompt: list[int]) -> None:
     """Bucketed decode batches (padding rows land on slots prefilled in the same step) and
-    bisection sampling produce what the plain CPU path produces."""
+    radix-select sampling produce what the plain CPU path produces."""
     prompts = [chat_prompt[: len(chat_prompt) - i % 4] + [900 + i] * (i % 3) for i in range(11)]
     params = [
         SamplingParams(
@@ -123,3 +123,18 @@ async def test_graph_shapes_give_the_same_tokens(tiny_model_dir: Path, chat_prom
     for a, b in zip(plain, bucketed, strict=True):
         assert a.logprobs is not None and b.logprobs is not None
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_radix_threshold_handles_ties_zeros_and_top_p_mode() -> None:
+    """Equal probabilities at the edge are kept together, zero-probability tokens never are, and
+    the top-p-only mode (no count pass) agrees with the full sort."""
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0], [0.5, 0.2, 0.2, 0.1, 0.0]])
+    top_p = torch.tensor([0.3, 0.75])
+    top_k = torch.zeros(2, dtype=torch.long)
+    tau = _threshold_radix(probs, top_k, top_p, "top_p")
+    assert (probs >= tau[:, None]).tolist() == [[True] * 4 + [False], [True] * 3 + [False] * 2]
+    torch.manual_seed(1)
+    flat = (torch.randn(16, V) * 0.3).softmax(-1)
+    p = torch.linspace(0.05, 0.99, 16)
+    k0 = torch.zeros(16, dtype=torch.long)
+    assert torch.equal(flat >= _threshold_radix(flat, k0, p, "top_p")[:, None], _reference_keep(flat, k0, p))

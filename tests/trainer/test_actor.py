@@ -11,7 +11,8 @@ import torch
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
 from agentloop.types import Triplet
-from trainer.actor import Actor, _response_logits
+from trainer.actor import Actor
+from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 
@@ -42,14 +43,18 @@ def _triplets() -> list[Triplet]:
     ]
 
 
-def test_response_logits_match_the_full_forward(tiny_model_dir: Path) -> None:
+def test_response_logprobs_match_the_full_forward(tiny_model_dir: Path) -> None:
+    """The head on response positions only (trainer/head.py) gives the full forward's logprobs and entropy."""
     actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     p, r = batch.prompt_length, batch.response_length
     full = actor.model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-    ).logits
-    torch.testing.assert_close(_response_logits(actor.model, batch, p, r), full[:, p - 1 : p + r - 1])
+    ).logits[:, p - 1 : p + r - 1]
+    logprobs, entropy = actor._forward(actor.model, batch, entropy=True)
+    torch.testing.assert_close(logprobs, logprobs_from_logits(full, batch.responses))
+    assert entropy is not None
+    torch.testing.assert_close(entropy, entropy_from_logits(full))
 
 
 def test_trainer_logprobs_equal_the_engines(tiny_model_dir: Path) -> None:

@@ -187,3 +187,20 @@ def test_a_registered_estimator_becomes_a_valid_config_value() -> None:
 
     cfg = TrainerConfig.from_dict({"algorithm": {"adv_estimator": "test_config_estimator"}})
     assert cfg.algorithm.adv_estimator == "test_config_estimator"
+
+
+def test_engine_kwargs_follow_the_configured_backend() -> None:
+    """Trainer.fit and the replica pool build the engine the config names (vLLM gets its memory share)."""
+    from trainer.config import engine_kwargs
+
+    torch_cfg = TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"engine_backend": "torch"}}})
+    assert engine_kwargs(torch_cfg.actor_rollout_ref.rollout) == {"backend": "torch"}
+    vllm_cfg = TrainerConfig.from_dict(
+        {"actor_rollout_ref": {"rollout": {"engine_backend": "vllm", "gpu_memory_utilization": 0.3}}}
+    )
+    assert engine_kwargs(vllm_cfg.actor_rollout_ref.rollout) == {
+        "backend": "vllm",
+        "gpu_memory_utilization": 0.3,
+    }
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"gpu_memory_utilization": 1.5}}})

@@ -1,0 +1,48 @@
+"""grouped_sdpa (agentloop/engine/_attention.py) equals SDPA over repeated KV heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentloop.engine._attention import grouped_sdpa, use_grouped_sdpa
+
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_grouped_equals_repeated_heads(q: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    b, h, h_kv, k, d = 3, 6, 2, 9, 4
+    query = torch.randn(b, q, h, d, generator=g).transpose(1, 2)  # non-contiguous, as models pass it
+    key, value = torch.randn(b, h_kv, k, d, generator=g), torch.randn(b, h_kv, k, d, generator=g)
+    pos = torch.tensor([[4, 6, 8], [2, 3, 4], [8, 8, 8]])[:, :1] + torch.arange(q)  # (b, q)
+    mask = (torch.arange(k)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, q, k)
+    out, _ = grouped_sdpa(None, query, key, value, mask, scaling=0.5)
+    ref = F.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(h // h_kv, 1),
+        value.repeat_interleave(h // h_kv, 1),
+        attn_mask=mask,
+        scale=0.5,
+    ).transpose(1, 2)
+    assert out.shape == (b, q, h, d)
+    torch.testing.assert_close(out, ref)
+
+
+def test_model_logits_are_unchanged(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    grouped = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    assert plain.config.num_key_value_heads < plain.config.num_attention_heads  # the tiny model uses GQA
+    assert use_grouped_sdpa(grouped)
+    ids = torch.randint(0, 1000, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        a = plain(input_ids=ids, attention_mask=mask).logits
+        b = grouped(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[0, 2:], b[0, 2:])
+    torch.testing.assert_close(a[1], b[1])
