@@ -10,6 +10,7 @@ prefix caching are replaced for vLLM by tests/engine/test_vllm_engine.py (see VL
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,13 @@ def vllm_available() -> bool:
 
 def make_engine(kind: str, model_dir: Path, **kwargs: Any) -> Any:
     if kind == "torch":
+        import torch
+
         from agentloop.engine.torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, device="cpu", **kwargs)
+        # AGENTLOOP_TEST_DEVICE=cuda runs the torch leg on the GPU (fp32, to match the fp32 references)
+        device = os.environ.get("AGENTLOOP_TEST_DEVICE", "cpu")
+        return TorchEngine(model_dir, device=device, dtype=torch.float32, **kwargs)
     if kind == "vllm":
         if not vllm_available():
             pytest.skip(VLLM_SKIP_REASON)
