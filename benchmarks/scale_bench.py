@@ -134,12 +134,14 @@ async def _rollout_tokens_per_s(model: str, replicas: int, args: argparse.Namesp
             )
             return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
 
-        await wave("warm")
-        tokens, wall = await wave("timed")
+        await wave("warm")  # CUDA-graph captures, allocator
+        waves = [await wave(f"timed{i}") for i in range(args.reps)]
+        rates = [tokens / wall for tokens, wall in waves]
         return {
-            "generated_tokens": tokens,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall,
+            "generated_tokens": waves[0][0],
+            "wall_s": statistics.median(w for _, w in waves),
+            "tokens_per_s": statistics.median(rates),
+            "tokens_per_s_waves": rates,
             "routed": pool.stats()["routed"],
         }
     finally:
@@ -291,6 +293,7 @@ async def main() -> None:
     ap.add_argument(
         "--only-sync", action="store_true", help="measure the weight sync only (skip trainer, rollout)"
     )
+    ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs 2 replicas")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -324,7 +327,7 @@ async def main() -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
-    if not args.only_sync:
+    if not args.only_sync and not args.only_rollout:
         t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
         t2 = await _train_tokens_per_s(model, 2, args, share=1.0)
         result["trainer"] = {
@@ -334,6 +337,7 @@ async def main() -> None:
             "target": 1.8,
         }
         save()
+    if not args.only_sync:
         r1 = await _rollout_tokens_per_s(model, 1, args)
         r2 = await _rollout_tokens_per_s(model, 2, args)
         result["rollout"] = {
@@ -343,10 +347,11 @@ async def main() -> None:
             "target": 1.8,
         }
         save()
-    result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
-    save()
-    result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
-    save()
+    if not args.only_rollout:
+        result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
+        save()
+        result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
+        save()
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     ray.shutdown()
 

@@ -12,8 +12,9 @@ AsyncLLM binds its sockets and output task to one event loop, so it lives on a p
 background thread and every public method hops there: the engine works from any event loop (each
 test's, the proxy's, a Ray actor's) and cancelling the awaiting task aborts the request in vLLM.
 
-Weight updates (colocated: trainer and engine on the same GPU): the new tensors are packed into one
-flat CUDA buffer in the engine's dtype and handed to vLLM's worker as a CUDA IPC handle through
+Weight updates: the new tensors are packed into one flat CUDA buffer in the engine's dtype, on the
+GPU they come from (the trainer's: the engine's own when colocated, another GPU of the host when
+split; CPU tensors go to the engine's GPU), and handed to vLLM's worker as a CUDA IPC handle through
 ``collective_rpc`` into ``AgentloopWorkerExtension`` (vLLM's ``worker_extension_cls``), which views
 the buffer and calls ``model.load_weights`` (Hugging Face names, fused qkv / gate_up handled by
 vLLM). ``weight_update_policy="drain"`` pauses the scheduler until in-flight requests finish on the
@@ -79,7 +80,10 @@ class AgentloopWorkerExtension:
 
         meta = pickle.loads(payload)
         args = list(meta["handle"])
-        args[6] = self.device.index  # type: ignore[attr-defined]  # rebuild on this worker's device
+        # rebuild on the GPU the buffer lives on, in this process's numbering: the worker's own GPU
+        # when colocated, another visible GPU when the trainer sits there (the load then copies
+        # GPU to GPU); device indices differ between processes with different CUDA_VISIBLE_DEVICES
+        args[6] = _local_device_index(meta.get("device_uuid"), self.device.index)  # type: ignore[attr-defined]
         flat = rebuild_cuda_tensor(*args)
         weights = [
             (name, flat[off : off + n].view(shape))
@@ -478,7 +482,17 @@ def _pack(
     torch.cuda.current_stream(device).synchronize()
     _, handle = reduce_tensor(flat)
     meta = dict(handle=handle, names=names, offsets=offsets, numels=numels, shapes=shapes, bytes=flat.nbytes)
+    meta["device_uuid"] = str(torch.cuda.get_device_properties(flat.device).uuid)
     return flat, meta
+
+
+def _local_device_index(uuid: str | None, default: int) -> int:
+    """This process's index of the GPU with ``uuid``; ``default`` when it is not visible here."""
+    if uuid is not None:
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+                return i
+    return default
 
 
 async def _shutdown(llm: Any) -> None:
