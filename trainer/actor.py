@@ -2,7 +2,8 @@
 
 One update on a Batch:
   1. old logprobs: recomputed with the current weights (default), or the engine's own logprobs
-     (``actor.use_engine_logprobs``); the train/engine gap is reported either way.
+     (``actor.use_engine_logprobs``), checked on a probe micro-batch and recomputed for the whole
+     batch when the gap exceeds ``actor.engine_logprob_gap_limit``; the gap is reported either way.
   2. reference logprobs when a KL term is configured; KL subtracted from rewards when
      ``algorithm.use_kl_in_reward``.
   3. advantages by the registered estimator, grouped by rollout input.
@@ -144,14 +145,7 @@ class Actor:
         mask = batch.response_mask  # (B, R)
         metrics: dict[str, float] = {}
 
-        if actor.use_engine_logprobs and batch.engine_logprobs is not None:
-            old = batch.engine_logprobs  # skips a forward pass over the whole batch
-        else:
-            old = self.compute_logprobs(batch)  # (B, R)
-        if batch.engine_logprobs is not None and old is not batch.engine_logprobs:
-            gap = (old - batch.engine_logprobs).abs()  # (B, R)
-            metrics["actor/engine_logprob_gap_mean"] = float(masked_mean(gap, mask.bool()))
-            metrics["actor/engine_logprob_gap_max"] = float((gap * mask).max())
+        old = self._old_logprobs(batch, metrics)  # (B, R)
         batch.extras["old_logprobs"] = old
 
         token_rewards = scores_to_token_rewards(batch.rewards, mask)  # (B, R)
@@ -199,6 +193,30 @@ class Actor:
             }
         )
         return metrics
+
+    def _old_logprobs(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
+        """Old logprobs (B, R): recomputed, or the engine's with ``use_engine_logprobs``. The engine's
+        are first checked on a probe of the batch's first rows (one micro-batch's worth); when their mean
+        gap to the policy's exceeds ``engine_logprob_gap_limit`` the whole batch is recomputed instead."""
+        actor = self.config.actor_rollout_ref.actor
+        engine = batch.engine_logprobs
+        if engine is None:
+            return self.compute_logprobs(batch)
+        if not actor.use_engine_logprobs:
+            old = self.compute_logprobs(batch)
+            _gap_metrics(old, engine, batch.response_mask, metrics)
+            return old
+        rows = max(1, min(len(batch), actor.ppo_max_token_len_per_gpu // max(batch.input_ids.shape[1], 1)))
+        probe = batch.select(torch.arange(rows))
+        gap = _gap_metrics(self.compute_logprobs(probe), probe.engine_logprobs, probe.response_mask, metrics)
+        recompute = gap > actor.engine_logprob_gap_limit
+        metrics["actor/old_logprobs_recomputed"] = float(recompute)
+        if recompute:
+            log.warning(
+                "actor.engine_logprob_gap_too_large", gap_mean=gap, limit=actor.engine_logprob_gap_limit
+            )
+            return self.compute_logprobs(batch)
+        return engine
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         actor = self.config.actor_rollout_ref.actor
@@ -333,6 +351,18 @@ def _compile_layers(model: nn.Module) -> None:
     layers = getattr(getattr(base, "model", None), "layers", None)
     for layer in layers or []:
         layer.compile(dynamic=True)
+
+
+def _gap_metrics(
+    old: torch.Tensor, engine: torch.Tensor | None, mask: torch.Tensor, metrics: dict[str, float]
+) -> float:
+    """Record the train/engine logprob gap (mean and max over response tokens); returns the mean."""
+    assert engine is not None
+    gap = (old - engine[:, : old.shape[1]]).abs() * mask  # (b, R)
+    mean = float(masked_mean(gap, mask.bool()))
+    metrics["actor/engine_logprob_gap_mean"] = mean
+    metrics["actor/engine_logprob_gap_max"] = float(gap.max())
+    return mean
 
 
 def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:

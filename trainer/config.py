@@ -195,6 +195,11 @@ class ActorConfig(_Section):
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
     policy_loss: str = Field(default="vanilla", description="Policy loss: vanilla (PPO clip), gspo or pg.")
     use_engine_logprobs: bool = Field(default=False, description="Use the engine's logprobs as old logprobs.")
+    engine_logprob_gap_limit: float = Field(
+        default=0.05,
+        gt=0,
+        description="With use_engine_logprobs: recompute old logprobs when the probed mean gap exceeds this.",
+    )
     use_torch_compile: bool = Field(
         default=True, description="torch.compile the decoder layers and LM-head statistics (CUDA only)."
     )

@@ -114,3 +114,27 @@ def test_update_moves_weights_only_with_a_signal(tiny_model_dir: Path) -> None:
     metrics = actor.update(batch)
     assert metrics["actor/grad_norm"] == 0.0
     assert torch.equal(before, actor.model.lm_head.weight)
+
+
+@pytest.mark.parametrize("shift, recomputed", [(0.0, False), (0.5, True)])
+def test_engine_logprobs_are_used_until_their_gap_is_too_large(
+    tiny_model_dir: Path, shift: float, recomputed: bool
+) -> None:
+    """use_engine_logprobs: a probe measures the gap; past engine_logprob_gap_limit the batch is recomputed."""
+    actor = Actor(
+        _config(tiny_model_dir, use_engine_logprobs=True, engine_logprob_gap_limit=0.1), tiny_model_dir, "cpu"
+    )
+    plain, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    policy = actor.compute_logprobs(plain)  # what the engine would report with exactly these weights
+    triplets = [
+        t.model_copy(update={"response_logprobs": (policy[i, : len(t.response_ids)] + shift).tolist()})
+        for i, t in enumerate(_triplets())
+    ]
+    batch, _ = build_batch(triplets, max_prompt_length=32, max_response_length=16)
+    metrics: dict[str, float] = {}
+    used = actor._old_logprobs(batch, metrics) * batch.response_mask  # what update() trains against
+    assert metrics["actor/old_logprobs_recomputed"] == float(recomputed)
+    assert metrics["actor/engine_logprob_gap_mean"] == pytest.approx(shift, abs=1e-4)
+    expected = (policy + (0.0 if recomputed else shift)) * batch.response_mask
+    torch.testing.assert_close(used, expected, atol=1e-4, rtol=0)
+    assert actor.update(batch)["actor/old_logprobs_recomputed"] == float(recomputed)
