@@ -188,17 +188,18 @@ async def test_a_scripted_tool_call_round_trips_and_the_ledger_holds(engine: Any
     assert "42" in engine.tokenizer.decode(two.prompt_ids[len(head) :])
 
 
-async def test_inside_a_rollout_the_agent_needs_only_the_base_url(engine: Any) -> None:
+async def test_inside_a_rollout_the_agent_needs_only_the_base_url(
+    engine: Any, chat: Callable[..., ChatOpenAI]
+) -> None:
     """A production-style agent (ChatOpenAI built from the rollout's LLM) run by the Runner: two turns,
     one trajectory whose ids are exactly the recorded calls'."""
     seen: list[tuple[AIMessage, AIMessage]] = []
 
     @rollout
     async def agent(task: dict[str, Any], llm: LLM) -> float:
-        model = ChatOpenAI(
-            base_url=llm.base_url, api_key=llm.api_key, model=llm.model,  # type: ignore[arg-type]
-            seed=task["seed"], max_tokens=12, max_retries=0, timeout=30,
-        )  # fmt: skip
+        # as an agent would build it, on HTTP clients the fixture closes (langchain's default clients
+        # are process-wide and would outlive this test's event loop)
+        model = chat(llm.base_url, model=llm.model, seed=task["seed"], max_tokens=12, temperature=1.0)
         history: list[Any] = [HumanMessage(task["question"])]
         first = await model.ainvoke(history)
         history += [first, HumanMessage("And then?")]
