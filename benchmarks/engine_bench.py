@@ -18,21 +18,28 @@ Both sides warm up on the full batch (4 tokens) before the timed run; the engine
 ``--via-proxy``: what the proxy costs in generated tokens/s. ONE engine (``--backend torch|vllm``)
 serves the same workload two ways in alternating rounds: N ``engine.generate`` calls at once
 (direct), and N agents at once, each with its own ``openai.AsyncOpenAI`` client making one chat
-completion on its own rollout attempt of a real ``Proxy`` + store. Reports
-``proxy_loss = 1 - proxy / direct`` (medians); ``bench_via_proxy`` says why the two ways are the same work.
-    python benchmarks/engine_bench.py --via-proxy --quick                      # CPU smoke: 16 agents x 16
-    python benchmarks/engine_bench.py --via-proxy --backend vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
+completion on its own rollout attempt of a real ``Proxy`` + store. The agents run in
+``--agent-procs`` processes of their own (default 4, as runners do; 0: in the proxy's process, where
+their client work takes the proxy's GIL). Reports ``proxy_loss = 1 - proxy / direct`` (medians) and
+where a proxied call's time goes; ``bench_via_proxy`` says why the two ways are the same work.
+    python benchmarks/engine_bench.py --via-proxy --quick              # CPU smoke: 16 agents x 16, 4 procs
+    python benchmarks/engine_bench.py --via-proxy --quick --agent-procs 0            # agents in this process
+    python benchmarks/engine_bench.py --via-proxy --backend vllm --random-config qwen2-0.5b \
+        --prompts 128 --new-tokens 128 --reps 5 [--agent-procs 4] [--gc-freeze]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +160,134 @@ def _agent_messages(tag: str, i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"[{tag}-{i}] {q}"}]
 
 
+AGENT_WORKER = Path(__file__).resolve().parent / "proxy_agents.py"
+
+
+class AgentProcesses:
+    """P agent processes (benchmarks/proxy_agents.py, its docstring has the protocol), driven over
+    their stdin / stdout from the proxy's event loop. Each round spreads the agents over them in
+    contiguous chunks, waits until every process has built its clients, then sends "go" to all."""
+
+    def __init__(self, procs: list[asyncio.subprocess.Process]) -> None:
+        self.procs = procs
+
+    @classmethod
+    async def start(cls, p: int) -> AgentProcesses:
+        procs = []
+        try:
+            for _ in range(p):
+                procs.append(
+                    await asyncio.create_subprocess_exec(
+                        sys.executable, str(AGENT_WORKER), stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE, limit=1 << 24,
+                    )
+                )  # fmt: skip
+        except BaseException:
+            await cls(procs).close()
+            raise
+        return cls(procs)
+
+    @staticmethod
+    async def _send(proc: asyncio.subprocess.Process, obj: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(obj).encode() + b"\n")
+        await proc.stdin.drain()
+
+    @staticmethod
+    async def _recv(proc: asyncio.subprocess.Process, want: str, timeout_s: float) -> dict[str, Any]:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+        if not line:
+            code = await proc.wait()
+            raise RuntimeError(
+                f"agent process {proc.pid} exited ({code}) before its {want!r} line (see stderr)"
+            )
+        msg = json.loads(line)
+        if want not in msg:
+            raise RuntimeError(
+                f"agent process {proc.pid}: expected a {want!r} line, got:\n{msg.get('error', msg)}"
+            )
+        return msg
+
+    async def round(
+        self, agents: list[dict[str, Any]], max_tokens: int, temperature: float, top_p: float
+    ) -> tuple[float, list[list[Any]]]:
+        """(max(end) - min(start) over the processes, [[i, tokens, finish, sent, received]] by agent)."""
+        n, p = len(agents), len(self.procs)
+        chunks = [agents[k * n // p : (k + 1) * n // p] for k in range(p)]
+        busy = [(proc, chunk) for proc, chunk in zip(self.procs, chunks, strict=True) if chunk]
+        job = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+        for proc, chunk in busy:
+            await self._send(proc, {**job, "agents": chunk})
+        for proc, chunk in busy:  # clients built everywhere before the clock starts
+            ready = (await self._recv(proc, "ready", 120))["ready"]
+            assert ready == len(chunk), f"agent process {proc.pid} built {ready} of {len(chunk)} clients"
+        for proc, _ in busy:  # "go" to all: written back to back, drained after
+            assert proc.stdin is not None
+            proc.stdin.write(b'{"cmd": "go"}\n')
+        for proc, _ in busy:
+            assert proc.stdin is not None
+            await proc.stdin.drain()
+        replies = [await self._recv(proc, "results", 900) for proc, _ in busy]
+        wall = max(r["end"] for r in replies) - min(r["start"] for r in replies)
+        return wall, sorted((x for r in replies for x in r["results"]), key=lambda x: x[0])
+
+    async def close(self) -> None:
+        for proc in self.procs:
+            if proc.returncode is None and proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    proc.stdin.write(b'{"cmd": "quit"}\n')
+                    proc.stdin.close()
+        for proc in self.procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:  # stuck mid-round (the bench failed): end it
+                proc.kill()
+                await proc.wait()
+
+
+class _TimedEngine:
+    """The engine as the proxy sees it: each generate's (start, end) ``time.time()`` recorded by the
+    proxy's routing key ("rollout/attempt"), so per-request latency splits into engine and the rest."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.times: dict[str, tuple[float, float]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Any = None, request_id: str | None = None
+    ) -> Any:
+        start = time.time()
+        out = await self._engine.generate(prompt_ids, sampling, request_id=request_id)
+        self.times[(request_id or "").rpartition("/req-")[0]] = (start, time.time())
+        return out
+
+
+def _latency_ms(rows: list[dict[str, float]], spreads: list[float]) -> dict[str, Any]:
+    """Medians (and maxima) over every timed proxied call of where its time went, in ms."""
+    import statistics
+
+    def stat(key: str) -> dict[str, float]:
+        xs = [r[key] * 1e3 for r in rows]
+        return {"median": round(statistics.median(xs), 1), "max": round(max(xs), 1)}
+
+    return {
+        "client": stat("client"),  # the agent's call, send to parsed response
+        "engine_generate": stat("engine"),  # inside engine.generate (queueing in the batch included)
+        "added": stat("added"),  # client - engine_generate: HTTP, JSON, proxy logic, store, GIL waits
+        "send_to_engine": stat("to_engine"),  # agent sends -> the proxy calls engine.generate
+        "engine_to_received": stat("from_engine"),  # engine returns -> the agent has parsed the response
+        "proxy_handler_minus_engine": stat("handler"),  # the LLMCall's latency_s - engine_generate
+        "engine_admission_spread": {  # per round: first to last request into the engine
+            "median": round(statistics.median(spreads) * 1e3, 1),
+            "max": round(max(spreads) * 1e3, 1),
+        },
+    }
+
+
 async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     """Direct ``engine.generate`` vs N agents through the proxy, on one engine, alternating rounds.
 
@@ -163,8 +298,13 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     way sets it: tokens/s counts the tokens each round really produced (finish reasons are reported;
     a random-weight model almost never samples a stop id). Chat completions rather than raw-token
     ``/completions``: that is what agents send, so the templating and token ledger are in the loss.
-    Agent clients run in this process (as the trainer's local runner does) and are built before the
-    clock starts; each round's rollouts are enqueued and dequeued before it and finished after it.
+
+    ``args.agent_procs`` P > 0: the agents run in P processes of their own (proxy_agents.py), as
+    real agents run in runner processes, so their HTTP / JSON / pydantic work does not take the
+    proxy's GIL; the round's time is max(end) - min(start) of the processes' own clocks, from "go"
+    to the last parsed response. P = 0: the agents run in this process (as the trainer's local
+    runner does), timed around their gather. Either way every client is built before the clock
+    starts, and each round's rollouts are enqueued and dequeued before it and finished after it.
     """
     import ssl
     import statistics
@@ -179,6 +319,9 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     from agentloop.types import AttemptStatus, LLMCall
 
     n, m = args.prompts, args.new_tokens
+    n_procs = min(args.agent_procs, n)
+    if n_procs < 0:
+        raise SystemExit(f"--agent-procs must be >= 0 (0: agents in this process), got {args.agent_procs}")
     if args.backend == "vllm":
         from agentloop.engine.models import load_engine
 
@@ -204,63 +347,107 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     tmp = tempfile.TemporaryDirectory(prefix="engine-bench-proxy-")
     store: Any = SQLiteStore(Path(tmp.name) / "store.db") if args.store == "sqlite" else MemoryStore()
-    proxy = Proxy(engine, store, default_max_tokens=m)
+    timed = _TimedEngine(engine)
+    proxy = Proxy(timed, store, default_max_tokens=m)
     await proxy.start()
     template = proxy.service.template
     tls = ssl.create_default_context()  # one for all clients (building one per client costs ~20 ms)
+    agent_procs: AgentProcesses | None = None
+    gen2_ms: dict[str, list[float]] = {"direct": [], "proxy": []}  # each full collection in a timed round
+    gc_way: list[str | None] = [None]
+    gc_t0 = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # runs in whichever thread triggered it
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        elif gc_way[0] is not None and info["generation"] == 2:
+            gen2_ms[gc_way[0]].append((time.perf_counter() - gc_t0[0]) * 1e3)
+
+    @contextlib.contextmanager
+    def gc_watch(way: str, tag: str) -> Iterator[None]:
+        gc_way[0] = None if tag == "warm" else way
+        try:
+            yield
+        finally:
+            gc_way[0] = None
 
     def render(tag: str, i: int) -> list[int]:
         return template.encode(template.render(_agent_messages(tag, i), None, add_generation_prompt=True))
 
     async def direct_round(tag: str, sp: SamplingParams) -> tuple[float, list[int], list[str]]:
         batch = [render(tag, i) for i in range(n)]
-        t = time.perf_counter()
-        outs = await asyncio.gather(*[engine.generate(p, sp) for p in batch])
-        dt = time.perf_counter() - t
+        with gc_watch("direct", tag):
+            t = time.perf_counter()
+            outs = await asyncio.gather(*[engine.generate(p, sp) for p in batch])
+            dt = time.perf_counter() - t
         return dt, [len(o.token_ids) for o in outs], [o.finish_reason for o in outs]
 
-    async def proxy_round(tag: str, max_tokens: int) -> tuple[float, list[int], list[str], list[LLMCall]]:
-        for i in range(n):
-            await store.enqueue_rollout({"agent": i, "round": tag})
-        attempts = [await store.dequeue_rollout(f"bench-agent-{i}") for i in range(n)]
-        resource = proxy.as_resource()
+    async def agents_here(urls: list[str], tag: str, max_tokens: int) -> tuple[float, list[list[Any]]]:
         clients = [
             openai.AsyncOpenAI(
-                base_url=resource.get_base_url(a.rollout_id, a.attempt.attempt_id), api_key="EMPTY",
-                max_retries=0, http_client=openai.DefaultAsyncHttpxClient(verify=tls, timeout=600.0),
+                base_url=url, api_key="EMPTY", max_retries=0,
+                http_client=openai.DefaultAsyncHttpxClient(verify=tls, timeout=600.0),
             )
-            for a in attempts if a is not None
+            for url in urls
         ]  # fmt: skip
-        assert len(clients) == n, f"dequeued {len(clients)} of {n} rollouts"
 
-        async def agent(i: int) -> tuple[int, str]:
+        async def agent(i: int) -> list[Any]:
+            sent = time.time()
             r = await clients[i].chat.completions.create(
                 model="agentloop", messages=_agent_messages(tag, i),  # type: ignore[arg-type]
                 max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
             )  # fmt: skip
+            received = time.time()
             assert r.usage is not None
-            return r.usage.completion_tokens, str(r.choices[0].finish_reason)
+            return [i, r.usage.completion_tokens, str(r.choices[0].finish_reason), sent, received]
 
-        t = time.perf_counter()
-        done = await asyncio.gather(*[agent(i) for i in range(n)])
-        dt = time.perf_counter() - t
+        try:
+            t = time.perf_counter()
+            done = await asyncio.gather(*[agent(i) for i in range(n)])
+            return time.perf_counter() - t, done
+        finally:
+            for c in clients:
+                await c.close()
+
+    async def proxy_round(tag: str, max_tokens: int) -> tuple[float, list[list[Any]], list[LLMCall]]:
+        for i in range(n):
+            await store.enqueue_rollout({"agent": i, "round": tag})
+        attempts = [await store.dequeue_rollout(f"bench-agent-{i}") for i in range(n)]
+        assert all(a is not None for a in attempts), f"dequeued {sum(a is not None for a in attempts)} of {n}"
+        resource = proxy.as_resource()
+        urls = [resource.get_base_url(a.rollout_id, a.attempt.attempt_id) for a in attempts if a is not None]
+        jobs = [{"i": i, "base_url": u, "messages": _agent_messages(tag, i)} for i, u in enumerate(urls)]
+        with gc_watch("proxy", tag):
+            if agent_procs is not None:
+                dt, done = await agent_procs.round(jobs, max_tokens, args.temperature, args.top_p)
+            else:
+                dt, done = await agents_here(urls, tag, max_tokens)
+        assert [d[0] for d in done] == list(range(n)), "an agent's answer is missing"
         calls = []
-        for c, a in zip(clients, attempts, strict=True):
+        for row, a in zip(done, attempts, strict=True):
             assert a is not None
-            await c.close()
             await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status=AttemptStatus.SUCCEEDED)
             (span,) = await store.query_spans(a.rollout_id, a.attempt.attempt_id)
             calls.append(span.payload)
-        return dt, [k for k, _ in done], [f for _, f in done], calls
+            row.append(timed.times.pop(f"{a.rollout_id}/{a.attempt.attempt_id}"))  # (engine start, end)
+        return dt, done, calls
 
     direct_tps: list[float] = []
     proxy_tps: list[float] = []
     tokens: dict[str, list[int]] = {"direct": [], "proxy": []}
     reasons: dict[str, Counter[str]] = {"direct": Counter(), "proxy": Counter()}
     weights_versions: set[int | None] = set()
+    latency_rows: list[dict[str, float]] = []
+    spreads: list[float] = []
+    gc.callbacks.append(on_gc)
     try:
+        if n_procs > 0:
+            agent_procs = await AgentProcesses.start(n_procs)
+        if args.gc_freeze:  # the startup heap (model, tokenizer, imports) leaves the full collections
+            gc.collect()
+            gc.freeze()
         # warm-up both ways (short); the proxy's recorded sampling becomes the direct calls' sampling
-        _, _, _, calls = await proxy_round("warm", min(m, 8))
+        _, _, calls = await proxy_round("warm", min(m, 8))
         sp = SamplingParams.model_validate(calls[0].sampling).model_copy(update={"max_tokens": m})
         await direct_round("warm", sp.model_copy(update={"max_tokens": min(m, 8)}))
         for r in range(args.reps):  # ABBA order: a drift over the run hits both ways alike
@@ -268,24 +455,39 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
                 tag = f"{way}{r}"
                 if way == "direct":
                     dt, counts, fin = await direct_round(tag, sp)
-                    direct_tps.append(sum(counts) / dt)
                 else:
-                    dt, counts, fin, calls = await proxy_round(tag, m)
-                    proxy_tps.append(sum(counts) / dt)
+                    dt, done, calls = await proxy_round(tag, m)
+                    counts, fin = [d[1] for d in done], [d[2] for d in done]
                     for i, call in enumerate(calls):  # the same work as the direct round, call by call
                         assert call.prompt_ids == render(tag, i), f"agent {i}: the proxy's prompt differs"
                         assert call.sampling == sp.model_dump(mode="json"), (call.sampling, sp)
                         assert len(call.response_ids) == counts[i], (len(call.response_ids), counts[i])
+                        assert call.finish_reason == fin[i], (call.finish_reason, fin[i])
                         weights_versions.add(call.weights_version)
+                    for (_, _, _, sent, received, (g0, g1)), call in zip(done, calls, strict=True):
+                        client, engine_s = received - sent, g1 - g0
+                        latency_rows.append({
+                            "client": client, "engine": engine_s, "added": client - engine_s,
+                            "to_engine": g0 - sent, "from_engine": received - g1,
+                            "handler": (call.latency_s or 0.0) - engine_s,
+                        })  # fmt: skip
+                    spreads.append(max(d[5][0] for d in done) - min(d[5][0] for d in done))
+                (direct_tps if way == "direct" else proxy_tps).append(sum(counts) / dt)
                 tokens[way].append(sum(counts))
                 reasons[way].update(fin)
     finally:
+        gc.callbacks.remove(on_gc)
+        if args.gc_freeze:
+            gc.unfreeze()
+        if agent_procs is not None:
+            await agent_procs.close()
         await proxy.stop()
         await engine.stop()
         await store.close()
         tmp.cleanup()
     direct_med, proxy_med = statistics.median(direct_tps), statistics.median(proxy_tps)
     lengths = [len(render("x", i)) for i in range(n)]
+    agents_in = f"{n_procs} processes" if n_procs else "the proxy's process"
     result: dict[str, Any] = {
         "mode": "via_proxy",
         "backend": args.backend,
@@ -304,8 +506,14 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             "rounds": args.reps,
             "store": args.store,
             "request": "one chat completion per agent, each on its own rollout attempt",
-            "clients": "one openai.AsyncOpenAI per agent, in this process, built before the clock",
+            "clients": "one openai.AsyncOpenAI per agent, built before the clock",
         },
+        "agents_in": agents_in,
+        "proxy_round_time": (
+            "max(end) - min(start) of the agent processes' time.time(), 'go' read to last response parsed"
+            if n_procs
+            else "perf_counter around the agents' gather in this process"
+        ),
         "fairness": (
             "token-identical prompts (the proxy's chat-template rendering, checked against every recorded "
             "call) and identical SamplingParams (the proxy's recorded ones, replayed) both ways; the proxy "
@@ -318,7 +526,12 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         "rounds_proxy": [round(x, 1) for x in proxy_tps],
         "tokens_per_round": tokens,
         "finish_reasons": {k: dict(v) for k, v in reasons.items()},
+        "proxied_call_latency_ms": _latency_ms(latency_rows, spreads),
         "weights_versions_recorded": sorted(v for v in weights_versions if v is not None),
+        "gc_freeze": args.gc_freeze,
+        "full_gc_in_timed_rounds": {  # a collection of generation 2 stops every thread of this process
+            way: {"count": len(ms), "ms": round(sum(ms), 1)} for way, ms in gen2_ms.items()
+        },
         "engine_start_s": round(start_s, 1),
     }
     if args.backend == "vllm":
@@ -351,6 +564,17 @@ async def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="TorchEngine without CUDA graphs (A/B)")
     ap.add_argument("--via-proxy", action="store_true", help="direct engine vs N agents through the proxy")
     ap.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="--via-proxy: the store")
+    ap.add_argument(
+        "--agent-procs",
+        type=int,
+        default=4,
+        help="--via-proxy: processes the agents run in, spread evenly (0: in the proxy's process)",
+    )
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="--via-proxy: gc.freeze() once all has started, so full collections skip the startup heap",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="--via-proxy, vllm backend")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -1,16 +1,19 @@
 """benchmarks/engine_bench.py --via-proxy on the tiny model: one engine, the same work direct and
-through a real proxy + SQLite store, the loss reported (the bench itself checks every proxied call's
-prompt ids and sampling against the direct ones)."""
+through a real proxy + SQLite store, with the agents in processes of their own or in the proxy's; the
+loss reported (the bench itself checks every proxied call's prompt ids and sampling against the
+direct ones)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
 
 import anyio
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_bench.py"
 
@@ -23,16 +26,19 @@ def _load_bench() -> ModuleType:
     return module
 
 
-async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("agent_procs", [2, 0], ids=["agents-in-2-processes", "agents-in-process"])
+async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path, agent_procs: int) -> None:
     bench = _load_bench()
     agents, new_tokens, reps = 8, 8, 2
     args = argparse.Namespace(
         backend="torch", model="tiny", device="cpu", prompts=agents, new_tokens=new_tokens, reps=reps,
         temperature=0.7, top_p=0.9, store="sqlite", no_cuda_graphs=True, gpu_memory_utilization=0.5,
+        agent_procs=agent_procs, gc_freeze=agent_procs > 0,
     )  # fmt: skip
     with anyio.fail_after(120):
         result = await bench.bench_via_proxy(tiny_model_dir, args)
     assert result["mode"] == "via_proxy" and result["backend"] == "torch"
+    assert result["agents_in"] == ("2 processes" if agent_procs else "the proxy's process")
     assert len(result["rounds_direct"]) == len(result["rounds_proxy"]) == reps
     assert all(x > 0 for x in result["rounds_direct"] + result["rounds_proxy"])
     for way in ("direct", "proxy"):
@@ -43,6 +49,34 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path)
     assert result["workload"]["stop_token_ids"]  # the chat template's stop ids, replayed in the direct calls
     assert result["workload"]["store"] == "sqlite"
     assert result["weights_versions_recorded"] == [0]  # the proxy recorded the engine's version
+    # every proxied call's time splits into the engine's part and the rest, all of it after the send
+    lat = result["proxied_call_latency_ms"]
+    assert 0 < lat["engine_generate"]["median"] <= lat["client"]["median"]
+    assert lat["send_to_engine"]["median"] > 0 and lat["engine_to_received"]["median"] > 0
+    assert (
+        lat["added"]["max"] <= lat["client"]["max"] and lat["send_to_engine"]["max"] <= lat["client"]["max"]
+    )
+    assert set(result["full_gc_in_timed_rounds"]) == {"direct", "proxy"}
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # --gc-freeze undone at the end
+
+
+async def test_agent_processes_fail_loudly() -> None:
+    """An agent process that fails or exits says so (its traceback, or its pid and exit code) instead
+    of hanging the bench."""
+    bench = _load_bench()
+    procs = await bench.AgentProcesses.start(2)
+    try:
+        await procs._send(procs.procs[1], {"not": "a round"})  # the worker fails on the job: an error line
+        with pytest.raises(RuntimeError, match="expected a 'ready' line"):
+            await procs._recv(procs.procs[1], "ready", 30)
+        stdin = procs.procs[0].stdin
+        assert stdin is not None
+        stdin.close()  # end of input: the worker exits
+        with pytest.raises(RuntimeError, match=r"exited \(0\)"):
+            await procs._recv(procs.procs[0], "ready", 30)
+    finally:
+        await procs.close()
+    assert all(p.returncode == 0 for p in procs.procs)
 
 
 def test_random_models_get_the_tokenizer_vocabulary_in_their_own_folder() -> None:
