@@ -177,7 +177,9 @@ def _radix_select(bits: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     j = ((above >= target[:, None]).sum(-1) - 1).clamp(min=0)  # (B,) the bucket holding the answer
     higher = torch.where(j + 1 < size, above.gather(1, (j + 1).clamp(max=size - 1)[:, None])[:, 0], 0)
     inside = torch.where(high == j[:, None], weight, 0)
-    low = torch.zeros(n, size, dtype=torch.long, device=bits.device).scatter_add_(1, bits & (size - 1), inside)
+    low = torch.zeros(n, size, dtype=torch.long, device=bits.device).scatter_add_(
+        1, bits & (size - 1), inside
+    )
     low_above = low.flip(-1).cumsum(-1).flip(-1)  # weight in bucket j at low bits >= l
     lo = ((higher[:, None] + low_above >= target[:, None]).sum(-1) - 1).clamp(min=0)
     return (j << _RADIX_BITS) | lo
