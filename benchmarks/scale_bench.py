@@ -114,11 +114,14 @@ async def _train_tokens_per_s(
     return {"tokens_per_update": tokens, "update_s": best, "tokens_per_s": tokens / best}
 
 
-async def _rollout_tokens_per_s(model: str, replicas: int, args: argparse.Namespace) -> dict[str, float]:
+async def _rollout_tokens_per_s(
+    model: str, replicas: int, args: argparse.Namespace, batch_submit: bool = True
+) -> dict[str, Any]:
     from agentloop.engine.base import SamplingParams
     from agentloop.engine.replicas import EngineReplicaPool
 
     pool = EngineReplicaPool.create(model, replicas, args.device, max_batch_size=args.engine_batch)
+    pool.batch_submit = batch_submit
     rng = random.Random(1)
     sampling = SamplingParams(temperature=1.0, max_tokens=args.gen_tokens, ignore_eos=True, seed=0)
     try:
@@ -345,8 +348,18 @@ async def main() -> None:
             "2": r2,
             "speedup": r2["tokens_per_s"] / r1["tokens_per_s"],
             "target": 1.8,
+            "submission": "one streaming actor call per replica per event-loop tick",
         }
         save()
+        if args.only_rollout:  # A/B: one actor call per request, as before batched submission
+            a1 = await _rollout_tokens_per_s(model, 1, args, batch_submit=False)
+            a2 = await _rollout_tokens_per_s(model, 2, args, batch_submit=False)
+            result["rollout_one_call_per_request"] = {
+                "1": a1,
+                "2": a2,
+                "speedup": a2["tokens_per_s"] / a1["tokens_per_s"],
+            }
+            save()
     if not args.only_rollout:
         result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
         save()

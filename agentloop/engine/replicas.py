@@ -22,13 +22,14 @@ import inspect
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import structlog
 import torch
 
 from agentloop.engine.base import SamplingParams, TokenOutput
+from agentloop.errors import EngineError
 
 log = structlog.get_logger("agentloop.engine.replicas")
 
@@ -78,6 +79,28 @@ class EngineReplica:
         self.requests += 1
         return await self.engine.generate(prompt_ids, sampling, request_id=request_id)
 
+    async def generate_many(
+        self, requests: list[tuple[list[int], SamplingParams, str]]
+    ) -> AsyncIterator[tuple[str, TokenOutput | Exception]]:
+        """Run ``requests`` (prompt ids, sampling, request id) at once and yield ``(request_id, output
+        or error)`` as each finishes: a Ray streaming generator, so a burst of requests costs one actor
+        call instead of one each. Closing the stream aborts what is still running."""
+        self.requests += len(requests)
+
+        async def one(prompt: list[int], sampling: SamplingParams, rid: str) -> tuple[str, Any]:
+            try:
+                return rid, await self.engine.generate(prompt, sampling, request_id=rid)
+            except Exception as exc:
+                return rid, exc
+
+        tasks = [asyncio.ensure_future(one(*r)) for r in requests]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def abort(self, request_id: str) -> bool:
         return bool(await self.engine.abort(request_id))
 
@@ -98,7 +121,7 @@ class EngineReplica:
 class EngineReplicaPool:
     """An InferenceEngine over ``replicas`` (EngineReplica actor handles); see the module docstring."""
 
-    def __init__(self, replicas: list[Any], tokenizer: Any = None) -> None:
+    def __init__(self, replicas: list[Any], tokenizer: Any = None, batch_submit: bool = True) -> None:
         import ray
 
         if not isinstance(replicas, list | tuple) or not replicas:
@@ -120,6 +143,12 @@ class EngineReplicaPool:
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._owner: dict[str, int] = {}
         self._next = 0  # tie-break among equally loaded replicas: round robin
+        # requests made in one event-loop tick go to their replica in one streaming call (_flush);
+        # batch_submit=False makes one actor call per request (the A/B baseline in scale_bench)
+        self.batch_submit = batch_submit
+        self._pending: list[list[tuple[list[int], SamplingParams, str]]] = [[] for _ in self.replicas]
+        self._waiters: dict[str, asyncio.Future[TokenOutput]] = {}
+        self._streams: set[asyncio.Task[None]] = set()
         self._sync: dict[str, float] = {"last_sync_s": 0.0, "syncs": 0.0, "total_sync_s": 0.0}
 
     @classmethod
@@ -190,14 +219,66 @@ class EngineReplicaPool:
         self._inflight[idx] += 1
         self._routed[idx] += 1
         self._owner[rid] = idx
+        if not self.batch_submit:
+            try:
+                return await self.replicas[idx].generate.remote(prompt_ids, sampling, rid)  # type: ignore[no-any-return]
+            except asyncio.CancelledError:
+                await asyncio.shield(self._abort_on(idx, rid))
+                raise
+            finally:
+                self._inflight[idx] -= 1
+                self._owner.pop(rid, None)
+        waiter: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = waiter
+        pending = self._pending[idx]
+        pending.append((prompt_ids, sampling, rid))
+        if len(pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush, idx)
         try:
-            return await self.replicas[idx].generate.remote(prompt_ids, sampling, rid)  # type: ignore[no-any-return]
+            return await waiter
         except asyncio.CancelledError:
-            await asyncio.shield(self._abort_on(idx, rid))
+            queue = self._pending[idx]  # after a flush `pending` is the batch already sent
+            queued = next((r for r in queue if r[2] == rid), None)
+            if queued is not None:  # not sent yet
+                queue.remove(queued)
+            else:
+                await asyncio.shield(self._abort_on(idx, rid))
             raise
         finally:
             self._inflight[idx] -= 1
             self._owner.pop(rid, None)
+            self._waiters.pop(rid, None)
+
+    def _flush(self, idx: int) -> None:
+        """Send replica ``idx`` the requests queued for it this tick, as one streaming call."""
+        batch, self._pending[idx] = self._pending[idx], []
+        if not batch:
+            return
+        stream = self.replicas[idx].generate_many.options(num_returns="streaming").remote(batch)
+        task = asyncio.get_running_loop().create_task(self._collect(idx, stream, [r for _, _, r in batch]))
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
+
+    async def _collect(self, idx: int, stream: Any, rids: list[str]) -> None:
+        """Resolve each request's waiter as its result comes back; a broken stream fails the rest."""
+        error: Exception | None = None
+        try:
+            async for ref in stream:
+                rid, out = await ref
+                waiter = self._waiters.get(rid)
+                if waiter is None or waiter.done():
+                    continue
+                if isinstance(out, Exception):
+                    waiter.set_exception(out)
+                else:
+                    waiter.set_result(out)
+        except Exception as exc:  # the replica died or the stream broke
+            error = exc
+        for rid in rids:
+            waiter = self._waiters.get(rid)
+            if waiter is not None and not waiter.done():
+                reason = f"{type(error).__name__}: {error}" if error else "its stream ended without a result"
+                waiter.set_exception(EngineError(f"replica {idx} failed request {rid}: {reason}"))
 
     async def _abort_on(self, idx: int, request_id: str) -> bool:
         return bool(await self.replicas[idx].abort.remote(request_id))

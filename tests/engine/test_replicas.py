@@ -57,7 +57,7 @@ async def test_calls_of_one_attempt_stay_on_one_replica(pool: EngineReplicaPool)
 
 
 async def test_new_attempts_go_to_the_least_loaded_replica(pool: EngineReplicaPool) -> None:
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
     with anyio.fail_after(120):
         busy = asyncio.ensure_future(pool.generate([5, 6, 7], long, request_id="rollout-b/attempt-1/req-0"))
         await asyncio.sleep(0.05)
@@ -107,3 +107,37 @@ async def test_replica_errors_keep_their_type(pool: EngineReplicaPool) -> None:
     assert pool.max_context == 256
     assert pool.tokenizer.eos_token_id is not None
     assert await pool.abort("not-in-flight") is False
+
+
+async def test_a_burst_goes_out_in_one_stream_and_cancelling_one_aborts_only_it(
+    pool: EngineReplicaPool,
+) -> None:
+    """Requests made in one tick reach their replica in one streaming call; results still come back
+    one by one, and a cancelled request is aborted on its replica while its batch-mates finish."""
+    before = await pool.replica_stats()
+    long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+    with anyio.fail_after(60):
+        tasks = [
+            asyncio.ensure_future(pool.generate([5, 6, 7, 8 + i], long if i == 0 else GREEDY, f"burst-{i}/r"))
+            for i in range(6)
+        ]
+        await asyncio.sleep(0)  # all six are queued in this tick
+        assert sum(len(p) for p in pool._pending) == 6
+        done, _ = await asyncio.wait(tasks[1:])
+        assert all(len(t.result().token_ids) == 4 for t in done)
+        assert not tasks[0].done()  # the long one is still running: results come back one by one
+        tasks[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        while sum(s["running"] for s in await pool.replica_stats()) > 0:
+            await asyncio.sleep(0.01)
+    after = await pool.replica_stats()
+    aborted = [
+        a.get("finished_abort", 0) - b.get("finished_abort", 0) for a, b in zip(after, before, strict=True)
+    ]
+    sent = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
+    assert sum(sent) == 6
+    assert sum(aborted) == 1, [
+        {k: v for k, v in a.items() if k.startswith(("finished", "generated", "requests"))} for a in after
+    ]
+    assert pool.stats()["in_flight"] == [0, 0]
