@@ -82,6 +82,15 @@ TARGETS: tuple[Target, ...] = (
         "GPU weight sync into vLLM s",
         False,
     ),
+    Target(
+        "gpu/vllm_cross_gpu_sync.py",
+        "vllm_cross_gpu_sync.json",
+        "cross_gpu_ipc.total_s_median",
+        "<=",
+        1.0,
+        "weight sync into vLLM on another GPU s",
+        False,
+    ),
     Target("trainer_bench.py", "trainer_bench_gpu.json", "mfu", ">=", 0.35, "GPU trainer MFU (0.5B)", False),
     Target(
         "scale_bench.py",
