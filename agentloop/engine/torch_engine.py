@@ -80,6 +80,8 @@ class _Request:
     kv_len: int = 0  # tokens whose keys/values are in the cache
     slot: int = -1
     num_cached: int = 0
+    added_at: float = field(default_factory=time.monotonic)
+    warned: bool = False
 
 
 class TorchEngine:
@@ -88,7 +90,8 @@ class TorchEngine:
     ``cuda_graphs`` (CUDA only; ignored on CPU): replay the decode step from CUDA graphs captured
     lazily per (batch bucket 1, 2, 4, ..., kv-length bucket, sampling mode); a capture that fails
     or disagrees with the eager step turns them off with a warning. ``max_prefill_tokens``: most
-    (padded) tokens one batched prefill forward takes.
+    (padded) tokens one batched prefill forward takes. ``stall_warning_s``: a request older than
+    this is logged with its state (``engine.slow_request``), and failed if the engine no longer holds it.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class TorchEngine:
         weight_update_policy: Literal["drain", "abort"] = "drain",
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 8192,
+        stall_warning_s: float = 30.0,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,6 +142,8 @@ class TorchEngine:
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
         self._max_prefill_tokens = max_prefill_tokens
+        self._stall_warning_s = stall_warning_s
+        self._next_watch = 0.0
         self._runner = ModelRunner(
             self._model,
             self._cache,
@@ -264,8 +270,10 @@ class TorchEngine:
         with torch.inference_mode():
             while True:
                 busy = bool(self._running or self._waiting or self._updates)
+                cmds: list[tuple[str, Any]] = []
                 try:
-                    cmds = [] if busy else [self._inbox.get()]
+                    if not busy:
+                        cmds.append(self._inbox.get(timeout=1.0))  # idle: wake up for the watchdog
                     while True:
                         cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
@@ -276,6 +284,32 @@ class TorchEngine:
                 for kind, arg in cmds:
                     self._command(kind, arg)
                 self._step()
+                now = time.monotonic()
+                if now >= self._next_watch:
+                    self._next_watch = now + min(1.0, self._stall_warning_s / 2)
+                    self._watch(now)
+
+    def _watch(self, now: float) -> None:
+        """The watchdog: log requests older than ``stall_warning_s`` with their state, and fail any
+        the engine no longer holds (neither waiting nor running) so that no caller waits forever."""
+        held = {id(r) for r in (*self._waiting, *self._running)}
+        for req in list(self._inflight.values()):
+            age = now - req.added_at
+            if age < self._stall_warning_s or req.future.done():
+                continue
+            if id(req) not in held and not self._inbox.qsize():
+                log.error("engine.request_lost", request_id=req.request_id, age_s=round(age, 1))
+                self._stats["lost"] += 1
+                err = EngineError(f"the engine lost track of request {req.request_id} after {age:.0f} s")
+                req.loop.call_soon_threadsafe(_resolve, req.future, None, err)
+            elif not req.warned:
+                req.warned = True
+                log.warning(
+                    "engine.slow_request", request_id=req.request_id, age_s=round(age, 1),
+                    state="running" if req.slot >= 0 else "waiting", slot=req.slot, kv_len=req.kv_len,
+                    generated=len(req.output_ids), max_tokens=req.sampling.max_tokens,
+                    waiting=len(self._waiting), running=len(self._running), updates=len(self._updates),
+                )  # fmt: skip
 
     def _command(self, kind: str, arg: Any) -> None:
         if kind == "add":

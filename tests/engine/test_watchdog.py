@@ -1,0 +1,52 @@
+"""TorchEngine's watchdog: slow requests are logged with their state; a request the engine no longer
+holds is failed instead of leaving its caller waiting forever."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from agentloop.engine.base import SamplingParams
+from agentloop.engine.torch_engine import TorchEngine, _Request
+from agentloop.errors import EngineError
+
+
+async def test_a_slow_request_is_logged_with_its_state(tiny_model_dir: Path) -> None:
+    engine = TorchEngine(tiny_model_dir, device="cpu", stall_warning_s=0.1)
+    try:
+        with capture_logs() as logs, anyio.fail_after(60):
+            sp = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            out = await engine.generate([1, 2, 3, 4], sp)
+        assert len(out.token_ids) == 400
+        slow = [e for e in logs if e["event"] == "engine.slow_request"]
+        if not slow:
+            pytest.skip("the request finished before the watchdog's first look (fast machine)")
+        assert slow[0]["state"] == "running" and slow[0]["max_tokens"] == 400
+        assert len(slow) == 1  # once per request
+    finally:
+        await engine.stop()
+
+
+async def test_a_request_the_engine_does_not_hold_is_failed(tiny_model_dir: Path) -> None:
+    engine = TorchEngine(tiny_model_dir, device="cpu", stall_warning_s=0.5)
+    await engine.start()
+    try:
+        loop = asyncio.get_running_loop()
+        sp = SamplingParams(max_tokens=4)
+        lost = _Request(
+            "lost-1", [1, 2], sp, loop.create_future(), loop, 0, frozenset(), added_at=time.monotonic()
+        )
+        engine._inflight["lost-1"] = lost  # registered by generate(), but never reached the engine
+        with anyio.fail_after(10), pytest.raises(EngineError, match="lost track of request lost-1"):
+            await lost.future
+        assert engine.stats()["lost"] == 1
+        with anyio.fail_after(30):  # the engine keeps serving
+            assert len((await engine.generate([1, 2, 3], sp)).token_ids) == 4
+    finally:
+        engine._inflight.pop("lost-1", None)
+        await engine.stop()
