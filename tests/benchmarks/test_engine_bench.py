@@ -57,7 +57,7 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path,
         lat["added"]["max"] <= lat["client"]["max"] and lat["send_to_engine"]["max"] <= lat["client"]["max"]
     )
     assert set(result["full_gc_in_timed_rounds"]) == {"direct", "proxy"}
-    assert gc.isenabled() and gc.get_freeze_count() == 0  # --gc-freeze undone at the end
+    assert gc.isenabled()  # the bench leaves the collector on
 
 
 async def test_agent_processes_fail_loudly() -> None:
