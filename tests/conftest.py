@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,17 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # uvicorn and ray need asyncio
+
+
+@pytest.fixture(autouse=True)
+def _collect_clients_outside_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After an async test, collect its garbage while no event loop runs. openai's async clients
+    that a test (like a real agent) never closed schedule their own ``aclose`` on whatever loop runs
+    when they are collected; collected during a later test, that task touches this test's closed
+    loop and fails the later test."""
+    yield
+    if inspect.iscoroutinefunction(request.function):
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
