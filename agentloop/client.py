@@ -44,6 +44,9 @@ def openai_client(llm: LLM | ProxyLLM | None = None, **kwargs: Any) -> openai.Op
 
 
 def async_openai_client(llm: LLM | ProxyLLM | None = None, **kwargs: Any) -> openai.AsyncOpenAI:
-    """An ``openai.AsyncOpenAI`` for this attempt (or ``llm``); ``kwargs`` go to the client."""
+    """An ``openai.AsyncOpenAI`` for this attempt (or ``llm``); ``kwargs`` go to the client.
+
+    Use it as ``async with al.async_openai_client() as client:``: a client left open holds its
+    connection (a socket on each side) until garbage collection."""
     resolved = _resolve(llm, "al.async_openai_client()")
     return openai.AsyncOpenAI(base_url=resolved.base_url, api_key=resolved.api_key, **kwargs)

@@ -97,17 +97,18 @@ async def arithmetic_agent(task: dict, llm: al.LLM, rollout: AttemptedRollout) -
     """Ask the question once; training samples at the trainer's temperature, validation greedily."""
     import openai
 
-    client = openai.AsyncOpenAI(
-        base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=SETTINGS.request_timeout_s
-    )
     val = rollout.mode != "train"
     temperature = 0.0 if val else float(llm.sampling.get("temperature", 1.0))
-    resp = await client.chat.completions.create(
-        model=llm.model,
-        messages=[*EXAMPLE, {"role": "user", "content": task["question"]}],
-        max_tokens=SETTINGS.max_tokens,
-        temperature=temperature,
-    )
+    # closed on return: an unclosed client holds its connection (a socket on each side) until GC
+    async with openai.AsyncOpenAI(
+        base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=SETTINGS.request_timeout_s
+    ) as client:
+        resp = await client.chat.completions.create(
+            model=llm.model,
+            messages=[*EXAMPLE, {"role": "user", "content": task["question"]}],
+            max_tokens=SETTINGS.max_tokens,
+            temperature=temperature,
+        )
     text = resp.choices[0].message.content or ""
     return score(text, int(task["answer"]), 0.0 if val else SETTINGS.format_bonus)
 

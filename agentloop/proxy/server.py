@@ -47,6 +47,26 @@ class ProxyState(StrEnum):
 
 
 _heap_frozen = False
+_MAX_OPEN_FILES = 1 << 16
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (at most 65536); returns the
+    soft limit now in force. Every agent connection holds a socket on each side until it closes, and
+    agents that never close their client keep it until garbage collection: at a few hundred agents
+    a step, a common 1024 default runs out, and then the server stops accepting connections while
+    clients wait for their timeout."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        log.info("proxy.raised_open_file_limit", soft_before=soft, soft=target, hard=hard)
+        return target
+    return soft
 
 
 def _freeze_startup_heap() -> None:
@@ -180,6 +200,7 @@ class Proxy:
         """Run the server until ``stop()``; ``task_status.started(url)`` once the socket listens."""
         if self.state is not ProxyState.CREATED:
             raise RuntimeError(f"a Proxy starts once; this one is {self.state.value}")
+        raise_open_file_limit()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle adds ~40 ms a reply)
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

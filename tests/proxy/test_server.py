@@ -105,3 +105,22 @@ def test_template_encode_fast_path_matches_the_tokenizer(tokenizer: Any) -> None
             piece_text
         )
     assert template.stop_token_ids[0] == tokenizer.eos_token_id
+
+
+def test_the_proxy_raises_the_open_file_limit() -> None:
+    """A low soft limit on open files (1024 is common) would stop the proxy accepting agents'
+    connections at a few hundred agents a step; serving raises it to the hard limit."""
+    import resource
+
+    from agentloop.proxy.server import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256 if hard == resource.RLIM_INFINITY else min(256, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        now = raise_open_file_limit()
+        expected = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        assert now == expected == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert raise_open_file_limit() == expected  # idempotent
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
