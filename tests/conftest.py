@@ -34,6 +34,19 @@ def _collect_clients_outside_the_loop(request: pytest.FixtureRequest) -> Iterato
         gc.collect()
 
 
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray with 2 CPUs for the module's tests (joins one already running, and leaves it)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised Llama of SmolLM2's architecture (2 small layers) with the real

@@ -19,18 +19,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model_dir: Path) -> Iterator[EngineReplicaPool]:
+def pool(tiny_model_dir: Path, ray_local: None) -> Iterator[EngineReplicaPool]:
     import ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     p = EngineReplicaPool.create(str(tiny_model_dir), 2, "cpu", max_context=256, max_batch_size=8)
     yield p
     for r in p.replicas:
         ray.kill(r)
-    if started:
-        ray.shutdown()
 
 
 def test_routing_key() -> None:

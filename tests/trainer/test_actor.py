@@ -11,6 +11,7 @@ import torch
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
 from agentloop.types import Triplet
+from tests.trainer.samples import small_batch, small_triplets
 from trainer.actor import Actor
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import build_batch
@@ -31,22 +32,10 @@ def _config(model_dir: Path, **actor: object) -> TrainerConfig:
     )
 
 
-def _triplets() -> list[Triplet]:
-    return [
-        Triplet(
-            prompt_ids=[1, 5, 9, 13][: 2 + i % 3],
-            response_ids=[20, 21, 22, 23][: 4 - i % 2],
-            reward=float(i % 2),
-            metadata={"group_id": i // 2},
-        )
-        for i in range(4)
-    ]
-
-
 def test_response_logprobs_match_the_full_forward(tiny_model_dir: Path) -> None:
     """The head on response positions only (trainer/head.py) gives the full forward's logprobs and entropy."""
     actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
-    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    batch = small_batch()
     p, r = batch.prompt_length, batch.response_length
     full = actor.model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
@@ -83,7 +72,7 @@ def test_trainer_logprobs_equal_the_engines(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_accumulate_to_the_full_batch(tiny_model_dir: Path, agg: str) -> None:
-    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    batch = small_batch()
     weights = []
     for budget in (10_000, 8):  # one micro-batch vs one sample per micro-batch
         actor = Actor(
@@ -99,7 +88,7 @@ def test_micro_batches_accumulate_to_the_full_batch(tiny_model_dir: Path, agg: s
 
 
 def test_update_moves_weights_only_with_a_signal(tiny_model_dir: Path) -> None:
-    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    batch = small_batch()
     actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
     before = actor.model.lm_head.weight.detach().clone()
     metrics = actor.update(batch)
@@ -107,7 +96,7 @@ def test_update_moves_weights_only_with_a_signal(tiny_model_dir: Path) -> None:
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert metrics["actor/grad_norm"] > 0
 
-    flat = [t.model_copy(update={"reward": 1.0}) for t in _triplets()]  # equal rewards: zero advantage
+    flat = [t.model_copy(update={"reward": 1.0}) for t in small_triplets()]  # equal rewards: zero advantage
     batch, _ = build_batch(flat, max_prompt_length=32, max_response_length=16)
     actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
     before = actor.model.lm_head.weight.detach().clone()
@@ -124,11 +113,11 @@ def test_engine_logprobs_are_used_until_their_gap_is_too_large(
     actor = Actor(
         _config(tiny_model_dir, use_engine_logprobs=True, engine_logprob_gap_limit=0.1), tiny_model_dir, "cpu"
     )
-    plain, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    plain = small_batch()
     policy = actor.compute_logprobs(plain)  # what the engine would report with exactly these weights
     triplets = [
         t.model_copy(update={"response_logprobs": (policy[i, : len(t.response_ids)] + shift).tolist()})
-        for i, t in enumerate(_triplets())
+        for i, t in enumerate(small_triplets())
     ]
     batch, _ = build_batch(triplets, max_prompt_length=32, max_response_length=16)
     metrics: dict[str, float] = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,6 @@ from trainer.actor import Actor
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 from trainer.dp import DataParallelGroup, balance_by_tokens
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _config(model_dir: Path, token_budget: int) -> TrainerConfig:

@@ -15,8 +15,9 @@ from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
 from agentloop.errors import ConfigError
 from agentloop.types import Triplet
+from tests.trainer.samples import small_batch
 from trainer.actor import Actor
-from trainer.batch import Batch, build_batch
+from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 from trainer.ray_trainer import TrainerWorker
 
@@ -36,20 +37,6 @@ def _config(model_dir: Path, model: dict[str, Any] | None = None, **actor: Any) 
             "trainer": {"device": "cpu"},
         }
     )
-
-
-def _batch() -> Batch:
-    triplets = [
-        Triplet(
-            prompt_ids=[1, 5, 9, 13][: 2 + i % 3],
-            response_ids=[20, 21, 22, 23][: 4 - i % 2],
-            reward=float(i % 2),
-            metadata={"group_id": i // 2},
-        )
-        for i in range(4)
-    ]
-    batch, _ = build_batch(triplets, max_prompt_length=32, max_response_length=16)
-    return batch
 
 
 def _split(actor: Actor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -79,8 +66,8 @@ def test_an_update_trains_only_the_adapter(tiny_model_dir: Path, checkpointing: 
         id(p) for p in actor.model.parameters() if p.requires_grad
     }
     base0, adapter0 = _split(actor)
-    metrics = actor.update(_batch())
-    actor.update(_batch())  # lora_B starts at 0, so lora_A gets its first gradient on the second step
+    metrics = actor.update(small_batch())
+    actor.update(small_batch())  # lora_B starts at 0, so lora_A gets its first gradient on the second step
     base1, adapter1 = _split(actor)
     assert metrics["actor/grad_norm"] > 0
     assert base1.keys() == base0.keys() and all(torch.equal(base0[k], base1[k]) for k in base0)
@@ -97,7 +84,7 @@ def test_named_weights_are_the_base_models_merged(tiny_model_dir: Path, base_sta
     )
     assert all(torch.equal(before[k], base_state[k]) for k in before)  # lora_B starts at 0: no change yet
 
-    actor.update(_batch())
+    actor.update(small_batch())
     after = actor.named_weights()
     assert list(after) == list(base_state)
     assert not torch.equal(after[ADAPTED], base_state[ADAPTED])
@@ -114,7 +101,7 @@ def test_the_engine_loads_the_merged_weights(tiny_model_dir: Path) -> None:
     """After update_weights the engine's logprobs are the LoRA policy's logprobs."""
     actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
     for _ in range(3):
-        actor.update(_batch())
+        actor.update(small_batch())
     weights = actor.named_weights()
 
     async def sample() -> tuple[list[int], list[int], list[float], int]:
@@ -153,7 +140,7 @@ def test_a_checkpoint_roundtrip_restores_adapter_optimizer_and_step(
 ) -> None:
     cfg = _config(tiny_model_dir)
     worker = TrainerWorker(cfg, str(tiny_model_dir), "cpu")
-    worker.update(_batch())
+    worker.update(small_batch())
     path = tmp_path / "actor.pt"
     worker.save(str(path))  # what a checkpoint writes (torch.save), read back with weights_only=True
 
@@ -166,8 +153,8 @@ def test_a_checkpoint_roundtrip_restores_adapter_optimizer_and_step(
         == worker.actor.optimizer.state_dict()["state"].keys()
     )
     # the next step is the same on both: Adam's moments came back too
-    worker.update(_batch())
-    resumed.update(_batch())
+    worker.update(small_batch())
+    resumed.update(small_batch())
     a, b = worker.actor.named_weights(), resumed.actor.named_weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -216,10 +203,10 @@ def test_lora_overrides_parse() -> None:
 def test_the_kl_reference_stays_the_base_model(tiny_model_dir: Path) -> None:
     actor = Actor(_config(tiny_model_dir, use_kl_loss=True, kl_loss_coef=0.1), tiny_model_dir, "cpu")
     assert actor.ref is not None and not any(p.requires_grad for p in actor.ref.parameters())
-    batch = _batch()
+    batch = small_batch()
     start = actor.compute_logprobs(batch)
     for _ in range(2):
-        metrics = actor.update(_batch())
+        metrics = actor.update(small_batch())
     assert "actor/kl_loss" in metrics and metrics["actor/kl_loss"] > 0  # the policy has left the reference
     torch.testing.assert_close(actor.compute_logprobs(batch, actor.ref), start)
     assert (actor.compute_logprobs(batch) - start).abs().max() > 1e-4

@@ -3,7 +3,6 @@ checks, the gloo broadcast path end to end (1 FSDP2 rank + 2 replica actors), CU
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -93,18 +92,6 @@ def test_manifest_checks_name_the_tensors_that_differ(tiny_model_dir: Path) -> N
         send_specs({**trainer, "extra.weight": (2,)}, manifest)
     untied = Manifest(dict(manifest.specs), {})  # an engine that does not tie: both names are sent
     assert set(send_specs(trainer, untied)) == set(trainer)
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _config(model_dir: Path) -> object:
