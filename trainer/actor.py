@@ -100,8 +100,9 @@ class Actor:
         p, r = mb.prompt_length, mb.response_length
         cuda = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden, head = _response_hidden(model, mb, p, r)
-            if hidden is not None and head is not None:
+            fused = _response_hidden(model, mb, p, r)
+            if fused is not None:
+                hidden, head = fused
                 logprobs, ent = head_logprobs(
                     hidden,
                     head.weight,
@@ -320,9 +321,9 @@ class Actor:
         self.step = int(state["step"])
 
 
-def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch.Tensor | None, Any]:
+def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch.Tensor, nn.Linear] | None:
     """Final hidden states (b, R, d) at the positions that score the response tokens, and the LM head;
-    ``(None, None)`` for models whose logits are more than ``hidden @ head.weight.T`` (soft-capping,
+    None for models whose logits are more than ``hidden @ head.weight.T`` (soft-capping,
     logit scaling, a head with bias or wrapped by an adapter), which take the plain full forward.
 
     The head then runs on those R positions only (trainer/head.py), not on the prompt: with a
@@ -333,9 +334,9 @@ def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch
     cfg = model.config
     plain_head = type(head) is nn.Linear and head.bias is None
     if decoder is None or not plain_head or getattr(cfg, "final_logit_softcapping", None):
-        return None, None
+        return None
     if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
-        return None, None
+        return None
     hidden = decoder(  # use_cache=False: a KV cache in training only copies keys and values
         input_ids=mb.input_ids,
         attention_mask=mb.attention_mask,

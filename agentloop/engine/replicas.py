@@ -219,35 +219,39 @@ class EngineReplicaPool:
         self._inflight[idx] += 1
         self._routed[idx] += 1
         self._owner[rid] = idx
-        if not self.batch_submit:
-            try:
-                return await self.replicas[idx].generate.remote(prompt_ids, sampling, rid)  # type: ignore[no-any-return]
-            except asyncio.CancelledError:
-                await asyncio.shield(self._abort_on(idx, rid))
-                raise
-            finally:
-                self._inflight[idx] -= 1
-                self._owner.pop(rid, None)
-        waiter: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
-        self._waiters[rid] = waiter
-        pending = self._pending[idx]
-        pending.append((prompt_ids, sampling, rid))
-        if len(pending) == 1:
-            asyncio.get_running_loop().call_soon(self._flush, idx)
         try:
-            return await waiter
+            if self.batch_submit:
+                return await self._queue(idx, prompt_ids, sampling, rid)
+            return await self.replicas[idx].generate.remote(prompt_ids, sampling, rid)  # type: ignore[no-any-return]
         except asyncio.CancelledError:
-            queue = self._pending[idx]  # after a flush `pending` is the batch already sent
-            queued = next((r for r in queue if r[2] == rid), None)
-            if queued is not None:  # not sent yet
-                queue.remove(queued)
-            else:
+            if not self._unqueue(idx, rid):  # already sent: abort it on its replica
                 await asyncio.shield(self._abort_on(idx, rid))
             raise
         finally:
             self._inflight[idx] -= 1
             self._owner.pop(rid, None)
             self._waiters.pop(rid, None)
+
+    def _queue(
+        self, idx: int, prompt_ids: list[int], sampling: SamplingParams, rid: str
+    ) -> asyncio.Future[TokenOutput]:
+        """Queue a request for replica ``idx``'s next flush (scheduled by the first of this tick)."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[TokenOutput] = loop.create_future()
+        self._waiters[rid] = waiter
+        pending = self._pending[idx]
+        pending.append((prompt_ids, sampling, rid))
+        if len(pending) == 1:
+            loop.call_soon(self._flush, idx)
+        return waiter
+
+    def _unqueue(self, idx: int, rid: str) -> bool:
+        """Take a request not sent yet out of replica ``idx``'s queue; False when it is not there."""
+        queue = self._pending[idx]
+        queued = next((r for r in queue if r[2] == rid), None)
+        if queued is not None:
+            queue.remove(queued)
+        return queued is not None
 
     def _flush(self, idx: int) -> None:
         """Send replica ``idx`` the requests queued for it this tick, as one streaming call."""
