@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 import torch
 
+from agentloop.engine._cpu_decode import CpuDecoder, supports
 from agentloop.engine._kv import SlotKVCache
 from agentloop.engine._sampling import SampleMode, sample
 
@@ -39,7 +40,7 @@ class ModelRunner:
 
     def __init__(
         self, model: Any, cache: SlotKVCache, cache_kw: str, max_batch: int, max_context: int,
-        device: torch.device, cuda_graphs: bool,
+        device: torch.device, cuda_graphs: bool, cpu_decoder: bool = True,
     ) -> None:  # fmt: skip
         self._model, self._cache, self._cache_kw = model, cache, cache_kw
         self._device = device
@@ -54,6 +55,9 @@ class ModelRunner:
         self._graph_generation = cache.generation
         self._pool: Any = None
         self._checked = False
+        self.decoder: CpuDecoder | None = None  # the hand-written CPU decode step (_cpu_decode.py)
+        if cpu_decoder and device.type == "cpu" and supports(model):
+            self.decoder = CpuDecoder(model, cache, rows=max_batch)
         self.captures = 0
         self.replays = 0
 
@@ -111,11 +115,14 @@ class ModelRunner:
     def _forward(self, b: int, kv_len: int, mode: SampleMode, greedy_rows: bool) -> torch.Tensor:
         ids = self._ints[0, :b, None]  # (b, 1)
         pos = self._ints[1, :b, None]
-        self._cache.set_decode(pos[:, 0], kv_len)
-        mask = (self._arange[:kv_len][None, :] <= pos)[:, None, None, :]  # (b, 1, 1, kv_len)
-        out = self._model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                          logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
-        logits = out.logits[:, -1].float()  # (b, V)
+        if self.decoder is not None:
+            logits = self.decoder.forward(ids[:, 0], pos[:, 0], kv_len)
+        else:
+            self._cache.set_decode(pos[:, 0], kv_len)
+            mask = (self._arange[:kv_len][None, :] <= pos)[:, None, None, :]  # (b, 1, 1, kv_len)
+            out = self._model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                              logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
+            logits = out.logits[:, -1].float()  # (b, V)
         i, f = self._ints[:, :b], self._floats[:, :b]
         tokens, logprobs = sample(logits, f[0], i[2], f[1], i[3], mode, self.static_sampling, greedy_rows)
         return torch.stack([tokens.double(), logprobs.double()])  # (2, b)
@@ -130,6 +137,11 @@ class ModelRunner:
         entry[0].replay()
         self.replays += 1
         return entry[1]
+
+    def weights_changed(self) -> None:
+        """The model's weights changed in place: refresh what was derived from them."""
+        if self.decoder is not None:
+            self.decoder.refresh()
 
     def drop_graphs(self) -> None:
         self._graphs.clear()

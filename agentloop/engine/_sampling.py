@@ -6,7 +6,7 @@ a request's tokens depend only on its own logits and seed, never on its batch-ma
 noise in the logits flips a token only when two perturbed scores nearly tie (inverse-CDF
 sampling flips whenever the noise crosses a CDF boundary, which happens in the low-mass tail).
 Temperature, top-k and top-p are per-row tensors; top-k / top-p become one probability threshold
-per row (``keep p >= tau``), found from the 512 most likely tokens (``exact_static=False``: cheap,
+per row (``keep p >= tau``), found from the 64 (then 512) most likely tokens (``exact_static=False``: cheap,
 data-dependent, for eager CPU; noise then only for those candidates) or by a radix select on the
 fp32 bit pattern (``exact_static=True``: fixed shapes and no host sync, so a CUDA graph holds it).
 Both keep the smallest most-likely set whose mass reaches ``top_p`` (ties at the edge kept), and
@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 SampleMode = Literal["greedy", "plain", "top_p", "top_k"]  # what the batch needs; "top_k" also does top-p
-_CANDIDATES = 512  # eager top-p first looks at the 512 most likely tokens; a full sort only if they miss
+_CANDIDATES = (64, 512)  # eager top-p looks at the 64, then 512 most likely tokens; a full sort if they miss
 _RADIX_BITS = 15  # two levels of 2**15 buckets cover fp32 bit patterns of [0, 1] (< 2**30)
 _FIXED_ONE = float(1 << 42)  # fixed-point scale of probabilities: a row's sum stays far below 2**63
 _M32 = 0xFFFFFFFF
@@ -105,23 +105,32 @@ def sample(
 def _sample_candidates(
     scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, key: torch.Tensor, mode: SampleMode
 ) -> torch.Tensor:
-    """Eager top-k / top-p: rows whose kept set lies in the 512 most likely tokens (nearly all, for
-    a trained model) draw noise for those candidates only; other rows sort the full vocabulary."""
+    """Eager top-k / top-p over growing candidate sets: each row draws noise only for its most
+    likely tokens, from the first set (64, then 512, then the whole sorted vocabulary) that surely
+    holds its kept set. ``topk`` costs scale with k (on a CPU, 32 x 49152: 1.6 ms for 64 against
+    4.8 ms for 512), and a trained model's top-p set is usually small."""
     probs = torch.softmax(scores, dim=-1)  # (B, V)
     vocab = probs.shape[-1]
     k_max = int(top_k.max()) if mode == "top_k" else 0  # host sync: eager path only
-    vals, ids = torch.topk(probs, min(vocab, max(_CANDIDATES, k_max)), dim=-1)  # (B, k) descending
-    tau, covered = _threshold_sorted(vals, probs.sum(-1), top_k, top_p, vocab)
-    noisy = (scores.gather(1, ids) + gumbel(key, ids)).masked_fill_(vals < tau[:, None], -float("inf"))
-    tokens = ids.gather(1, noisy.argmax(dim=-1, keepdim=True))[:, 0]
-    rest = (~covered).nonzero()[:, 0]  # host sync: eager path only
-    if len(rest):
-        sub = probs.index_select(0, rest)
-        vals = torch.sort(sub, dim=-1, descending=True).values
-        tau, _ = _threshold_sorted(vals, sub.sum(-1), top_k[rest], top_p[rest], vocab)
-        ids = torch.arange(vocab, device=scores.device)
-        noisy = scores.index_select(0, rest) + gumbel(key[rest], ids)
-        tokens[rest] = noisy.masked_fill_(sub < tau[:, None], -float("inf")).argmax(dim=-1)
+    tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    for size in (*(c for c in _CANDIDATES if k_max <= c < vocab), vocab):
+        every = len(rows) == len(probs)
+        sub = probs if every else probs.index_select(0, rows)
+        sub_scores = scores if every else scores.index_select(0, rows)
+        if size < vocab:
+            vals, ids = torch.topk(sub, size, dim=-1)  # (R, size) descending
+        else:
+            vals, ids = torch.sort(sub, dim=-1, descending=True)
+        tau, covered = _threshold_sorted(vals, sub.sum(-1), top_k[rows], top_p[rows], vocab)
+        noisy = sub_scores.gather(1, ids) + gumbel(key[rows], ids)
+        picked = ids.gather(
+            1, noisy.masked_fill_(vals < tau[:, None], -float("inf")).argmax(-1, keepdim=True)
+        )
+        tokens[rows] = picked[:, 0]
+        rows = rows[~covered]  # host sync: eager path only
+        if not len(rows):
+            break
     return tokens
 
 

@@ -89,7 +89,9 @@ class TorchEngine:
 
     ``cuda_graphs`` (CUDA only; ignored on CPU): replay the decode step from CUDA graphs captured
     lazily per (batch bucket 1, 2, 4, ..., kv-length bucket, sampling mode); a capture that fails
-    or disagrees with the eager step turns them off with a warning. ``max_prefill_tokens``: most
+    or disagrees with the eager step turns them off with a warning. ``cpu_decoder`` (CPU only):
+    decode Llama-family models with the fused, MKL-packed step of ``_cpu_decode.py`` instead of
+    transformers' forward (other models always use transformers'). ``max_prefill_tokens``: most
     (padded) tokens one batched prefill forward takes. ``stall_warning_s``: a request older than
     this is logged with its state (``engine.slow_request``), and failed if the engine no longer holds it.
     """
@@ -106,6 +108,7 @@ class TorchEngine:
         prefix_cache_entries: int = 16,
         weight_update_policy: Literal["drain", "abort"] = "drain",
         cuda_graphs: bool = True,
+        cpu_decoder: bool = True,
         max_prefill_tokens: int = 8192,
         stall_warning_s: float = 30.0,
     ) -> None:
@@ -152,6 +155,7 @@ class TorchEngine:
             self._max_context,
             self._device,
             cuda_graphs,
+            cpu_decoder,
         )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
@@ -511,6 +515,7 @@ class TorchEngine:
                 params.update(dict(self._model.named_buffers()))
                 for name, t in tensors.items():
                     params[name].copy_(t.to(device=params[name].device, dtype=params[name].dtype))
+                self._runner.weights_changed()
                 self._weights_version += 1
                 self._prefix.clear()
                 log.info("engine.weights_updated", version=self._weights_version, tensors=len(tensors))

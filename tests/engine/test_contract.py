@@ -244,15 +244,15 @@ async def test_prefix_reuse_for_the_next_turn(
 
 
 async def test_a_failing_step_fails_only_its_requests(engine: Any, chat_prompt: list[int]) -> None:
-    """A fault inside the model forward (injected with a hook) ends the request with EngineError;
-    the engine keeps serving afterwards."""
+    """A fault inside the model forward (injected with a hook on the input embeddings, which the
+    prefill and every decode path call) ends the request with EngineError; the engine keeps serving."""
     poison = 777
 
-    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if bool((kwargs["input_ids"] == poison).any()):
+    def hook(module: Any, args: Any) -> None:
+        if bool((args[0] == poison).any()):
             raise RuntimeError("injected fault")
 
-    handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = engine.model.get_input_embeddings().register_forward_pre_hook(hook)
     try:
         with anyio.fail_after(30):
             with pytest.raises(EngineError, match="injected fault"):

@@ -138,3 +138,21 @@ def test_radix_threshold_handles_ties_zeros_and_top_p_mode() -> None:
     p = torch.linspace(0.05, 0.99, 16)
     k0 = torch.zeros(16, dtype=torch.long)
     assert torch.equal(flat >= _threshold_radix(flat, k0, p, "top_p")[:, None], _reference_keep(flat, k0, p))
+
+
+def test_eager_candidate_tiers_pick_the_exact_token() -> None:
+    """Rows whose kept set fits in 64 candidates, in 512, or only in the full sort (peaked, medium
+    and flat logits in one batch) get the same token as the exact radix path."""
+    torch.manual_seed(2)
+    vocab = 4096
+    scale = torch.tensor([12.0, 3.0, 0.3] * 8)[:, None]  # kept sets of ~1, ~100s and ~1000s tokens
+    logits = torch.randn(24, vocab) * scale
+    n = logits.shape[0]
+    temp, top_p = torch.full((n,), 0.8), torch.full((n,), 0.9)
+    top_k = torch.tensor([0, 0, 0, 40] * 6)
+    keys = torch.tensor([row_key(11, i) for i in range(n)])
+    for mode in ("top_p", "top_k"):
+        k = top_k if mode == "top_k" else torch.zeros(n, dtype=torch.long)
+        eager, _ = sample(logits, temp, k, top_p, keys, mode, exact_static=False, greedy_rows=False)
+        static, _ = sample(logits, temp, k, top_p, keys, mode, exact_static=True, greedy_rows=False)
+        assert torch.equal(eager, static), mode
