@@ -88,7 +88,7 @@ Resource = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resou
 class Resources(_Resource):
     """A named set of resources; the store gives each added set the next version number."""
 
-    version: int | None = Field(None, description="Assigned by the store on add_resources.")
+    version: int | None = Field(default=None, description="Assigned by the store on add_resources.")
     items: dict[str, Resource] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)
 

@@ -31,7 +31,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
 import openai
@@ -44,6 +44,9 @@ from agentloop.resources import LLM, ProxyLLM, Resources
 from agentloop.tool_registry import RegistrySession, ToolRegistry
 from agentloop.tools import BaseTool, ToolResult
 from agentloop.types import AttemptedRollout, Log, Span, ToolCall
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall, ChatCompletionMessageParam
 
 log = get_logger("agentloop.tool_agent")
 
@@ -244,7 +247,9 @@ class ToolAgent(Agent):
                 turns += 1
                 try:
                     response = await client.chat.completions.create(
-                        model=llm.model, messages=messages, tools=schemas or openai.NOT_GIVEN,
+                        model=llm.model, messages=cast("list[ChatCompletionMessageParam]", messages),
+                        # NOT_GIVEN works on every openai>=1.40; newer openai types this sentinel as Omit
+                        tools=schemas or openai.NOT_GIVEN,  # type: ignore[arg-type]
                         **sampling_kwargs(self.sampling),
                     )  # fmt: skip
                 except openai.BadRequestError as exc:
@@ -266,7 +271,8 @@ class ToolAgent(Agent):
                         {
                             "role": "tool",
                             "tool_call_id": call.id,
-                            "name": call.function.name,
+                            # only function tools are offered, so only function calls come back
+                            "name": cast("ChatCompletionMessageFunctionToolCall", call).function.name,
                             "content": self._text(result),
                         }
                     )

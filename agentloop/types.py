@@ -69,11 +69,15 @@ RolloutMode = Literal["train", "val", "test"]
 class RolloutConfig(_Model):
     """How long an attempt may take and when a rollout is retried."""
 
-    timeout_s: float | None = Field(None, gt=0, description="Wall time one attempt may take; None: no limit.")
-    unresponsive_s: float | None = Field(
-        None, gt=0, description="Silence (no span or heartbeat) after which an attempt is unresponsive."
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Wall time one attempt may take; None: no limit."
     )
-    max_attempts: int = Field(1, ge=1, description="Attempts per rollout, the first one included.")
+    unresponsive_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Silence (no span or heartbeat) after which an attempt is unresponsive.",
+    )
+    max_attempts: int = Field(default=1, ge=1, description="Attempts per rollout, the first one included.")
     retry_on: set[AttemptStatus] = Field(
         default_factory=lambda: {AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE},
         description="Terminal attempt statuses that requeue the rollout while attempts remain.",
@@ -101,7 +105,7 @@ class Attempt(_Model):
 
     rollout_id: str
     attempt_id: str = Field(default_factory=new_attempt_id)
-    sequence_id: int = Field(1, ge=1, description="1 for the first attempt, +1 per retry.")
+    sequence_id: int = Field(default=1, ge=1, description="1 for the first attempt, +1 per retry.")
     worker_id: str | None = None
     status: AttemptStatus = AttemptStatus.PREPARING
     start_time: float = Field(default_factory=time.time)
@@ -118,7 +122,9 @@ class Rollout(_Model):
     mode: RolloutMode = "train"
     status: RolloutStatus = RolloutStatus.QUEUED
     config: RolloutConfig = Field(default_factory=RolloutConfig)
-    resources_version: int | None = Field(None, description="Resources version the latest attempt ran with.")
+    resources_version: int | None = Field(
+        default=None, description="Resources version the latest attempt ran with."
+    )
     enqueue_time: float = Field(default_factory=time.time)
     start_time: float | None = None
     end_time: float | None = None
@@ -143,7 +149,7 @@ class LLMCall(_Model):
     prompt_ids: list[int] = Field(default_factory=list)
     response_ids: list[int] = Field(default_factory=list)
     response_logprobs: list[float] | None = Field(
-        None, description="log-softmax of the raw logits (before temperature) at each sampled token."
+        default=None, description="log-softmax of the raw logits (before temperature) at each sampled token."
     )
     messages: list[dict[str, JSON]] = Field(default_factory=list)
     tools: list[dict[str, JSON]] | None = None
@@ -153,8 +159,12 @@ class LLMCall(_Model):
     latency_s: float | None = None
     weights_version: int | None = None
     model: str | None = None
-    error: str | None = Field(None, description="e.g. 'context_length_exceeded'; no tokens to train on.")
-    ledger_break: str | None = Field(None, description="Why delta tokenization fell back to a full render.")
+    error: str | None = Field(
+        default=None, description="e.g. 'context_length_exceeded'; no tokens to train on."
+    )
+    ledger_break: str | None = Field(
+        default=None, description="Why delta tokenization fell back to a full render."
+    )
     tool_call_parse_error: bool = False
 
     @model_validator(mode="after")
@@ -207,7 +217,7 @@ class Span(_Model):
 
     rollout_id: str
     attempt_id: str
-    sequence_id: int | None = Field(None, ge=1)
+    sequence_id: int | None = Field(default=None, ge=1)
     payload: SpanPayload
     timestamp: float = Field(default_factory=time.time)
 
@@ -226,7 +236,8 @@ class Triplet(_Model):
     response_ids: list[int]
     response_logprobs: list[float] | None = None
     response_mask: list[int] | None = Field(
-        None, description="1 where the model produced the token (trained), 0 on tool/observation tokens."
+        default=None,
+        description="1 where the model produced the token (trained), 0 on tool/observation tokens.",
     )
     reward: float | None = None
     metadata: dict[str, JSON] = Field(default_factory=dict)

@@ -91,9 +91,13 @@ class ChatModel(BaseChatModel):
 
     llm: LLM = Field(description="Endpoint, model name, key and default sampling (a ProxyLLM is resolved).")
     sampling: dict[str, Any] = Field(default_factory=dict, description="Request fields over llm.sampling.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Limit on one request.")
-    max_retries: int = Field(0, ge=0, description="openai client retries (0: a failed call fails the step).")
-    return_token_ids: bool = Field(False, description="Ask the proxy for token ids in response_metadata.")
+    request_timeout_s: float = Field(default=300.0, gt=0, description="Limit on one request.")
+    max_retries: int = Field(
+        default=0, ge=0, description="openai client retries (0: a failed call fails the step)."
+    )
+    return_token_ids: bool = Field(
+        default=False, description="Ask the proxy for token ids in response_metadata."
+    )
 
     @model_validator(mode="before")
     @classmethod

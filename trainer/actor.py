@@ -18,7 +18,7 @@ import copy
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 import torch
@@ -39,6 +39,10 @@ from trainer.batch import Batch, split_by_token_budget, split_mini_batches
 from trainer.config import TrainerConfig
 from trainer.head import head_logprobs
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 log = structlog.get_logger("agentloop.trainer.actor")
 
 
@@ -55,7 +59,8 @@ def load_policy(path: str | Path, device: torch.device) -> nn.Module:
 
     if not Path(path).exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a Hugging Face model folder")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    # nn.Module: transformers types its wrapped .to() as taking the model itself
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.to(device)
 
 
@@ -69,7 +74,7 @@ class Actor:
         self.model = load_policy(model_path, self.device)
         arr = config.actor_rollout_ref
         if arr.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            cast("PreTrainedModel", self.model).gradient_checkpointing_enable()
         if arr.model.lora_rank > 0:
             self.model = _wrap_lora(self.model, config)
         # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
@@ -85,7 +90,7 @@ class Actor:
         self.optimizer = torch.optim.AdamW(  # fused: one kernel for all params on CUDA
             params,
             lr=optim.lr,
-            betas=tuple(optim.betas),
+            betas=optim.betas,
             weight_decay=optim.weight_decay,
             fused=self.device.type == "cuda",
         )
@@ -329,8 +334,9 @@ def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch
     The head then runs on those R positions only (trainer/head.py), not on the prompt: with a
     49k-151k vocabulary it is a fifth or more of the model's matmul work.
     """
-    head = model.get_output_embeddings()
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf = cast("PreTrainedModel", model)  # nn.Module would type these methods as Tensor
+    head = hf.get_output_embeddings()
+    decoder = hf.get_decoder() if hasattr(model, "get_decoder") else None
     cfg = model.config
     plain_head = type(head) is nn.Linear and head.bias is None
     if decoder is None or not plain_head or getattr(cfg, "final_logit_softcapping", None):
@@ -348,7 +354,7 @@ def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch
 
 def _compile_layers(model: nn.Module) -> None:
     """torch.compile each decoder layer in place (the layers share one compiled graph)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # peft
     layers = getattr(getattr(base, "model", None), "layers", None)
     for layer in layers or []:
         layer.compile(dynamic=True)

@@ -25,17 +25,21 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 import agentloop as al
 from agentloop.types import AttemptedRollout
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
 log = structlog.get_logger("agentloop.demo")
 
 PROMPT = "What is {a} + {b}? Put the final answer inside <answer></answer> tags."
-EXAMPLE = [  # one worked turn; 23 lies outside the default operand range 0..20
+# one worked turn; 23 lies outside the default operand range 0..20
+EXAMPLE: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": PROMPT.format(a=15, b=23)},
     {"role": "assistant", "content": "15 + 23 = 38\n<answer>38</answer>"},
 ]

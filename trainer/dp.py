@@ -92,7 +92,7 @@ class ShardedActor(Actor):
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
         self.optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+            params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
 
     # ------------------------------------------------------------ forward passes
@@ -328,8 +328,9 @@ class DataParallelGroup:
             .remote(rank, world_size)
             for rank in range(world_size)
         ]
-        addr, port = ray.get(workers[0].address.remote())
-        ray.get([w.setup.remote(config, model_path, device, addr, port) for w in workers])
+        # ray's stubs type actor-handle methods as plain functions, without .remote
+        addr, port = ray.get(workers[0].address.remote())  # type: ignore[attr-defined]
+        ray.get([w.setup.remote(config, model_path, device, addr, port) for w in workers])  # type: ignore[attr-defined]
         log.info("dp.group_ready", world_size=world_size, device=device, master=f"{addr}:{port}")
         return cls(workers)
 

@@ -116,7 +116,7 @@ class MetricsLogger:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl (a torn last line from a crash is skipped)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     if not path.exists():
         return rows
     for line in path.read_text(encoding="utf-8").splitlines():

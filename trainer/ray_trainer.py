@@ -288,11 +288,7 @@ class Trainer:
             rt = torch.tensor(rewards)
             metrics["reward/mean"], metrics["reward/std"] = float(rt.mean()), float(rt.std(unbiased=False))
             metrics["response/length_mean"] = sum(len(t.response_ids) for t in triplets) / len(triplets)
-        versions = [
-            t.metadata.get("weights_version")
-            for t in triplets
-            if t.metadata.get("weights_version") is not None
-        ]
+        versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]
         if versions:
             metrics["rollout/staleness_max"] = float(engine.weights_version - min(versions))
         if len(batch) == 0:

@@ -173,7 +173,8 @@ class EngineReplicaPool:
             .remote(model_path, device, engine_kwargs)
             for i in range(replicas)
         ]
-        ray.get([h.start.remote() for h in handles])
+        # ray's stubs type actor-handle methods as plain functions, without .remote
+        ray.get([h.start.remote() for h in handles])  # type: ignore[attr-defined]
         log.info("replicas.ready", replicas=replicas, device=device)
         return cls(handles)
 
