@@ -91,7 +91,8 @@ class TorchEngine:
     lazily per (batch bucket 1, 2, 4, ..., kv-length bucket, sampling mode); a capture that fails
     or disagrees with the eager step turns them off with a warning. ``cpu_decoder`` (CPU only):
     decode Llama-family models with the fused, MKL-packed step of ``_cpu_decode.py`` instead of
-    transformers' forward (other models always use transformers'). ``max_prefill_tokens``: most
+    transformers' forward (other models always use transformers'); it holds fused, packed copies of
+    the weights (about 2.4x their size). ``max_prefill_tokens``: most
     (padded) tokens one batched prefill forward takes. ``stall_warning_s``: a request older than
     this is logged with its state (``engine.slow_request``), and failed if the engine no longer holds it.
     """
