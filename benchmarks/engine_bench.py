@@ -66,8 +66,8 @@ QUESTIONS = [
 
 def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     out = []
-    for i in range(n):
-        q = QUESTIONS[i % len(QUESTIONS)] + (" Please answer carefully." * (i % 4))
+    for i in range(n):  # distinct for n <= 32: the engine's same-prompt prefill sharing must not help
+        q = QUESTIONS[i % len(QUESTIONS)] + (" Please answer carefully." * ((i // len(QUESTIONS)) % 4))
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return out

@@ -7,7 +7,8 @@ One engine step (run by a dedicated thread, so the asyncio side never blocks on 
 
 1. ``_schedule()``  admit waiting requests into free slots and prefill them in left-padded groups
    of at most ``max_prefill_tokens`` (each reusing the longest cached prefix of a recently finished
-   request), sampling their first tokens together;
+   request; requests of a group that repeat a prompt, GRPO's n samples, copy one prefill's KV),
+   sampling their first tokens together;
 2. ``_execute()``   one batched decode forward + sampling of all older running requests
    (agentloop.engine._decode: static device buffers, a mask built on device, one host->device copy
    in and one device->host copy out; on CUDA replayed from captured CUDA graphs);
@@ -22,8 +23,9 @@ transformers 5.24): it samples the whole batch with one ``torch.multinomial`` on
 (no per-request seed, so a request's tokens depend on its batch-mates), its logprobs are taken
 after temperature/top-p processing (our contract, base.py, wants raw-logit log-softmax), sampling
 settings are per manager rather than per request, and it has no stop strings or abort-with-partial
-output. The model forward itself is still transformers': we only pass our own cache object, a 4D
-mask and position ids.
+output. The model forward itself is transformers' (we pass our own cache object, a 4D mask and
+position ids), except a CPU decode step of a Llama-family model, which agentloop.engine._cpu_decode
+writes out with fused, MKL-packed projections (its docstring says why and what it measured).
 
 Weight updates (``weight_update_policy``): ``"drain"`` (default) stops admitting requests, lets
 in-flight ones finish on the old weights, then loads the new ones, so every response comes from
@@ -363,6 +365,7 @@ class TorchEngine:
     def _admit(self, group: list[_Request]) -> list[_Request]:
         """Give ``group`` consecutive slots and prefill it; when the batched prefill fails, retry
         one by one so only the faulty request fails."""
+        group = _first_of_each_prompt_first(group)
         first = len(self._running)
         for i, req in enumerate(group):
             req.slot = first + i
@@ -382,23 +385,36 @@ class TorchEngine:
         return group
 
     def _prefill(self, group: list[_Request]) -> torch.Tensor:
+        """Prefill ``group`` (ordered by :func:`_first_of_each_prompt_first`, in consecutive slots);
+        returns each request's next-token logits. Requests repeating an earlier prompt of the group
+        (a GRPO group's n samples) are not computed: they get a copy of its KV and its logits row."""
+        first_index: dict[tuple[int, ...], int] = {}
+        for i, req in enumerate(group):
+            first_index.setdefault(tuple(req.prompt_ids), i)
+        unique = group[: len(first_index)]
         cached = []
-        for req in group:
+        for req in unique:
             prompt = req.prompt_ids
             hit = self._prefix.lookup(prompt, self._cache, req.slot, max_len=len(prompt) - 1)
             req.num_cached = hit
             cached.append(hit)
-            self._stats["prompt_tokens"] += len(prompt)
             self._stats["cached_prompt_tokens"] += hit
             self._stats["prefix_cache_hits"] += int(hit > 0)
         self._cache.ensure_capacity(max(len(r.prompt_ids) for r in group) + 1)
         t0 = time.perf_counter()
-        logits = self._runner.prefill(group[0].slot, [r.prompt_ids for r in group], cached)
+        logits = self._runner.prefill(unique[0].slot, [r.prompt_ids for r in unique], cached)
+        rows = [first_index[tuple(req.prompt_ids)] for req in group]
+        for req, row in zip(group[len(unique) :], rows[len(unique) :], strict=True):
+            self._cache.move(group[row].slot, req.slot, len(req.prompt_ids))
+            req.num_cached = len(req.prompt_ids)
+            self._stats["cached_prompt_tokens"] += len(req.prompt_ids)
+            self._stats["shared_prompt_prefills"] += 1
         for req in group:
             req.kv_len = len(req.prompt_ids)
+            self._stats["prompt_tokens"] += len(req.prompt_ids)
         self._stats["prefill_batches"] += 1
         self._timers["prefill_s"] += time.perf_counter() - t0
-        return logits
+        return logits if len(unique) == len(group) else logits[rows]
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Sample the first token of freshly prefilled requests (one batched call, one sync)."""
@@ -539,6 +555,18 @@ class TorchEngine:
             )
         self._updates.clear()
         log.info("engine.stop")
+
+
+def _first_of_each_prompt_first(group: list[_Request]) -> list[_Request]:
+    """``group`` with the first request of each distinct prompt first (in order), then the requests
+    that repeat one of them: the prefill computes only the first part (see ``TorchEngine._prefill``)."""
+    seen: set[tuple[int, ...]] = set()
+    firsts, repeats = [], []
+    for req in group:
+        key = tuple(req.prompt_ids)
+        (repeats if key in seen else firsts).append(req)
+        seen.add(key)
+    return firsts + repeats
 
 
 def free_openmp_pool_of_this_thread() -> None:
