@@ -123,7 +123,7 @@ class CpuDecoder:
         if not supports(model):
             raise ValueError(f"CpuDecoder does not support model_type {model.config.model_type!r}")
         cfg = model.config
-        self._model, self._cache = model, cache
+        self._cache = cache
         inner = model.model
         self._embed, self._norm, self._rotary = inner.embed_tokens, _RMSNorm(inner.norm), inner.rotary_emb
         self._layers = [_Layer(layer, rows) for layer in inner.layers]
