@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from tests.engine.conftest import make_engine
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
 
@@ -19,8 +19,8 @@ async def test_requests_with_the_same_prompt_are_prefilled_once(
 ) -> None:
     other = [*chat_prompt[:-4], 300, 301, *chat_prompt[-4:]]
     prompts = [chat_prompt, other, chat_prompt, chat_prompt, other, chat_prompt]
-    engine = TorchEngine(tiny_model_dir, max_batch_size=8)
-    reference = TorchEngine(tiny_model_dir, max_batch_size=8, prefix_cache_entries=0)
+    engine = make_engine("torch", tiny_model_dir, max_batch_size=8)  # AGENTLOOP_TEST_DEVICE picks the device
+    reference = make_engine("torch", tiny_model_dir, max_batch_size=8, prefix_cache_entries=0)
     try:
         with anyio.fail_after(60):
             long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
