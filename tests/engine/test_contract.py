@@ -117,8 +117,11 @@ async def test_abort_and_cancel(engine: Any, chat_prompt: list[int]) -> None:
         assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 400
         assert await engine.abort("no-such-request") is False
         # cancelling the awaiting task aborts the request inside the engine
+        # cancel as soon as it produces tokens (a fixed sleep let a GPU finish all 400 first)
+        before = engine.stats().get("generated_tokens", 0)
         task = asyncio.ensure_future(engine.generate(chat_prompt, long, request_id="r-cancel"))
-        await asyncio.sleep(0.2)
+        while engine.stats().get("generated_tokens", 0) <= before:
+            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
