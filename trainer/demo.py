@@ -141,7 +141,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def _config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
+def grpo_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
+    """The demo's trainer config (verl keys) from its parsed command line."""
     return {
         "data": {
             "train_batch_size": args.batch_size,
@@ -207,7 +208,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     model_path = str(resolve_model(args.model))
     engine = load_engine(model_path, device=args.device, max_batch_size=64)
     t_loaded = time.perf_counter()
-    config = _config(args, run_dir, model_path)
+    config = grpo_config(args, run_dir, model_path)
     result = Trainer(config).fit(arithmetic_agent, train, val, engine=engine)
     t_trained = time.perf_counter()
 

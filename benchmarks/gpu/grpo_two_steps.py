@@ -84,40 +84,15 @@ def make_engine(args: argparse.Namespace, model_path: str) -> Any:
 
 
 def trainer_config(args: argparse.Namespace, model_path: str, run_dir: Path) -> dict[str, Any]:
-    return {
-        "data": {
-            "train_batch_size": args.batch_size,
-            "max_prompt_length": 256,
-            "max_response_length": args.max_tokens,
-        },
-        "actor_rollout_ref": {
-            "model": {"path": model_path},
-            "rollout": {
-                "n": args.n,
-                "temperature": args.temperature,
-                "concurrency": 64,
-                "engine_backend": args.backend,
-            },
-            "actor": {
-                "ppo_mini_batch_size": args.batch_size,
-                "ppo_max_token_len_per_gpu": 2048,  # small micro-batches keep the (b, R, 49k) logits small
-                "use_engine_logprobs": False,  # recompute old logprobs: the gap metric is computed
-                "optim": {"lr": args.lr, "weight_decay": 0.0},
-            },
-        },
-        "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {
-            "total_training_steps": 2,
-            "val_before_train": False,
-            "test_freq": -1,
-            "save_freq": -1,
-            "default_local_dir": str(run_dir),
-            "device": args.device,
-            "logger": ["jsonl"],
-            "resume": "disable",
-            "seed": 0,
-        },
-    }
+    """The demo's GRPO config (trainer/demo.py) for two steps on ``--backend``, without validation or
+    checkpoints, recomputing old logprobs so the engine/trainer gap metric is computed."""
+    from trainer.demo import grpo_config
+
+    config = grpo_config(argparse.Namespace(**vars(args), steps=2, test_freq=0, seed=0), run_dir, model_path)
+    config["actor_rollout_ref"]["rollout"]["engine_backend"] = args.backend
+    config["actor_rollout_ref"]["actor"]["use_engine_logprobs"] = False
+    config["trainer"].update(val_before_train=False, test_freq=-1, save_freq=-1)
+    return config
 
 
 async def sample_versions(store_path: Path) -> dict[int, list[int | None]]:
