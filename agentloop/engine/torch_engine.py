@@ -561,7 +561,8 @@ def _first_of_each_prompt_first(group: list[_Request]) -> list[_Request]:
     """``group`` with the first request of each distinct prompt first (in order), then the requests
     that repeat one of them: the prefill computes only the first part (see ``TorchEngine._prefill``)."""
     seen: set[tuple[int, ...]] = set()
-    firsts, repeats = [], []
+    firsts: list[_Request] = []
+    repeats: list[_Request] = []
     for req in group:
         key = tuple(req.prompt_ids)
         (repeats if key in seen else firsts).append(req)
