@@ -114,7 +114,7 @@ def _sample_candidates(
     k_max = int(top_k.max()) if mode == "top_k" else 0  # host sync: eager path only
     tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
     rows = torch.arange(scores.shape[0], device=scores.device)
-    for size in (*(c for c in _CANDIDATES if k_max <= c < vocab), vocab):
+    for size in (*(c for c in _CANDIDATES if k_max < c < vocab), vocab):  # room past the k-th for ties
         every = len(rows) == len(probs)
         sub = probs if every else probs.index_select(0, rows)
         sub_scores = scores if every else scores.index_select(0, rows)
