@@ -12,8 +12,12 @@ fp32 bit pattern (``exact_static=True``: fixed shapes and no host sync, so a CUD
 Both keep the smallest most-likely set whose mass reaches ``top_p`` (ties at the edge kept), and
 both give the same token for the same logits.
 
-Logprobs follow base.py: ``log_softmax`` of the RAW logits (before temperature / top-k / top-p)
-at the sampled token.
+Logprobs follow base.py: those of the sampling policy, ``log_softmax(logits / T)`` at the sampled
+token for a row with temperature ``T > 0`` and ``log_softmax(logits)`` for a greedy row (``T = 0``);
+top-k / top-p are not renormalised (as verl). They come from the scores the sampler already
+divided (a greedy row is divided by 1), so they cost one ``log_softmax`` + ``gather`` of (B, V), as
+the raw-logit ones did. A temperature in ``(0, 1e-5)`` is taken as ``1e-5`` (``_MIN_TEMPERATURE``:
+``logits / T`` overflows fp32 for tiny ``T``), for the token and its logprob alike.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def sample(
     exact_static: bool,
     greedy_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns ``(tokens (B,) int64, logprobs (B,) fp32)``.
+    """Sample one token per row; returns ``(tokens (B,) int64, logprobs (B,) fp32)``, the logprob
+    being ``log_softmax(logits / T)[token]`` of the row's temperature ``T`` (raw logits when ``T = 0``).
 
     ``logits`` (B, V) fp32; ``temperature`` / ``top_p`` (B,) float (temperature 0 = greedy row);
     ``top_k`` (B,) int64 (0 = off); ``key`` (B,) int64 from :func:`row_key`;
@@ -81,8 +86,12 @@ def sample(
     """
     if mode == "greedy":
         tokens = logits.argmax(dim=-1)
+        scores = logits  # every row is greedy: raw logits
     else:
-        temp = temperature.to(logits.dtype).clamp(min=_MIN_TEMPERATURE)
+        # a greedy row is divided by 1, so its scores are its raw logits (the logprob base.py wants;
+        # its token is their argmax either way); the others by their own temperature
+        temp = temperature.to(logits.dtype)
+        temp = torch.where(temp > 0, temp.clamp(min=_MIN_TEMPERATURE), 1.0)
         scores = logits / temp[:, None]  # (B, V)
         vocab = torch.arange(logits.shape[-1], device=logits.device)
         if mode == "plain":
@@ -96,9 +105,9 @@ def sample(
             tokens = _sample_candidates(scores, top_k, top_p, key, mode)
         if greedy_rows:
             tokens = torch.where(temperature > 0, tokens, logits.argmax(dim=-1))
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[
-        :, 0
-    ]  # 3x logsumexp's speed on CPU
+    # the sampling policy's logprob (base.py): log_softmax(logits / T), raw for greedy rows; no
+    # top-k / top-p renormalisation. log_softmax + gather: 3x logsumexp's speed on CPU
+    logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens, logprobs
 
 

@@ -103,3 +103,39 @@ def chat_prompt(tiny_model_dir: Path) -> list[int]:
         [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_dict=False
     )
     return list(ids)
+
+
+# ---------------------------------------------------------------- the sampling policy's log-probs
+
+EPS32 = 1.1920928955078125e-07  # torch.finfo(torch.float32).eps
+# An engine's logits and a full forward's come from the same fp32 weights through reductions of at
+# most ~128 terms (hidden 64, MLP 128, attention over the context) summed in different orders
+# (KV-cached batched decode or one full forward; MKL-packed or plain GEMMs; AVX2 or AVX-512 blocks,
+# or a GPU's), so they differ by rounding only: about sqrt(128) ~ 11 ulps of the largest logit at
+# worst along one reduction chain. Allowed: 32 ulps (the tiny model, |logit| <= ~20: 7.6e-5; the
+# dev machine measured 1.4e-5).
+LOGIT_ULPS = 32
+
+
+def policy_logprobs(
+    model: Any, prompt_ids: list[int], token_ids: list[int], temperature: float, top_k: int = 0
+) -> tuple[Any, Any]:
+    """The sampling policy's log-prob of each response token from ``model``'s own full forward (fp32,
+    CPU): ``log_softmax(logits / T)[token]``, raw logits when ``T == 0`` (base.py). With ``top_k``,
+    renormalised over the top-k set (what vLLM's ``processed_logprobs`` reports, vllm_engine.py).
+
+    Returns ``(reference (n,), tolerance (n,))``: ``log_softmax(x / T)[i] = x_i / T - lse(x / T)``
+    moves by at most ``2 * d / T`` when every logit moves by at most ``d`` (``d``: LOGIT_ULPS ulps of
+    the position's largest logit); so does the renormalised ``x_i / T - lse(top-k of x / T)``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(token_ids)])).logits[0].float()
+    logits = logits[len(prompt_ids) - 1 : -1]  # (n, V): the logits each response token was drawn from
+    t = temperature if temperature > 0 else 1.0
+    lp = (logits / t).log_softmax(-1)
+    ref = lp.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+    d = LOGIT_ULPS * EPS32 * logits.abs().amax(-1)  # (n,)
+    if top_k > 0:
+        ref = ref - lp.topk(top_k, dim=-1).values.logsumexp(-1)
+    return ref, 2 * d / t

@@ -65,22 +65,48 @@ def test_sampling_follows_the_filtered_distribution(mode: str, top_p: float) -> 
     assert torch.allclose(freq, expected, atol=0.035), (freq, expected)
 
 
-def test_sampling_is_batch_invariant_and_logprobs_are_raw() -> None:
+@pytest.mark.parametrize("exact_static", [False, True], ids=["eager", "static"])
+def test_sampling_is_batch_invariant_and_logprobs_are_the_policys(exact_static: bool) -> None:
     torch.manual_seed(1)
-    logits = torch.randn(16, V) * 4
-    temp = torch.tensor([0.0, 0.7, 1.0, 1.5] * 4)
-    top_k = torch.tensor([0, 0, 20, 0] * 4)
-    top_p = torch.tensor([1.0, 0.9, 0.8, 1.0] * 4)
-    keys = torch.tensor([row_key(7, i) for i in range(16)])
-    tokens, logprobs = sample(logits, temp, top_k, top_p, keys, "top_k", exact_static=False)
-    for i in (0, 5, 10, 15):
+    logits = torch.randn(20, V) * 4
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.5, 1e-7] * 4)  # 1e-7: below _MIN_TEMPERATURE, taken as 1e-5
+    top_k = torch.tensor([0, 0, 20, 0, 0] * 4)
+    top_p = torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0] * 4)
+    keys = torch.tensor([row_key(7, i) for i in range(20)])
+    tokens, logprobs = sample(logits, temp, top_k, top_p, keys, "top_k", exact_static=exact_static)
+    for i in (0, 6, 12, 18, 19):
         alone, _ = sample(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
-                          keys[i : i + 1], "top_k", exact_static=False)  # fmt: skip
+                          keys[i : i + 1], "top_k", exact_static=exact_static)  # fmt: skip
         assert alone.item() == tokens[i].item()
-    assert torch.equal(tokens[::4], logits[::4].argmax(-1))  # temperature 0 rows are greedy
-    ref = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]  # before temperature / top-k / top-p
-    assert torch.allclose(logprobs, ref, atol=1e-6)
+    assert torch.equal(tokens[::5], logits[::5].argmax(-1))  # temperature 0 rows are greedy
+    # the sampling policy's logprob, row by row: log_softmax(logits / T), raw logits at T = 0, the
+    # top-k / top-p rows not renormalised
+    t = torch.where(temp > 0, temp.clamp(min=1e-5), 1.0)
+    ref = torch.stack([(logits[i] / t[i]).log_softmax(-1)[tokens[i]] for i in range(20)])
+    # Same fp32 quotients on both sides (IEEE division is exact-rounded); the log-sum-exp over V
+    # positive terms may be summed in another order (batched vs one row, vector width): its relative
+    # error is at most (V - 1) eps in any order, plus an ulp for exp and log, i.e. (V + 1) eps in
+    # the log domain, and the final subtraction rounds at eps * |logprob|.
+    eps = torch.finfo(torch.float32).eps
+    tol = (V + 1) * eps + 2 * eps * ref.abs()
+    assert bool(((logprobs - ref).abs() <= tol).all()), (logprobs - ref).abs().max()
+    raw = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    assert (logprobs - raw).abs()[1::5].min() > 1e-2  # not the raw-logit logprobs of the old contract
     assert row_key(7, 0) == row_key(7, 0) != row_key(7, 1) != row_key(8, 1)
+
+
+def test_greedy_batches_report_raw_logprobs() -> None:
+    """An all-greedy batch (mode "greedy") takes the argmax and the raw logits' log_softmax, whatever
+    the (unused) top-k / top-p values."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, V) * 4
+    n = logits.shape[0]
+    args = (torch.zeros(n), torch.full((n,), 5), torch.full((n,), 0.5), torch.zeros(n, dtype=torch.long))
+    tokens, logprobs = sample(logits, *args, "greedy", exact_static=False)
+    assert torch.equal(tokens, logits.argmax(-1))
+    eps = torch.finfo(torch.float32).eps
+    ref = torch.stack([logits[i].log_softmax(-1)[tokens[i]] for i in range(n)])
+    assert bool(((logprobs - ref).abs() <= (V + 1) * eps + 2 * eps * ref.abs()).all())  # as above
 
 
 async def test_graph_shapes_give_the_same_tokens(tiny_model_dir: Path, chat_prompt: list[int]) -> None:
