@@ -11,6 +11,11 @@ Strategies (``strategy=``):
   ``discount=1`` (default) gives every earlier call the full final reward. Calls after the last
   reward get 0.
 
+Every triplet's metadata names its attempt (``rollout_id``, ``attempt_id``, ``call_index``, ``num_calls``),
+the attempt's total reward (``attempt_reward``: the sum of its Reward spans, whatever the strategy; the
+trainer's group baselines give each attempt one vote with it) and the sampling ``temperature`` the call
+was made with (the trainer computes log-probs at that temperature).
+
 An attempt without any Reward span yields triplets with ``reward=None`` and is counted in
 ``stats.attempts_without_reward``. LLM calls without token ids (an error such as
 ``context_length_exceeded``, empty prompt or response ids) yield no triplet; they are counted in
@@ -99,6 +104,12 @@ def _missing_ids(call: LLMCall) -> str | None:
     return None
 
 
+def _temperature(call: LLMCall) -> float | None:
+    """The temperature the engine sampled this call at (None when the span does not say)."""
+    value = call.sampling.get("temperature")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def _ordered(spans: Sequence[Span | dict[str, Any]]) -> list[Span]:
     if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
         raise TypeError(f"spans must be a list of Span, got {type(spans).__name__}")
@@ -160,6 +171,7 @@ def spans_to_triplets(
         elif isinstance(span.payload, Reward):
             rewards.append((len(calls) - 1, span.payload.value))
     values, early = _assign(len(calls), rewards, strategy, gamma)
+    attempt_reward = sum(v for _, v in rewards) if rewards else None
     stats = AdapterStats(
         rollouts=1,
         spans=len(ordered),
@@ -191,6 +203,8 @@ def spans_to_triplets(
             "num_calls": len(calls),
             "weights_version": call.weights_version,
             "finish_reason": call.finish_reason,
+            "attempt_reward": attempt_reward,
+            "temperature": _temperature(call),
         }
         if rollout is not None:
             meta["input"] = rollout.input

@@ -40,6 +40,7 @@ class _Trace:
                 finish_reason="stop" if not error else None,
                 weights_version=version,
                 error=error,
+                sampling={"temperature": 0.7, "top_p": 1.0},
             )
         )
 
@@ -137,6 +138,8 @@ def test_metadata_carries_ids_and_rollout_input() -> None:
         "num_calls": 1,
         "weights_version": 7,
         "finish_reason": "stop",
+        "attempt_reward": 1.0,  # the attempt's total: its one vote in a GRPO group
+        "temperature": 0.7,  # what the trainer computes log-probs at
         "input": {"question": "2+2"},
         "mode": "val",
     }

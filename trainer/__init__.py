@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from trainer.advantages import sample_advantages
 from trainer.config import TrainerConfig
 
-__all__ = ["FitResult", "Trainer", "TrainerConfig"]
+__all__ = ["FitResult", "Trainer", "TrainerConfig", "sample_advantages"]
 
 
 def __getattr__(name: str) -> Any:

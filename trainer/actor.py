@@ -4,10 +4,14 @@ One update on a Batch:
   1. old logprobs: recomputed with the current weights (default), or the engine's own logprobs
      (``actor.use_engine_logprobs``), checked on a probe micro-batch and recomputed for the whole
      batch when the gap exceeds ``actor.engine_logprob_gap_limit``; the gap is reported either way.
-  2. reference logprobs when a KL term is configured; KL subtracted from rewards when
+     Every log-prob (old, new, reference, and the entropy) is that of the policy that sampled: the
+     logits of each token are divided by its call's recorded sampling temperature, as the engines do.
+  2. rollout correction (trainer/rollout_correction.py) against the engine's log-probs: truncated IS
+     weights and rejection masks, on by default when sampling can be off-policy.
+  3. reference logprobs when a KL term is configured; KL subtracted from rewards when
      ``algorithm.use_kl_in_reward``.
-  3. advantages by the registered estimator, grouped by rollout input.
-  4. ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size * rollout.n`` samples; each
+  4. advantages per call with each attempt voting once in its group (trainer/advantages.py).
+  5. ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size`` tasks' samples; each
      mini-batch is split into micro-batches by token budget and gradients are accumulated, then
      clipped and applied by AdamW.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,20 +29,20 @@ import structlog
 import torch
 from torch import nn
 
+from trainer.advantages import batch_advantages, loss_mask
 from trainer.algorithms import (
     agg_loss,
-    apply_kl_in_reward,
-    compute_advantage,
+    attempt_row_weights,
     compute_policy_loss,
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
-    scores_to_token_rewards,
 )
-from trainer.batch import Batch, split_by_token_budget, split_mini_batches
+from trainer.batch import Batch, split_by_groups, split_by_token_budget
 from trainer.config import TrainerConfig
 from trainer.head import head_logprobs
+from trainer.rollout_correction import rollout_correction
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -81,6 +86,7 @@ class Actor:
         self.compiled = arr.actor.use_torch_compile and self.device.type == "cuda"
         if self.compiled:
             _compile_layers(self.model)
+        self.fused_head = _head_shortcut_is_exact(self.model, self.device)
         needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.ref: nn.Module | None = None
         if needs_ref:
@@ -101,15 +107,17 @@ class Actor:
     def _forward(
         self, model: nn.Module, mb: Batch, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (b, R) of the response tokens and, if asked, their entropy (b, R)."""
+        """Logprobs (b, R) of the response tokens and, if asked, their entropy (b, R), under each
+        token's sampling temperature (logits / T; T = 0, greedy, takes the raw logits)."""
         p, r = mb.prompt_length, mb.response_length
         cuda = self.device.type == "cuda"
+        temps = mb.logit_temperatures()[:, :r, None]  # (b, R, 1)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            fused = _response_hidden(model, mb, p, r)
+            fused = _response_hidden(model, mb, p, r) if self.fused_head else None
             if fused is not None:
                 hidden, head = fused
                 logprobs, ent = head_logprobs(
-                    hidden,
+                    hidden / temps.to(hidden.dtype),  # (h / T) @ W.T = logits / T: the head has no bias
                     head.weight,
                     mb.responses,
                     compute_dtype=torch.bfloat16 if cuda else torch.float32,
@@ -123,6 +131,7 @@ class Actor:
                 use_cache=False,
             )
             logits = out.logits[:, p - 1 : p + r - 1]  # (b, R, V): position t scores token t+1
+        logits = logits.float() / temps  # (b, R, V) the sampling policy's logits
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R) float32
         return logprobs, (entropy_from_logits(logits) if entropy else None)
 
@@ -153,35 +162,36 @@ class Actor:
 
         old = self._old_logprobs(batch, metrics)  # (B, R)
         batch.extras["old_logprobs"] = old
+        keep = loss_mask(batch, cfg)  # (B, R) bool: overlong-filtered samples out of the loss
+        is_level = cfg.rollout_is_level()
+        corr_cfg = cfg.algorithm.rollout_correction
+        if batch.engine_logprobs is not None and (is_level is not None or corr_cfg.rollout_rs is not None):
+            corr = rollout_correction(old, batch.engine_logprobs, mask, corr_cfg, is_level)
+            metrics.update(corr.metrics)
+            keep = keep & corr.keep
+            if corr.weights is not None:
+                batch.extras["rollout_is_weights"] = corr.weights
 
-        token_rewards = scores_to_token_rewards(batch.rewards, mask)  # (B, R)
+        kl = None
         if self.ref is not None:
             ref = self.compute_logprobs(batch, self.ref)
             batch.extras["ref_logprobs"] = ref
             if cfg.algorithm.use_kl_in_reward:
-                kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty)  # (B, R)
-                token_rewards, kl_mean = apply_kl_in_reward(
-                    token_rewards, kl, cfg.algorithm.kl_ctrl.kl_coef, mask
-                )
-                metrics["actor/kl_in_reward"] = float(kl_mean)
-        adv = compute_advantage(
-            cfg.algorithm.adv_estimator,
-            token_rewards,
-            mask,
-            index=batch.group_ids,
-            norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
-            gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam,
-        )
-        batch.extras["advantages"] = adv.advantages
-        metrics["actor/advantage_abs_mean"] = float(masked_mean(adv.advantages.abs(), mask.bool()))
+                kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
+                metrics["actor/kl_in_reward"] = float(masked_mean(kl, mask.bool(), dim=-1).mean())
+        adv = batch_advantages(batch, cfg, kl)  # (B, R)
+        batch.extras["advantages"] = adv
+        metrics["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask.bool()))
+        if batch.truncated is not None:
+            metrics["actor/truncated_samples"] = float(batch.truncated.sum())
+        metrics["actor/loss_tokens_masked"] = float((mask.bool() & ~keep).sum())
+        batch = replace(batch, response_mask=keep.long())  # the loss trains on these tokens only
 
-        mini_size = actor.ppo_mini_batch_size * arr.rollout.n
         sums: dict[str, float] = {}
         n_steps = 0
         self.model.train()
         for _ in range(actor.ppo_epochs):
-            for mini in split_mini_batches(batch, mini_size):
+            for mini in split_by_groups(batch, actor.ppo_mini_batch_size):
                 step_metrics = self._optimizer_step(mini)
                 for k, v in step_metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -231,6 +241,8 @@ class Actor:
         pg_agg = "seq-mean-token-mean" if actor.policy_loss == "gspo" else agg  # gspo fixes its own
         # one denominator for the whole mini-batch so accumulated micro-batches equal one big batch
         denom, pg_denom = _local_count(mask_all, agg), _local_count(mask_all, pg_agg)
+        if agg == "attempt-mean-token-mean":  # per-row weights over the whole mini-batch's attempts
+            mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
         self.optimizer.zero_grad(set_to_none=True)
         totals = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/clip_frac": 0.0, "actor/approx_kl": 0.0}
         if actor.use_kl_loss:
@@ -240,12 +252,15 @@ class Actor:
         if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
             totals["actor/grad_norm"] = 0.0
             return totals
+        active_tokens = max(float(active.response_mask.sum()), 1.0)  # the rows the metrics average over
         for mb, _rows in self._train_micro_batches(active):
             m = mb.response_mask.bool()  # (b, r)
             r = mb.response_length
             logprobs, ent = self._forward(self.model, mb, entropy=True)
             old = mb.extras["old_logprobs"][:, :r]
             adv = mb.extras["advantages"][:, :r]
+            is_weights = mb.extras.get("rollout_is_weights")
+            row_weights = mb.extras.get("row_weights")
             pl = compute_policy_loss(
                 actor.policy_loss,
                 logprobs,
@@ -256,16 +271,22 @@ class Actor:
                 clip_ratio_high=actor.clip_ratio_high,
                 clip_ratio_c=actor.clip_ratio_c,
                 loss_agg_mode=agg,
+                rollout_is_weights=None if is_weights is None else is_weights[:, :r],
+                row_weights=row_weights,
             )
-            share = float(m.sum()) / max(float(mask_all.sum()), 1.0)  # this micro-batch's share of tokens
+            share = float(m.sum()) / active_tokens  # this micro-batch's share of the active tokens
             # re-aggregate the policy loss against the mini-batch denominator
             policy_loss = pl.loss * _local_count(m, pg_agg) / pg_denom
-            entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom)  # type: ignore[arg-type]
+            entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom, row_weights=row_weights)  # type: ignore[arg-type]
             loss = policy_loss - actor.entropy_coeff * entropy
             if actor.use_kl_loss:
                 ref = mb.extras["ref_logprobs"][:, :r]
                 kl = agg_loss(
-                    kl_penalty(logprobs, ref, actor.kl_loss_type), mb.response_mask, agg, denominator=denom
+                    kl_penalty(logprobs, ref, actor.kl_loss_type),
+                    mb.response_mask,
+                    agg,
+                    denominator=denom,
+                    row_weights=row_weights,
                 )
                 loss = loss + actor.kl_loss_coef * kl
                 totals["actor/kl_loss"] += float(kl)
@@ -352,6 +373,46 @@ def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch
     return hidden[:, p - 1 : p + r - 1], head
 
 
+_PROBE_TOKENS = 16
+_PROBE_REL_TOL = 1e-2  # fp32 (TF32 on CUDA: ~1e-3 relative) passes; a logit scale 1% off from 1 fails
+
+
+@torch.no_grad()
+def _head_shortcut_is_exact(model: nn.Module, device: torch.device) -> bool:
+    """Whether ``decoder(x) @ head.weight.T`` (the LM-head shortcut) equals ``model(x).logits``.
+
+    Checked once on a probe of a few tokens, because models scale their logits in ways no common
+    config key names (Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``, MiniCPM's
+    ``dim_model_base``...); a model that fails takes the plain full forward, which is always right.
+    """
+    hf = cast("PreTrainedModel", model)
+    head = hf.get_output_embeddings()
+    decoder = hf.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or type(head) is not nn.Linear or head.bias is not None:
+        return False
+    vocab = int(head.weight.shape[0])
+    ids = (torch.arange(_PROBE_TOKENS, device=device) * 7919 + 11) % vocab  # spread over the vocabulary
+    kwargs = {
+        "input_ids": ids[None],
+        "attention_mask": torch.ones_like(ids)[None],
+        "position_ids": torch.arange(_PROBE_TOKENS, device=device)[None],
+        "use_cache": False,
+    }
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(**kwargs).logits.float()  # (1, n, V)
+        hidden = decoder(**kwargs).last_hidden_state.float()  # (1, n, d)
+    finally:
+        model.train(was_training)
+    shortcut = hidden @ head.weight.float().T  # (1, n, V)
+    error = float((shortcut - logits).abs().max() / logits.abs().max().clamp(min=1e-6))
+    exact = error <= _PROBE_REL_TOL
+    if not exact:
+        log.info("actor.lm_head_shortcut_off", model=type(model).__name__, relative_error=round(error, 4))
+    return exact
+
+
 def _compile_layers(model: nn.Module) -> None:
     """torch.compile each decoder layer in place (the layers share one compiled graph)."""
     base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # peft
@@ -389,7 +450,10 @@ def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
 
 
 def _local_count(mask: torch.Tensor, agg: str) -> float:
-    """What agg_loss divided this micro-batch's loss by (tokens or sequences with a token)."""
+    """What agg_loss divided this micro-batch's loss by (tokens or sequences with a token); 1 for
+    attempt-mean-token-mean, whose row weights already hold the whole mini-batch's denominator."""
+    if agg == "attempt-mean-token-mean":
+        return 1.0
     if agg == "token-mean":
         return max(float(mask.sum()), 1.0)
     return max(float((mask.sum(-1) > 0).sum()), 1.0)

@@ -5,6 +5,12 @@ Conventions (as in verl's ``core_algos``): B samples, T response tokens, V vocab
 tool/observation tokens. Every function first zeroes its inputs at masked positions, so whatever
 sits there (padding garbage, tool-token logprobs) never changes a result or a gradient.
 Nothing here calls ``.item()``: the results stay on the device (no CPU-GPU sync).
+
+Attempts, not calls, are the unit of the group estimators: an agent's attempt at a task may make
+several LLM calls (B rows), but it votes once. ``attempt_index`` (B,) says which attempt each row
+belongs to and ``attempt_scores`` (B,) gives that attempt's return (its total reward); the group
+mean / std / leave-one-out baseline are taken over attempts, and each row's own score (its call's
+return) is compared with them. Without ``attempt_index`` each row is its own attempt.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from agentloop.errors import ConfigError
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "attempt-mean-token-mean")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need several samples per group
 
@@ -127,13 +133,22 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 
 def agg_loss(
-    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", denominator: float | None = None
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    denominator: float | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a (B, T) loss to a scalar.
 
-    token-mean:          sum over all valid tokens / number of valid tokens
-    seq-mean-token-sum:  mean over sequences of (sum over the sequence's valid tokens)
-    seq-mean-token-mean: mean over sequences of (mean over the sequence's valid tokens)
+    token-mean:              sum over all valid tokens / number of valid tokens
+    seq-mean-token-sum:      mean over sequences of (sum over the sequence's valid tokens)
+    seq-mean-token-mean:     mean over sequences of (mean over the sequence's valid tokens)
+    attempt-mean-token-mean: mean over attempts of (mean over the attempt's valid tokens, in all its
+                             rows): each attempt weighs the same, however many calls and tokens it has
+                             (Agent Lightning's per-rollout mean). ``row_weights`` (B,): 1 / (attempts
+                             x the row's attempt's valid tokens), from :func:`attempt_row_weights`;
+                             without them each row is an attempt (= seq-mean-token-mean).
     Sequences with no valid token do not count. ``denominator`` replaces the count (tokens for
     token-mean, sequences otherwise): pass the whole mini-batch's count when accumulating micro-batches.
     """
@@ -146,6 +161,14 @@ def agg_loss(
         return loss_mat.sum() / count
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {mode!r}")
+    if mode == "attempt-mean-token-mean":
+        if row_weights is None:  # no attempt structure: each row is an attempt of its own
+            row_weights = attempt_row_weights(m, torch.arange(m.shape[0], device=m.device))
+        if row_weights.shape != loss_mat.shape[:1]:
+            raise ValueError(
+                f"row_weights must be (B,)={tuple(loss_mat.shape[:1])}, got {tuple(row_weights.shape)}"
+            )
+        return (loss_mat.sum(-1) * row_weights).sum()
     tokens = m.sum(-1)  # (B,)
     seq = loss_mat.sum(-1)  # (B,)
     if mode == "seq-mean-token-mean":
@@ -154,13 +177,28 @@ def agg_loss(
     return seq.sum() / count
 
 
+def attempt_row_weights(mask: torch.Tensor, attempt_index: torch.Tensor) -> torch.Tensor:
+    """(B,) weights for attempt-mean-token-mean: 1 / (number of attempts with a valid token x the valid
+    tokens of the row's attempt). Computed once on a whole mini-batch, they make micro-batch losses add
+    up to the mini-batch's loss."""
+    m = mask.bool()
+    if attempt_index.shape != m.shape[:1]:
+        raise ValueError(f"attempt_index must be (B,)={tuple(m.shape[:1])}, got {tuple(attempt_index.shape)}")
+    _, inv = torch.unique(attempt_index, return_inverse=True)  # (B,)  note: CPU-GPU sync
+    tokens = torch.zeros(m.shape[0], device=m.device).index_add_(0, inv, m.sum(-1).float())  # per attempt
+    attempts = (tokens > 0).sum().clamp(min=1)
+    return torch.where(tokens[inv] > 0, 1.0 / (tokens[inv].clamp(min=1) * attempts), 0.0)
+
+
 # ---------------------------------------------------------------- log-probabilities, entropy, KL
 
 
 def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[ids] in float32: (B, T, V), (B, T) -> (B, T).
 
-    The same quantity the engines return (agentloop/engine/base.py): raw logits, before temperature.
+    Pass logits already divided by each token's sampling temperature: the engines report
+    log_softmax(logits / T) of the tokens they sampled (agentloop/engine/base.py), and the trainer's
+    old, new and reference log-probs are those of the same tempered policy.
     Computed as logit - logsumexp to avoid materialising the (B, T, V) log-softmax.
     """
     if logits.shape[:-1] != ids.shape:
@@ -251,23 +289,76 @@ def _as_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> tor
     return rewards.float().masked_fill(~m, 0.0)
 
 
-def _group_stats(scores: torch.Tensor, index: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """Per-sample group size, group sum and unbiased group std, each (B,)."""
+def _attempt_votes(
+    scores: torch.Tensor, attempt_index: torch.Tensor | None, attempt_scores: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which attempt each row belongs to (B,) numbered 0..A-1, whether the row is its attempt's first
+    (B,) bool, and the attempt's score for each row (B,). Without ``attempt_index`` every row is an
+    attempt of its own scored by its own score."""
+    b = scores.shape[0]
+    if attempt_index is None:
+        return (
+            torch.arange(b, device=scores.device),
+            torch.ones(b, dtype=torch.bool, device=scores.device),
+            scores,
+        )
+    if attempt_index.shape != scores.shape:
+        raise ValueError(
+            f"attempt_index must be (B,)={tuple(scores.shape)}, got {tuple(attempt_index.shape)}"
+        )
+    votes = scores if attempt_scores is None else attempt_scores.float()
+    if votes.shape != scores.shape:
+        raise ValueError(f"attempt_scores must be (B,)={tuple(scores.shape)}, got {tuple(votes.shape)}")
+    # note: torch.unique is a CPU-GPU sync point (its output size depends on the data)
+    _, att = torch.unique(attempt_index, return_inverse=True)  # (B,)
+    rows = torch.arange(b, device=scores.device)
+    first_row = torch.full((b,), b, device=scores.device, dtype=torch.long).scatter_reduce_(
+        0, att, rows, reduce="amin"
+    )  # (A <= B,) the first row of each attempt
+    return att, first_row[att] == rows, votes
+
+
+def _group_stats(
+    scores: torch.Tensor,
+    index: torch.Tensor | None,
+    attempt_index: torch.Tensor | None = None,
+    attempt_scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """For each row (B,): the number of attempts in its group, the sum of their scores, their unbiased
+    std, and the row's own attempt's score; each attempt counted once (by its first row)."""
     if index is None:
         raise ValueError(
             "this estimator compares samples of one group: pass index, a (B,) tensor of group ids"
         )
     if index.shape != scores.shape:
         raise ValueError(f"index must be (B,)={tuple(scores.shape)}, got shape {tuple(index.shape)}")
+    _att, first, votes = _attempt_votes(scores, attempt_index, attempt_scores)
     # note: torch.unique is a CPU-GPU sync point (its output size depends on the data)
     _, inv = torch.unique(index, return_inverse=True)  # (B,) group number of each sample
     g = scores.shape[0]  # an upper bound on the number of groups (no CPU-GPU sync)
-    count = torch.zeros(g, device=scores.device).index_add_(0, inv, torch.ones_like(scores))[inv]  # (B,)
-    total = torch.zeros(g, device=scores.device).index_add_(0, inv, scores)[inv]  # (B,)
-    mean = total / count
-    sq = torch.zeros(g, device=scores.device).index_add_(0, inv, (scores - mean) ** 2)[inv]
+    one = first.float()  # (B,) 1 on the row that casts its attempt's vote
+    count = torch.zeros(g, device=scores.device).index_add_(0, inv, one)[inv]  # (B,)
+    total = torch.zeros(g, device=scores.device).index_add_(0, inv, votes * one)[inv]  # (B,)
+    mean = total / count.clamp(min=1)
+    sq = torch.zeros(g, device=scores.device).index_add_(0, inv, (votes - mean) ** 2 * one)[inv]
     std = torch.sqrt(sq / (count - 1).clamp(min=1))  # (B,)
-    return count, total, std
+    return count, total, std, votes
+
+
+def _attempt_weighted_whiten(
+    x: torch.Tensor, mask: torch.Tensor, attempt_index: torch.Tensor | None, eps: float = 1e-8
+) -> torch.Tensor:
+    """Whiten ``x`` (B, T) over its valid tokens with each attempt weighing the same (its tokens share
+    one vote); without ``attempt_index`` every token weighs the same (verl's masked_whiten)."""
+    m = _check_mask(x, mask)
+    if attempt_index is None:
+        return masked_whiten(x, m, eps)
+    w = attempt_row_weights(m, attempt_index)[:, None] * m  # (B, T), sums to 1
+    x = x.masked_fill(~m, 0.0)
+    mean = (x * w).sum()
+    attempts = torch.unique(attempt_index[m.any(-1)]).numel()  # note: CPU-GPU sync
+    var = ((x - mean) ** 2 * w).sum() * attempts / max(attempts - 1, 1)  # Bessel over attempts
+    return ((x - mean) * torch.rsqrt(var + eps)).masked_fill(~m, 0.0)
 
 
 def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> AdvantageOutput:
@@ -281,15 +372,17 @@ def grpo(
     response_mask: torch.Tensor,
     *,
     index: torch.Tensor | None = None,
+    attempt_index: torch.Tensor | None = None,
+    attempt_scores: torch.Tensor | None = None,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
     **_: Any,
 ) -> AdvantageOutput:
-    """(score - group mean) / (group std + eps), or without the division (Dr. GRPO).
-    A group of one sample has no baseline: its advantage is 0."""
+    """(score - mean of the group's attempts) / (their std + eps), or without the division (Dr. GRPO).
+    A group of one attempt has no baseline: its advantage is 0."""
     scores = _as_scores(rewards, response_mask)  # (B,)
-    count, total, std = _group_stats(scores, index)
-    adv = scores - total / count
+    count, total, std, _votes = _group_stats(scores, index, attempt_index, attempt_scores)
+    adv = scores - total / count.clamp(min=1)
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
     return _broadcast(torch.where(count > 1, adv, 0.0), response_mask)
@@ -297,24 +390,38 @@ def grpo(
 
 @register_adv_estimator("rloo")
 def rloo(
-    rewards: torch.Tensor, response_mask: torch.Tensor, *, index: torch.Tensor | None = None, **_: Any
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: torch.Tensor | None = None,
+    attempt_index: torch.Tensor | None = None,
+    attempt_scores: torch.Tensor | None = None,
+    **_: Any,
 ) -> AdvantageOutput:
-    """score - mean of the *other* samples of the group (leave-one-out); 0 for a group of one."""
+    """score - mean of the group's *other* attempts (leave-one-out); 0 for a group of one attempt."""
     scores = _as_scores(rewards, response_mask)  # (B,)
-    count, total, _std = _group_stats(scores, index)
-    adv = scores - (total - scores) / (count - 1).clamp(min=1)
+    count, total, _std, votes = _group_stats(scores, index, attempt_index, attempt_scores)
+    adv = scores - (total - votes) / (count - 1).clamp(min=1)
     return _broadcast(torch.where(count > 1, adv, 0.0), response_mask)
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(
-    rewards: torch.Tensor, response_mask: torch.Tensor, *, index: torch.Tensor | None = None, **_: Any
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: torch.Tensor | None = None,
+    attempt_index: torch.Tensor | None = None,
+    attempt_scores: torch.Tensor | None = None,
+    **_: Any,
 ) -> AdvantageOutput:
-    """score - group mean (0 for a group of one), broadcast to the tokens, whitened over the batch."""
+    """score - mean of the group's attempts (0 for a group of one), broadcast to the tokens, whitened
+    over the batch with each attempt weighing the same."""
     scores = _as_scores(rewards, response_mask)  # (B,)
-    count, total, _std = _group_stats(scores, index)
-    adv = torch.where(count > 1, scores - total / count, 0.0)
-    out = masked_whiten(adv.unsqueeze(-1).expand(response_mask.shape).float(), response_mask)  # (B, T)
+    count, total, _std, _votes = _group_stats(scores, index, attempt_index, attempt_scores)
+    adv = torch.where(count > 1, scores - total / count.clamp(min=1), 0.0)
+    tokens = adv.unsqueeze(-1).expand(response_mask.shape).float()  # (B, T)
+    out = _attempt_weighted_whiten(tokens, response_mask, attempt_index)  # (B, T)
     return AdvantageOutput(out, out.clone())
 
 
@@ -330,15 +437,20 @@ def _discounted_returns(token_rewards: torch.Tensor, m: torch.Tensor, gamma: flo
 
 @register_adv_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(
-    rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0, **_: Any
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    attempt_index: torch.Tensor | None = None,
+    **_: Any,
 ) -> AdvantageOutput:
-    """Discounted token returns, whitened over the batch's valid tokens.
+    """Discounted token returns, whitened over the batch's valid tokens (each attempt weighing the same
+    when ``attempt_index`` is given).
 
-    Unlike verl, a masked (tool) token does not reset the return: a final reward reaches the model's
-    earlier turns of a merged trajectory, with one discount step per *model* token."""
+    Masked (tool) tokens are skipped, not discounted: one discount step per *model* token."""
     m = response_mask.bool()
     returns = _discounted_returns(_as_token_rewards(rewards, response_mask), m, gamma)  # (B, T)
-    return AdvantageOutput(masked_whiten(returns, m), returns)
+    return AdvantageOutput(_attempt_weighted_whiten(returns, m, attempt_index), returns)
 
 
 @register_adv_estimator("gae")
@@ -375,7 +487,8 @@ def gae(
 def compute_advantage(
     name: str, rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs: Any
 ) -> AdvantageOutput:
-    """Run the registered estimator ``name``; kwargs: index, values, gamma, lam, norm_adv_by_std."""
+    """Run the registered estimator ``name``; kwargs: index, attempt_index, attempt_scores, values,
+    gamma, lam, norm_adv_by_std."""
     return get_adv_estimator(name)(rewards, response_mask, **kwargs)
 
 
@@ -393,6 +506,16 @@ def _prepare(
     return zero(log_prob), zero(old_log_prob.detach()), zero(advantages.detach()), m
 
 
+def _weighted(losses: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    if weights is None:
+        return losses
+    if weights.shape != losses.shape:
+        raise ValueError(
+            f"rollout_is_weights has shape {tuple(weights.shape)}, the loss {tuple(losses.shape)}"
+        )
+    return losses * weights.detach()
+
+
 @register_policy_loss("vanilla")
 def vanilla(
     log_prob: torch.Tensor,
@@ -404,9 +527,12 @@ def vanilla(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
     **_: Any,
 ) -> PolicyLossOutput:
-    """PPO clip: max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0 also capped at -A c (dual clip)."""
+    """PPO clip: max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0 also capped at -A c (dual clip).
+    ``rollout_is_weights`` (B, T) multiply each token's loss (rollout correction, as verl)."""
     log_prob, old_log_prob, advantages, m = _prepare(log_prob, old_log_prob, advantages, response_mask)
     neg_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T) log r
     ratio = torch.exp(neg_kl)  # (B, T)
@@ -416,8 +542,9 @@ def vanilla(
     loss3 = -advantages * clip_ratio_c
     dual = torch.minimum(clipped, loss3)
     losses = torch.where(advantages < 0, dual, clipped)  # (B, T)
+    losses = _weighted(losses, rollout_is_weights)
     return PolicyLossOutput(
-        loss=agg_loss(losses, m, loss_agg_mode),
+        loss=agg_loss(losses, m, loss_agg_mode, row_weights=row_weights),
         clip_frac=masked_mean((loss2 > loss1).float(), m).detach(),
         approx_kl=masked_mean(-neg_kl, m).detach(),
         clip_frac_lower=masked_mean(((clipped > loss3) & (advantages < 0)).float(), m).detach(),
@@ -433,6 +560,7 @@ def gspo(
     *,
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
+    rollout_is_weights: torch.Tensor | None = None,
     **_: Any,
 ) -> PolicyLossOutput:
     """GSPO: one importance ratio per sequence, the geometric mean of its token ratios,
@@ -446,7 +574,7 @@ def gspo(
     ratio = torch.exp(log_ratio.clamp(max=10.0))  # (B, T), value = the sequence ratio
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    losses = torch.maximum(loss1, loss2)
+    losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights)
     zero = torch.zeros((), device=log_prob.device)
     return PolicyLossOutput(
         loss=agg_loss(losses, m, "seq-mean-token-mean"),
@@ -464,13 +592,16 @@ def pg(
     response_mask: torch.Tensor,
     *,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
     **_: Any,
 ) -> PolicyLossOutput:
     """Plain policy gradient (REINFORCE): -A * log pi; no ratio, no clipping."""
     log_prob, old_log_prob, advantages, m = _prepare(log_prob, old_log_prob, advantages, response_mask)
     zero = torch.zeros((), device=log_prob.device)
+    losses = _weighted(-advantages * log_prob, rollout_is_weights)
     return PolicyLossOutput(
-        loss=agg_loss(-advantages * log_prob, m, loss_agg_mode),
+        loss=agg_loss(losses, m, loss_agg_mode, row_weights=row_weights),
         clip_frac=zero,
         approx_kl=masked_mean(old_log_prob - log_prob, m).detach(),
         clip_frac_lower=zero,
@@ -485,5 +616,6 @@ def compute_policy_loss(
     response_mask: torch.Tensor,
     **kwargs: Any,
 ) -> PolicyLossOutput:
-    """Run the registered policy loss ``name``; kwargs: clip_ratio_low/high/c, loss_agg_mode."""
+    """Run the registered policy loss ``name``; kwargs: clip_ratio_low/high/c, loss_agg_mode,
+    rollout_is_weights, row_weights."""
     return get_policy_loss(name)(log_prob, old_log_prob, advantages, response_mask, **kwargs)

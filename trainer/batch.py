@@ -27,6 +27,52 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
+class Calls:
+    """The LLM calls behind a batch's rows, one entry per call (C calls).
+
+    Call c's response tokens sit in row ``row[c]`` at response columns ``start[c] .. start[c] +
+    length[c] - 1`` (a merged trajectory holds several calls in one row; tool tokens between them
+    belong to no call). Advantages are computed per call, each attempt voting once, and scattered
+    back into the rows: merging the turns of an attempt never changes what its tokens learn.
+    """
+
+    row: torch.Tensor  # (C,) long
+    start: torch.Tensor  # (C,) long
+    length: torch.Tensor  # (C,) long, after truncation (0 when truncation cut the call away)
+    reward: torch.Tensor  # (C,) float32, the call's return from the adapter's credit assignment
+    group: torch.Tensor  # (C,) long, the task group (the attempts at one task in one step)
+    attempt: torch.Tensor  # (C,) long, the attempt the call belongs to (numbered within the batch)
+    attempt_reward: torch.Tensor  # (C,) float32, the attempt's total reward: its one vote in the group
+    source: torch.Tensor  # (C,) long, the index of the call's triplet in build_batch's input
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+    def to(self, device: torch.device | str) -> Calls:
+        return Calls(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+
+    def positions(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices (C, L) into a (B, width) tensor for each call's tokens, and their validity (C, L)."""
+        longest = int(self.length.max()) if len(self) else 0  # note: CPU-GPU sync on a GPU batch
+        offsets = torch.arange(max(longest, 1), device=self.row.device)  # (L,)
+        valid = offsets[None, :] < self.length[:, None]  # (C, L)
+        flat = self.row[:, None] * width + self.start[:, None] + offsets[None, :]
+        return torch.where(valid, flat, 0), valid
+
+    def gather(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each call's slice of the row tensor ``x`` (B, R) as (C, L), 0 past the call; and validity (C, L)."""
+        flat, valid = self.positions(x.shape[1])
+        return x.reshape(-1)[flat].masked_fill(~valid, 0), valid
+
+    def scatter(self, y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The inverse of gather: (C, L) per-call values into a (B, R) tensor of ``shape``, 0 elsewhere."""
+        flat, valid = self.positions(shape[1])
+        out = torch.zeros(shape[0] * shape[1], dtype=y.dtype, device=y.device)
+        out[flat[valid]] = y[:, : flat.shape[1]][valid]
+        return out.view(shape)
+
+
+@dataclass
 class Batch:
     """A padded training batch; row i of every tensor is sample i."""
 
@@ -34,13 +80,17 @@ class Batch:
     attention_mask: torch.Tensor  # (B, P+R) long, 1 on real tokens (tool tokens included)
     position_ids: torch.Tensor  # (B, P+R) long, 0, 1, ... over real tokens, 0 on padding
     response_mask: torch.Tensor  # (B, R) long, 1 where the model produced the token; 0 on pad and tool tokens
-    rewards: torch.Tensor  # (B,) float32
+    rewards: torch.Tensor  # (B,) float32, the row's last call's reward (metrics; advantages use ``calls``)
     group_ids: torch.Tensor  # (B,) long, samples of the same rollout input share an id
     prompt_length: int  # P: responses start at this column
     engine_logprobs: torch.Tensor | None = None  # (B, R) float32, the engine's logprobs; 0 where masked
     metadata: list[dict[str, Any]] = field(default_factory=list)
     # tensors the trainer adds later (old/ref logprobs, advantages): (B, R) response-aligned or (B,)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    attempt_ids: torch.Tensor | None = None  # (B,) long, the attempt of each row; None: each row its own
+    temperatures: torch.Tensor | None = None  # (B, R) float32, the sampling temperature of each token
+    truncated: torch.Tensor | None = None  # (B,) bool, cut to max_response_length or stopped by max_tokens
+    calls: Calls | None = None  # only on the batch build_batch made (advantages are computed on it)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -56,9 +106,21 @@ class Batch:
     def sequence_lengths(self) -> torch.Tensor:
         return self.attention_mask.sum(-1)  # (B,) non-pad tokens per sample
 
+    def row_attempts(self) -> torch.Tensor:
+        """(B,) attempt id of each row (each row its own attempt when the batch does not say)."""
+        if self.attempt_ids is not None:
+            return self.attempt_ids
+        return torch.arange(len(self), device=self.input_ids.device)
+
+    def logit_temperatures(self) -> torch.Tensor:
+        """(B, R) what each token's logits are divided by: its sampling temperature, 1 for greedy (T=0)."""
+        if self.temperatures is None:
+            return torch.ones(self.response_mask.shape, dtype=torch.float32, device=self.input_ids.device)
+        return torch.where(self.temperatures > 0, self.temperatures, 1.0)
+
     def to(self, device: torch.device | str) -> Batch:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
+        def move(t: torch.Tensor | None) -> Any:
+            return None if t is None else t.to(device, non_blocking=True)
 
         return replace(
             self,
@@ -68,12 +130,18 @@ class Batch:
             response_mask=move(self.response_mask),
             rewards=move(self.rewards),
             group_ids=move(self.group_ids),
-            engine_logprobs=None if self.engine_logprobs is None else move(self.engine_logprobs),
+            engine_logprobs=move(self.engine_logprobs),
             extras={k: move(v) for k, v in self.extras.items()},
+            attempt_ids=move(self.attempt_ids),
+            temperatures=move(self.temperatures),
+            truncated=move(self.truncated),
+            calls=None if self.calls is None else self.calls.to(device),
         )
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> Batch:
-        """Rows ``indices`` (in that order), with the columns that are padding in all of them cut off."""
+        """Rows ``indices`` (in that order), with the columns that are padding in all of them cut off.
+
+        The selection has no ``calls``: advantages are computed on the whole batch before it is split."""
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)  # (b,)
         p, attn = self.prompt_length, self.attention_mask[idx]  # (b, P+R)
         # note: .item() here is a CPU-GPU sync point when the batch is on a GPU
@@ -84,7 +152,9 @@ class Batch:
         def rows_cols(t: torch.Tensor) -> torch.Tensor:
             return t[idx][:, cols]
 
-        def resp(t: torch.Tensor) -> torch.Tensor:
+        def resp(t: torch.Tensor | None) -> Any:
+            if t is None:
+                return None
             return t[idx][:, :new_r] if t.dim() >= 2 else t[idx]
 
         return Batch(
@@ -95,9 +165,12 @@ class Batch:
             rewards=self.rewards[idx],
             group_ids=self.group_ids[idx],
             prompt_length=new_p,
-            engine_logprobs=None if self.engine_logprobs is None else resp(self.engine_logprobs),
+            engine_logprobs=resp(self.engine_logprobs),
             metadata=[self.metadata[i] for i in idx.tolist()],
             extras={k: resp(v) for k, v in self.extras.items()},
+            attempt_ids=resp(self.attempt_ids),
+            temperatures=resp(self.temperatures),
+            truncated=resp(self.truncated),
         )
 
 
@@ -110,6 +183,114 @@ def _group_key(metadata: dict[str, Any]) -> str | None:
     return None
 
 
+def _attempt_key(metadata: dict[str, Any], index: int) -> str:
+    """Which attempt a triplet belongs to: its attempt id, else its rollout id, else itself alone."""
+    if metadata.get("attempt_id") is not None:
+        return f"attempt:{metadata.get('rollout_id')}/{metadata['attempt_id']}"
+    if metadata.get("rollout_id") is not None:
+        return f"rollout:{metadata['rollout_id']}"
+    return f"triplet:{index}"
+
+
+@dataclass
+class _Span:
+    start: int  # first response column of the call's own tokens in its row
+    length: int
+    reward: float
+    source: int  # index in build_batch's input
+
+
+@dataclass
+class _Row:
+    """One sample under construction: a call, or consecutive calls of one attempt merged."""
+
+    prompt: list[int]
+    resp: list[int]
+    mask: list[int]
+    logp: list[float] | None
+    temps: list[float]
+    spans: list[_Span]
+    reward: float | None
+    first_meta: dict[str, Any]
+    last_meta: dict[str, Any]
+    hit_max_tokens: bool
+
+    def extends(self, t: Triplet) -> bool:
+        full = self.prompt + self.resp
+        return t.prompt_ids[: len(full)] == full
+
+    def add(self, t: Triplet, source: int, temperature: float) -> None:
+        """Append call ``t`` (which extends this row): the prompt delta (tool results, template) masked."""
+        extra = t.prompt_ids[len(self.prompt) + len(self.resp) :]
+        mask, logp = _call_mask(t), _call_logp(t)
+        self.spans.append(_Span(len(self.resp) + len(extra), len(t.response_ids), _reward(t), source))
+        self.resp = self.resp + extra + list(t.response_ids)
+        self.mask = self.mask + [0] * len(extra) + mask
+        self.logp = None if self.logp is None or logp is None else self.logp + [0.0] * len(extra) + logp
+        self.temps = self.temps + [1.0] * len(extra) + [temperature] * len(t.response_ids)
+        self.reward = t.reward if t.reward is not None else self.reward
+        self.last_meta = t.metadata
+        self.hit_max_tokens = self.hit_max_tokens or t.metadata.get("finish_reason") == "length"
+
+    @classmethod
+    def start(cls, t: Triplet, source: int, temperature: float) -> _Row:
+        return cls(
+            prompt=list(t.prompt_ids),
+            resp=list(t.response_ids),
+            mask=_call_mask(t),
+            logp=_call_logp(t),
+            temps=[temperature] * len(t.response_ids),
+            spans=[_Span(0, len(t.response_ids), _reward(t), source)],
+            reward=t.reward,
+            first_meta=t.metadata,
+            last_meta=t.metadata,
+            hit_max_tokens=t.metadata.get("finish_reason") == "length",
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        if len(self.spans) == 1:
+            return dict(self.first_meta)
+        return {**self.first_meta, **self.last_meta, "merged_calls": len(self.spans)}
+
+
+def _call_mask(t: Triplet) -> list[int]:
+    return list(t.response_mask) if t.response_mask is not None else [1] * len(t.response_ids)
+
+
+def _call_logp(t: Triplet) -> list[float] | None:
+    if t.response_logprobs is None:
+        return None
+    return [lp if m else 0.0 for lp, m in zip(t.response_logprobs, _call_mask(t), strict=True)]
+
+
+def _reward(t: Triplet) -> float:
+    return float(t.reward) if t.reward is not None else 0.0
+
+
+def _rows(calls: Sequence[tuple[int, Triplet]], merge: bool, default_temperature: float) -> list[_Row]:
+    """The rows of one attempt's calls (in order): one per call, or consecutive extending calls merged."""
+    rows: list[_Row] = []
+    for source, t in calls:
+        temp = t.metadata.get("temperature")
+        temperature = float(temp) if isinstance(temp, int | float) else default_temperature
+        if merge and rows and rows[-1].extends(t):
+            rows[-1].add(t, source, temperature)
+        else:
+            rows.append(_Row.start(t, source, temperature))
+    return rows
+
+
+def _unusable(t: Triplet, max_prompt_length: int) -> str | None:
+    """Why a call makes its whole attempt unusable (None when it is fine)."""
+    if not t.prompt_ids or not t.response_ids:
+        return "dropped_attempts_empty"
+    if len(t.prompt_ids) > max_prompt_length:
+        return "dropped_attempts_prompt_too_long"
+    if t.reward is None:
+        return "dropped_attempts_no_reward"
+    return None
+
+
 def build_batch(
     triplets: Sequence[Triplet],
     *,
@@ -117,13 +298,20 @@ def build_batch(
     max_response_length: int,
     pad_token_id: int = 0,
     require_nonempty: bool = False,
+    merge: bool = False,
+    default_temperature: float = 1.0,
 ) -> tuple[Batch, dict[str, int]]:
-    """Pad triplets into a Batch; returns it with counts of what was kept and dropped.
+    """Pad triplets (one per LLM call) into a Batch; returns it with counts of what was kept and dropped.
 
-    Dropped (and counted, never raised): prompt > max_prompt_length, response > max_response_length,
-    an empty prompt or response, no token to train on (mask all 0), no reward. Samples are grouped by
-    ``metadata["group_id"]``, else by ``metadata["input"]``; a sample with neither is a group of its own.
-    Raises EmptyBatchError only when ``require_nonempty`` and nothing is left.
+    Calls belong to attempts (``metadata["attempt_id"]``, else ``rollout_id``, else each call alone) and
+    attempts to groups (``metadata["group_id"]``, else ``metadata["input"]``, else the attempt alone).
+    Nothing removes *part* of an attempt: an attempt with a call that cannot be used (a prompt over
+    ``max_prompt_length``, empty ids, no reward) leaves as a whole and is counted; a response over
+    ``max_response_length`` is truncated to it, kept and flagged (``truncated``, like a call the engine
+    stopped at max_tokens). ``merge=True`` merges the consecutive calls of an attempt whose prompt extends
+    the previous call's prompt + response into one row (tool tokens between them get mask 0).
+    Each token records its call's sampling temperature (``metadata["temperature"]``, else
+    ``default_temperature``). Raises EmptyBatchError only when ``require_nonempty`` and nothing is left.
     """
     if max_prompt_length < 1 or max_response_length < 1:
         raise ValueError(
@@ -133,66 +321,100 @@ def build_batch(
     stats = {
         "num_triplets": len(triplets),
         "num_samples": 0,
-        "dropped_prompt_too_long": 0,
-        "dropped_response_too_long": 0,
-        "dropped_empty": 0,
-        "dropped_no_trainable_tokens": 0,
-        "dropped_no_reward": 0,
+        "num_attempts": 0,
+        "dropped_attempts_prompt_too_long": 0,
+        "dropped_attempts_empty": 0,
+        "dropped_attempts_no_reward": 0,
+        "dropped_calls": 0,
+        "truncated_samples": 0,
+        "no_trainable_tokens": 0,
         "ungrouped": 0,
     }
-    kept: list[Triplet] = []
-    for t in triplets:
+    attempts: dict[str, list[tuple[int, Triplet]]] = {}
+    for i, t in enumerate(triplets):
         if not isinstance(t, Triplet):
             raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
-        if not t.prompt_ids or not t.response_ids:
-            stats["dropped_empty"] += 1
-        elif len(t.prompt_ids) > max_prompt_length:
-            stats["dropped_prompt_too_long"] += 1
-        elif len(t.response_ids) > max_response_length:
-            stats["dropped_response_too_long"] += 1
-        elif not any(t.response_mask or ()):
-            stats["dropped_no_trainable_tokens"] += 1
-        elif t.reward is None:
-            stats["dropped_no_reward"] += 1
-        else:
-            kept.append(t)
-    stats["num_samples"] = len(kept)
-    dropped = stats["num_triplets"] - len(kept)
-    if dropped:
-        log.warning("batch.dropped_samples", **{k: v for k, v in stats.items() if v})
-    if not kept and require_nonempty:
-        raise EmptyBatchError(
-            f"no usable training sample out of {len(triplets)} triplets "
-            f"(dropped: {', '.join(f'{k}={v}' for k, v in stats.items() if k.startswith('dropped') and v) or 'none'}); "
-            "did the agent call the LLM? are max_prompt_length / max_response_length large enough?"
-        )
-
-    b = len(kept)
-    p = max((len(t.prompt_ids) for t in kept), default=0)  # P
-    r = max((len(t.response_ids) for t in kept), default=0)  # R
-    input_ids = torch.full((b, p + r), pad_token_id, dtype=torch.long)  # (B, P+R)
-    attention_mask = torch.zeros((b, p + r), dtype=torch.long)  # (B, P+R)
-    response_mask = torch.zeros((b, r), dtype=torch.long)  # (B, R)
-    with_logprobs = b > 0 and all(t.response_logprobs is not None for t in kept)
-    logprobs = torch.zeros((b, r), dtype=torch.float32) if with_logprobs else None  # (B, R)
-    keys: dict[str, int] = {}
-    group_ids = torch.zeros(b, dtype=torch.long)  # (B,)
-    for i, t in enumerate(kept):
-        np_, nr = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, p - np_ : p] = torch.tensor(t.prompt_ids)
-        input_ids[i, p : p + nr] = torch.tensor(t.response_ids)
-        attention_mask[i, p - np_ : p + nr] = 1
-        mask = torch.tensor(t.response_mask, dtype=torch.long)  # (nr,)
-        response_mask[i, :nr] = mask
-        if logprobs is not None:
-            logprobs[i, :nr] = torch.tensor(t.response_logprobs, dtype=torch.float32) * mask
-        key = _group_key(t.metadata)
+        attempts.setdefault(_attempt_key(t.metadata, i), []).append((i, t))
+    rows: list[tuple[int, _Row]] = []  # (attempt number, row)
+    attempt_rewards: list[float] = []
+    group_keys: list[str] = []
+    for calls in attempts.values():
+        reasons = [r for _, t in calls if (r := _unusable(t, max_prompt_length)) is not None]
+        if reasons:
+            stats[reasons[0]] += 1
+            stats["dropped_calls"] += len(calls)
+            continue
+        number = len(attempt_rewards)
+        first = calls[0][1].metadata
+        total = first.get("attempt_reward")
+        attempt_rewards.append(float(total) if isinstance(total, int | float) else _reward(calls[-1][1]))
+        key = _group_key(first)
         if key is None:
             stats["ungrouped"] += 1
-            key = f"sample:{i}"
-        group_ids[i] = keys.setdefault(key, len(keys))
+            key = f"attempt:{number}"
+        group_keys.append(key)
+        rows.extend((number, row) for row in _rows(calls, merge, default_temperature))
+    stats["num_samples"], stats["num_attempts"] = len(rows), len(attempt_rewards)
+    dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
+    if dropped:
+        log.warning("batch.dropped_attempts", **dropped)
+    if not rows and require_nonempty:
+        raise EmptyBatchError(
+            f"no usable training sample out of {len(triplets)} triplets "
+            f"(dropped: {', '.join(f'{k}={v}' for k, v in dropped.items()) or 'none'}); "
+            "did the agent call the LLM and give a reward? is max_prompt_length large enough?"
+        )
+
+    b = len(rows)
+    p = max((len(r.prompt) for _, r in rows), default=0)  # P
+    r_len = min(max((len(r.resp) for _, r in rows), default=0), max_response_length)  # R
+    input_ids = torch.full((b, p + r_len), pad_token_id, dtype=torch.long)  # (B, P+R)
+    attention_mask = torch.zeros((b, p + r_len), dtype=torch.long)  # (B, P+R)
+    response_mask = torch.zeros((b, r_len), dtype=torch.long)  # (B, R)
+    temperatures = torch.ones((b, r_len), dtype=torch.float32)  # (B, R)
+    truncated = torch.zeros(b, dtype=torch.bool)  # (B,)
+    with_logprobs = b > 0 and all(r.logp is not None for _, r in rows)
+    logprobs = torch.zeros((b, r_len), dtype=torch.float32) if with_logprobs else None  # (B, R)
+    group_numbers = {k: n for n, k in enumerate(dict.fromkeys(group_keys))}
+    group_ids = torch.tensor([group_numbers[group_keys[a]] for a, _ in rows], dtype=torch.long)  # (B,)
+    attempt_ids = torch.tensor([a for a, _ in rows], dtype=torch.long)  # (B,)
+    call_cols: dict[str, list[float]] = {k: [] for k in ("row", "start", "length", "reward", "source")}
+    call_attempts: list[int] = []
+    for i, (attempt, row) in enumerate(rows):
+        np_, nr = len(row.prompt), min(len(row.resp), max_response_length)
+        truncated[i] = len(row.resp) > max_response_length or row.hit_max_tokens
+        input_ids[i, p - np_ : p] = torch.tensor(row.prompt)
+        input_ids[i, p : p + nr] = torch.tensor(row.resp[:nr])
+        attention_mask[i, p - np_ : p + nr] = 1
+        mask = torch.tensor(row.mask[:nr], dtype=torch.long)  # (nr,)
+        response_mask[i, :nr] = mask
+        temperatures[i, :nr] = torch.tensor(row.temps[:nr])
+        if logprobs is not None:
+            logprobs[i, :nr] = torch.tensor(row.logp[:nr], dtype=torch.float32) * mask  # type: ignore[index]
+        stats["no_trainable_tokens"] += int(not bool(mask.any()))
+        for span in row.spans:
+            for k, v in (("row", i), ("start", min(span.start, nr)), ("reward", span.reward)):
+                call_cols[k].append(v)
+            call_cols["length"].append(max(0, min(span.start + span.length, nr) - span.start))
+            call_cols["source"].append(span.source)
+            call_attempts.append(attempt)
+    stats["truncated_samples"] = int(truncated.sum())
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
-    rewards = torch.tensor([float(t.reward) for t in kept], dtype=torch.float32)  # type: ignore[arg-type]
+    rewards = torch.tensor([_reward_of(r) for _, r in rows], dtype=torch.float32)  # (B,)
+    longs = {k: torch.tensor(call_cols[k], dtype=torch.long) for k in ("row", "start", "length", "source")}
+    attempt_of_call = torch.tensor(call_attempts, dtype=torch.long)  # (C,)
+    calls = Calls(
+        row=longs["row"],
+        start=longs["start"],
+        length=longs["length"],
+        reward=torch.tensor(call_cols["reward"], dtype=torch.float32),
+        group=group_ids[longs["row"]] if b else torch.zeros(0, dtype=torch.long),
+        attempt=attempt_of_call,
+        attempt_reward=torch.tensor(attempt_rewards, dtype=torch.float32)[attempt_of_call]
+        if b
+        else torch.zeros(0),
+        source=longs["source"],
+    )
     batch = Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -202,9 +424,17 @@ def build_batch(
         group_ids=group_ids,
         prompt_length=p,
         engine_logprobs=logprobs,
-        metadata=[dict(t.metadata) for t in kept],
+        metadata=[r.metadata() for _, r in rows],
+        attempt_ids=attempt_ids,
+        temperatures=temperatures,
+        truncated=truncated,
+        calls=calls,
     )
     return batch, stats
+
+
+def _reward_of(row: _Row) -> float:
+    return float(row.reward) if row.reward is not None else 0.0
 
 
 def merge_trajectory(triplets: Sequence[Triplet]) -> list[Triplet]:
@@ -213,57 +443,27 @@ def merge_trajectory(triplets: Sequence[Triplet]) -> list[Triplet]:
     When call k's prompt starts with the merged sample's prompt + response, the sample's response
     grows by the extra prompt tokens (tool results, chat template: mask 0, logprob 0) and then call k's
     response (its own mask and logprobs). A call that does not extend starts a new sample. The merged
-    reward is the last call's non-None reward; metadata is the first call's updated by the last's.
+    sample's ``reward`` is the last call's non-None reward; every call's own reward and place stay in
+    ``metadata["calls"]`` (``start``, ``length``, ``reward``): the trainer (``build_batch(merge=True)``)
+    gives each call its own return. Metadata is otherwise the first call's updated by the last's.
     """
-    out: list[Triplet] = []
-    cur: dict[str, Any] | None = None
-
-    def close(c: dict[str, Any]) -> None:
-        meta = {**c["first_meta"], **c["last_meta"], "merged_calls": c["calls"]}
-        out.append(
-            Triplet(
-                prompt_ids=c["prompt"],
-                response_ids=c["resp"],
-                response_logprobs=c["logp"],
-                response_mask=c["mask"],
-                reward=c["reward"],
-                metadata=meta,
-            )
-        )
-
     for t in triplets:
         if not isinstance(t, Triplet):
             raise TypeError(f"merge_trajectory takes agentloop.types.Triplet objects, got {type(t).__name__}")
-        mask = list(t.response_mask or [1] * len(t.response_ids))
-        logp = None
-        if t.response_logprobs is not None:
-            logp = [lp if m else 0.0 for lp, m in zip(t.response_logprobs, mask, strict=True)]
-        if cur is not None:
-            full = cur["prompt"] + cur["resp"]
-            if t.prompt_ids[: len(full)] == full:
-                extra = t.prompt_ids[len(full) :]
-                cur["resp"] = cur["resp"] + extra + list(t.response_ids)
-                cur["mask"] = cur["mask"] + [0] * len(extra) + mask
-                cur["logp"] = (
-                    None if cur["logp"] is None or logp is None else cur["logp"] + [0.0] * len(extra) + logp
-                )
-                cur["reward"] = t.reward if t.reward is not None else cur["reward"]
-                cur["last_meta"] = t.metadata
-                cur["calls"] += 1
-                continue
-            close(cur)
-        cur = {
-            "prompt": list(t.prompt_ids),
-            "resp": list(t.response_ids),
-            "mask": mask,
-            "logp": logp,
-            "reward": t.reward,
-            "first_meta": t.metadata,
-            "last_meta": t.metadata,
-            "calls": 1,
-        }
-    if cur is not None:
-        close(cur)
+    out: list[Triplet] = []
+    for row in _rows(list(enumerate(triplets)), merge=True, default_temperature=1.0):
+        meta = {**row.metadata(), "merged_calls": len(row.spans)}
+        meta["calls"] = [{"start": s.start, "length": s.length, "reward": s.reward} for s in row.spans]
+        out.append(
+            Triplet(
+                prompt_ids=row.prompt,
+                response_ids=row.resp,
+                response_logprobs=row.logp,
+                response_mask=row.mask,
+                reward=row.reward,
+                metadata=meta,
+            )
+        )
     return out
 
 
@@ -295,6 +495,21 @@ def split_by_token_budget(batch: Batch, max_tokens: int, *, padded: bool = False
     if cur:
         groups.append(cur)
     return [batch.select(g) for g in groups]
+
+
+def split_by_groups(batch: Batch, groups_per_mini_batch: int) -> list[Batch]:
+    """Mini-batches holding the rows of ``groups_per_mini_batch`` whole groups each (in order of first
+    appearance): a task's attempts, however many calls they made, always train in one mini-batch."""
+    if groups_per_mini_batch < 1:
+        raise ValueError(f"groups per mini-batch must be >= 1, got {groups_per_mini_batch}")
+    order = list(dict.fromkeys(batch.group_ids.tolist()))  # note: CPU-GPU sync on a GPU batch
+    rows_of: dict[int, list[int]] = {}
+    for i, g in enumerate(batch.group_ids.tolist()):
+        rows_of.setdefault(g, []).append(i)
+    out = []
+    for s in range(0, len(order), groups_per_mini_batch):
+        out.append(batch.select([i for g in order[s : s + groups_per_mini_batch] for i in rows_of[g]]))
+    return out
 
 
 def split_mini_batches(batch: Batch, size: int) -> list[Batch]:

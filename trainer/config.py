@@ -22,9 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentloop.errors import ConfigError
 from trainer.algorithms import GROUP_ESTIMATORS, known_adv_estimators, known_policy_losses
+from trainer.rollout_correction import RolloutCorrectionConfig
 
 KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "attempt-mean-token-mean"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
@@ -58,6 +59,14 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLCtrlConfig = Field(default_factory=KLCtrlConfig, description="KL-in-reward coefficient.")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount for reinforce_plus_plus and gae.")
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="Truncated importance sampling and rejection masks against the engine's log-probs.",
+    )
+    overlong_filter: bool = Field(
+        default=False,
+        description="Mask the loss of truncated samples but keep them in group statistics (DAPO).",
+    )
 
     @field_validator("adv_estimator")
     @classmethod
@@ -75,10 +84,10 @@ class DataConfig(_Section):
         default=8, ge=1, description="Prompts per training step (each gives rollout.n samples)."
     )
     max_prompt_length: int = Field(
-        default=1024, ge=1, description="Longer prompts are dropped (and counted)."
+        default=1024, ge=1, description="An attempt with a longer prompt leaves the batch whole (counted)."
     )
     max_response_length: int = Field(
-        default=1024, ge=1, description="Longer responses are dropped; max_tokens per call."
+        default=1024, ge=1, description="Longer samples are truncated (kept, flagged); max_tokens per call."
     )
 
 
@@ -361,12 +370,30 @@ class TrainerConfig(_Section):
                 f"by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})"
             )
         est = self.algorithm.adv_estimator
+        if est == "gae":
+            raise ValueError(
+                "algorithm.adv_estimator='gae' needs a value model (critic) to estimate values, and this "
+                "trainer has none yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline"
+            )
         if est in GROUP_ESTIMATORS and n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={est!r} compares the responses to one prompt: "
                 f"actor_rollout_ref.rollout.n must be >= 2, got {n}"
             )
         return self
+
+    def rollout_is_level(self) -> str | None:
+        """The rollout correction's IS level after resolving ``auto``: token-level truncated IS whenever
+        the policy that sampled can differ from the one the PPO ratio starts at (a vLLM engine, a
+        batch that may lag the weights, or the engine's log-probs taken as old log-probs)."""
+        level = self.algorithm.rollout_correction.rollout_is
+        if level != "auto":
+            return level
+        rollout, actor = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor
+        off_policy = (
+            rollout.engine_backend == "vllm" or rollout.max_staleness > 0 or actor.use_engine_logprobs
+        )
+        return "token" if off_policy else None
 
     # ------------------------------------------------------------ constructors
 

@@ -114,6 +114,7 @@ class ShardedActor(Actor):
                 use_cache=False,
             )
             logits = out.logits[:, :-1]  # (b, R, V): positions p-1 .. p+r-2
+        logits = logits.float() / mb.logit_temperatures()[:, :r, None]  # the sampling policy's logits
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R)
         return logprobs, (entropy_from_logits(logits) if entropy else None)
 

@@ -39,7 +39,7 @@ from agentloop.runner import Runner, _as_agent
 from agentloop.store.base import Store
 from agentloop.types import Reward, RolloutConfig, RolloutStatus, Triplet
 from trainer.actor import Actor, resolve_device
-from trainer.batch import build_batch, merge_trajectory
+from trainer.batch import build_batch
 from trainer.checkpoint import CheckpointManager, DataCursor
 from trainer.config import TrainerConfig, engine_kwargs
 from trainer.metrics import MetricsLogger, plot_curves
@@ -266,28 +266,26 @@ class Trainer:
         wait_s = time.perf_counter() - t_wait
         adapted = await triplets_for_rollouts(store, pending.rollout_ids, cfg.adapter.credit_assignment)
         triplets = adapted.triplets
-        if cfg.adapter.trajectory:
-            triplets = _merge_by_attempt(triplets)
         batch, batch_stats = build_batch(
             triplets,
             max_prompt_length=cfg.data.max_prompt_length,
             max_response_length=cfg.data.max_response_length,
             pad_token_id=_pad_id(engine),
+            merge=cfg.adapter.trajectory,
+            default_temperature=cfg.actor_rollout_ref.rollout.temperature,
         )
         metrics: dict[str, float] = {
             "rollout/succeeded": float(sum(r.status is RolloutStatus.SUCCEEDED for r in finished)),
             "rollout/failed": float(sum(r.status is not RolloutStatus.SUCCEEDED for r in finished)),
             "rollout/calls_without_ids": float(adapted.stats.calls_without_ids),
             "batch/samples": float(batch_stats["num_samples"]),
+            "batch/attempts": float(batch_stats["num_attempts"]),
+            "batch/truncated_samples": float(batch_stats["truncated_samples"]),
             **{f"batch/{k}": float(v) for k, v in batch_stats.items() if k.startswith("dropped")},
             "timing/rollout_s": rollout_s,
             "timing/wait_s": wait_s,
         }
-        rewards = [t.reward for t in triplets if t.reward is not None]
-        if rewards:
-            rt = torch.tensor(rewards)
-            metrics["reward/mean"], metrics["reward/std"] = float(rt.mean()), float(rt.std(unbiased=False))
-            metrics["response/length_mean"] = sum(len(t.response_ids) for t in triplets) / len(triplets)
+        metrics.update(_attempt_metrics(triplets))
         versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]
         if versions:
             metrics["rollout/staleness_max"] = float(engine.weights_version - min(versions))
@@ -421,11 +419,26 @@ async def _cancel_quietly(store: Store, rollout_id: str) -> None:
         pass
 
 
-def _merge_by_attempt(triplets: list[Triplet]) -> list[Triplet]:
-    by_attempt: dict[str, list[Triplet]] = {}
-    for t in triplets:
-        by_attempt.setdefault(str(t.metadata.get("attempt_id")), []).append(t)
-    return [m for group in by_attempt.values() for m in merge_trajectory(group)]
+def _attempt_metrics(triplets: list[Triplet]) -> dict[str, float]:
+    """Reward per attempt (each attempt once, whatever its number of calls), calls per attempt and
+    response length per call."""
+    rewards: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for i, t in enumerate(triplets):
+        key = str(t.metadata.get("attempt_id", f"triplet:{i}"))
+        calls[key] = calls.get(key, 0) + 1
+        total = t.metadata.get("attempt_reward", t.reward)
+        if total is not None:
+            rewards[key] = float(total)
+    if not rewards:
+        return {}
+    rt = torch.tensor(list(rewards.values()))
+    return {
+        "reward/mean": float(rt.mean()),
+        "reward/std": float(rt.std(unbiased=False)),
+        "rollout/calls_per_attempt": sum(calls.values()) / len(calls),
+        "response/length_mean": sum(len(t.response_ids) for t in triplets) / len(triplets),
+    }
 
 
 def _pad_id(engine: Any) -> int:

@@ -47,21 +47,30 @@ def test_response_logprobs_match_the_full_forward(tiny_model_dir: Path) -> None:
 
 
 def test_trainer_logprobs_equal_the_engines(tiny_model_dir: Path) -> None:
-    """The engine's logprob (log-softmax of raw logits at the sampled token) is what the trainer computes."""
+    """The engine's logprob (log-softmax of logits / T at the sampled token) is what the trainer computes
+    at the temperature the call recorded (the adapter copies it into the triplet's metadata)."""
 
     async def generate() -> tuple[list[int], list[int], list[float]]:
         engine = TorchEngine(tiny_model_dir, device="cpu")
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi there"}], add_generation_prompt=True, return_dict=False
         )
-        out = await engine.generate(list(prompt), SamplingParams(temperature=0.8, max_tokens=8, seed=3))
+        out = await engine.generate(list(prompt), SamplingParams(temperature=0.7, max_tokens=8, seed=3))
         await engine.stop()
         return list(prompt), out.token_ids, out.logprobs or []
 
     prompt, response, engine_logprobs = anyio.run(generate)
     actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
     batch, _ = build_batch(
-        [Triplet(prompt_ids=prompt, response_ids=response, response_logprobs=engine_logprobs, reward=1.0)],
+        [
+            Triplet(
+                prompt_ids=prompt,
+                response_ids=response,
+                response_logprobs=engine_logprobs,
+                reward=1.0,
+                metadata={"temperature": 0.7},
+            )
+        ],
         max_prompt_length=64,
         max_response_length=16,
     )

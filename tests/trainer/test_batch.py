@@ -65,36 +65,47 @@ def test_groups_by_explicit_group_id_else_input_else_alone() -> None:
     assert stats["ungrouped"] == 2
 
 
-def test_bad_samples_are_dropped_and_counted_never_raised() -> None:
+def test_unusable_attempts_leave_whole_and_long_responses_are_truncated() -> None:
+    def of(attempt: str, *args: object, **kw: object) -> Triplet:
+        return trip(*args, metadata={"rollout_id": "r", "attempt_id": attempt, "input": "q"}, **kw)  # type: ignore[arg-type]
+
     triplets = [
-        trip([1, 2, 3, 4, 5], [6]),  # prompt too long
-        trip([1], [2, 3, 4, 5, 6]),  # response too long
-        trip([], [2]),  # empty prompt
-        trip([1], []),  # empty response
-        trip([1], [2, 3], response_mask=[0, 0]),  # nothing the model produced
-        trip([1], [2], reward=None),  # no reward
-        trip([7, 8], [9], 0.25),  # the one good sample
+        of("a", [1], [2], 1.0),
+        of("a", [1, 2, 3, 4, 5], [6], 1.0),  # prompt too long: the whole attempt "a" leaves
+        of("b", [1], [2, 3, 4, 5, 6], 0.5, response_logprobs=[-1.0] * 5),  # response too long: truncated
+        of("c", [], [2]),  # empty prompt
+        of("d", [1], [2], reward=None),  # no reward
+        of("e", [1], [2, 3], response_mask=[0, 0]),  # nothing the model produced: kept, trains nothing
+        trip([7, 8], [9], 0.25, metadata={"finish_reason": "length"}),  # stopped by max_tokens: flagged
     ]
     batch, stats = build_batch(triplets, max_prompt_length=4, max_response_length=4)
-    assert len(batch) == 1 and batch.input_ids.tolist() == [[7, 8, 9]] and batch.rewards.tolist() == [0.25]
+    assert batch.responses.tolist() == [[2, 3, 4, 5], [2, 3, 0, 0], [9, 0, 0, 0]]
+    assert batch.truncated is not None and batch.truncated.tolist() == [True, False, True]
+    assert batch.rewards.tolist() == [0.5, 1.0, 0.25]
+    assert batch.engine_logprobs is None  # not every sample had logprobs
     assert stats == {
         "num_triplets": 7,
-        "num_samples": 1,
-        "dropped_prompt_too_long": 1,
-        "dropped_response_too_long": 1,
-        "dropped_empty": 2,
-        "dropped_no_trainable_tokens": 1,
-        "dropped_no_reward": 1,
+        "num_samples": 3,
+        "num_attempts": 3,
+        "dropped_attempts_prompt_too_long": 1,
+        "dropped_attempts_empty": 1,
+        "dropped_attempts_no_reward": 1,
+        "dropped_calls": 4,
+        "truncated_samples": 2,
+        "no_trainable_tokens": 1,
         "ungrouped": 1,
     }
-    assert batch.engine_logprobs is None  # the sample had no logprobs
+    assert batch.calls is not None and batch.calls.source.tolist() == [2, 5, 6]
+    assert batch.calls.length.tolist() == [4, 2, 1]  # the truncated call keeps its first 4 tokens
 
 
 def test_empty_batch_raises_only_when_asked() -> None:
     batch, stats = build_batch([trip([1, 2, 3], [4])], max_prompt_length=2, max_response_length=2)
-    assert len(batch) == 0 and batch.input_ids.shape == (0, 0) and stats["dropped_prompt_too_long"] == 1
+    assert len(batch) == 0 and batch.input_ids.shape == (0, 0)
+    assert stats["dropped_attempts_prompt_too_long"] == 1
     with pytest.raises(
-        EmptyBatchError, match=r"no usable training sample out of 1 triplets \(dropped: dropped_prompt"
+        EmptyBatchError,
+        match=r"no usable training sample out of 1 triplets \(dropped: dropped_attempts_prompt",
     ):
         build_batch([trip([1, 2, 3], [4])], max_prompt_length=2, max_response_length=2, require_nonempty=True)
     with pytest.raises(EmptyBatchError, match=r"out of 0 triplets .*did the agent call the LLM") as e:
@@ -141,7 +152,9 @@ def test_merge_trajectory_masks_the_tokens_the_model_did_not_produce() -> None:
     assert first.response_mask == [1, 1, 0, 0, 1, 0, 1]
     assert first.response_logprobs == [-0.3, -0.4, 0.0, 0.0, -0.7, 0.0, -0.1]
     assert first.reward == 1.0  # the last reward that was not None
-    assert first.metadata == {"call": 2, "input": "x", "merged_calls": 3}
+    calls_meta = [{"start": 0, "length": 2, "reward": 0.0}, {"start": 4, "length": 2, "reward": 1.0}]
+    calls_meta.append({"start": 6, "length": 1, "reward": 0.0})
+    assert first.metadata == {"call": 2, "input": "x", "merged_calls": 3, "calls": calls_meta}
     assert (second.prompt_ids, second.response_ids, second.reward) == ([9, 9], [11], 0.5)
     assert second.metadata["merged_calls"] == 1
 

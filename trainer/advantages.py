@@ -1,0 +1,105 @@
+"""Advantages of a batch, computed per LLM call with each attempt voting once, and the public seam.
+
+A batch row is a call, or several calls of one attempt merged (``adapter.trajectory``). Advantages
+are computed on the calls (``Batch.calls``): each call's return (the adapter's credit assignment) is
+placed on its last token, the registered estimator runs with ``index`` = the task group,
+``attempt_index`` = the attempt and ``attempt_scores`` = the attempt's total reward, so an attempt
+that made five calls counts once in its group's mean and std, and a merged row's tokens get exactly
+what its calls would get unmerged. The per-call advantages are then scattered back into the rows.
+
+``sample_advantages(triplets, config)`` runs the same code on triplets, without a model, so users
+and tests can see what each sample will learn before training on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from agentloop.errors import ConfigError
+from agentloop.types import Triplet
+from trainer.algorithms import compute_advantage, scores_to_token_rewards
+from trainer.batch import Batch, build_batch
+from trainer.config import TrainerConfig
+
+
+def batch_advantages(batch: Batch, config: TrainerConfig, kl: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, R) advantages of ``batch`` (0 on masked tokens); ``kl`` (B, R): per-token KL subtracted
+    from the rewards with ``algorithm.kl_ctrl.kl_coef`` (``use_kl_in_reward``)."""
+    calls = batch.calls
+    if calls is None:
+        raise ValueError("advantages need the batch build_batch made (a selection has no calls)")
+    mask = batch.response_mask  # (B, R)
+    call_mask, valid = calls.gather(mask)  # (C, L)
+    call_mask = call_mask.bool() & valid
+    rewards = scores_to_token_rewards(calls.reward, call_mask)  # (C, L): the call's return on its last token
+    if kl is not None:
+        call_kl, _ = calls.gather(kl)
+        rewards = rewards - config.algorithm.kl_ctrl.kl_coef * call_kl.masked_fill(~call_mask, 0.0)
+    algo = config.algorithm
+    out = compute_advantage(
+        algo.adv_estimator,
+        rewards,
+        call_mask,
+        index=calls.group,
+        attempt_index=calls.attempt,
+        attempt_scores=calls.attempt_reward,
+        norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+        gamma=algo.gamma,
+        lam=algo.lam,
+    )
+    return calls.scatter(out.advantages, tuple(mask.shape)) * mask  # type: ignore[arg-type]
+
+
+def loss_mask(batch: Batch, config: TrainerConfig) -> torch.Tensor:
+    """(B, R) bool: the tokens the loss trains on; with ``algorithm.overlong_filter`` the truncated
+    samples' tokens are left out (they still count in their group's statistics)."""
+    keep = batch.response_mask.bool()
+    if config.algorithm.overlong_filter and batch.truncated is not None:
+        keep = keep & ~batch.truncated[:, None]
+    return keep
+
+
+def sample_advantages(
+    triplets: Sequence[Triplet], config: TrainerConfig | dict | None = None
+) -> list[float | None]:
+    """The mean advantage over each triplet's trained response tokens, in input order, exactly as the
+    loss would see it (merging, truncation, attempt grouping, overlong filtering as configured).
+
+    None for a triplet that gets no training signal: its attempt left the batch (no reward, a prompt
+    over ``data.max_prompt_length``), or none of its tokens is trained on. Rejection masks need the
+    policy's log-probs and are not applied here; ``use_kl_in_reward`` needs the reference model's and
+    is refused.
+    """
+    cfg = TrainerConfig.from_dict(config)
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError(
+            "sample_advantages cannot apply algorithm.use_kl_in_reward: the KL penalty needs the policy's "
+            "and the reference model's log-probs; set it to false to see the advantages without it"
+        )
+    if isinstance(triplets, str | bytes) or not isinstance(triplets, Sequence):
+        raise TypeError(f"triplets must be a list of agentloop Triplet, got {type(triplets).__name__}")
+    batch, _ = build_batch(
+        list(triplets),
+        max_prompt_length=cfg.data.max_prompt_length,
+        max_response_length=cfg.data.max_response_length,
+        merge=cfg.adapter.trajectory,
+        default_temperature=cfg.actor_rollout_ref.rollout.temperature,
+    )
+    out: list[float | None] = [None] * len(triplets)
+    if len(batch) == 0 or batch.calls is None:
+        return out
+    adv = batch_advantages(batch, cfg)  # (B, R)
+    keep = loss_mask(batch, cfg)
+    call_adv, valid = batch.calls.gather(adv)  # (C, L)
+    call_keep = batch.calls.gather(keep.long())[0].bool() & valid  # (C, L)
+    counts = call_keep.sum(-1)  # (C,)
+    sums = (call_adv * call_keep).sum(-1)  # (C,)
+    for c, source in enumerate(batch.calls.source.tolist()):
+        if int(counts[c]) > 0:
+            out[source] = float(sums[c] / counts[c])
+    return out
+
+
+__all__ = ["batch_advantages", "loss_mask", "sample_advantages"]
