@@ -1,9 +1,24 @@
 """VLLMEngine: vLLM's ``AsyncLLM`` (v1) behind the token-level ``InferenceEngine`` contract.
 
-Token ids in (``TokensPrompt``, no text round trip), token ids and per-token logprobs out. vLLM runs
-with ``logprobs_mode="raw_logprobs"`` so the returned logprob is ``log_softmax(raw logits)[token]``
-before temperature / top-k / top-p, the definition in base.py that the trainer recomputes. Prefix
-caching is on (vLLM caches whole KV blocks, so a next turn reuses the previous turn's prompt and
+Token ids in (``TokensPrompt``, no text round trip), token ids and per-token logprobs out.
+
+Logprobs: base.py wants the sampling policy's, ``log_softmax(logits / T)[token]`` (raw logits when
+``T = 0``; top-k / top-p not renormalised), which the trainer recomputes at each sample's temperature.
+vLLM 0.26 offers four ``logprobs_mode``s (``vllm/config/model.py``): ``raw_*`` are taken before any
+processing (no temperature), ``processed_*`` after temperature AND the top-k / top-p mask
+(``TopKTopPSampler.forward_native`` in ``vllm/v1/sample/ops/topk_topp_sampler.py`` masks, then takes
+``log_softmax``); none stops after temperature. We run ``processed_logprobs``:
+
+- ``top_p == 1`` and ``top_k == 0``: exactly ``log_softmax(logits / T)``; a greedy request is
+  divided by 1 (``Sampler.apply_temperature``), or, in an all-greedy batch, not divided at all,
+  so it gets the raw logits' (``vllm/v1/sample/sampler.py``);
+- ``top_p < 1`` or ``top_k > 0``: renormalised over the kept tokens, i.e. higher than the policy's by
+  ``-log(kept mass)`` (at most ``-log(top_p)`` for top-p alone: 0.105 at 0.9; unbounded for top-k).
+  The first such request logs ``engine.vllm_logprobs_renormalised``. Rollout correction (truncated
+  IS) then sees a bias; sample with top-p/top-k off, or recompute old log-probs in the trainer;
+- ``0 < T < 0.01``: vLLM raises the temperature to 0.01 (and warns), for the token and the logprob.
+
+Prefix caching is on (vLLM caches whole KV blocks, so a next turn reuses the previous turn's prompt and
 response rounded down to the block size). Requests ask for ``FINAL_ONLY`` outputs (one message per
 request). With ``live_stats=True`` a vLLM stat logger keeps per-step counters (generated tokens while
 requests run, decode steps, batch sizes); without it tokens are counted when a request finishes.
@@ -20,6 +35,8 @@ the buffer and calls ``model.load_weights`` (Hugging Face names, fused qkv / gat
 vLLM). ``weight_update_policy="drain"`` pauses the scheduler until in-flight requests finish on the
 old weights (``pause_generation(mode="wait")``); ``"abort"`` ends them at once (finish_reason
 ``"abort"`` with their partial tokens). The prefix cache is cleared with the old weights either way.
+The weights version moves on the engine loop (where each request reads it when it finishes) before
+generation resumes, so a request served by the new weights never carries the old version.
 """
 
 from __future__ import annotations
@@ -191,7 +208,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=enable_sleep_mode,
-            logprobs_mode="raw_logprobs",
+            logprobs_mode="processed_logprobs",  # after temperature (module docstring)
             max_logprobs=1,
             seed=seed,
             generation_config="vllm",
@@ -209,6 +226,7 @@ class VLLMEngine:
         self._stats = collections.Counter[str]()
         self._waiting = 0
         self._weights_version = 0
+        self._warned_renormalised = False
         self.last_update: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public surface
@@ -287,6 +305,8 @@ class VLLMEngine:
             raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
         if rid in self._inflight:
             raise ValueError(f"request_id {rid!r} is already in flight; use a unique id per request")
+        if sampling.logprobs and sampling.temperature > 0 and (sampling.top_p < 1.0 or sampling.top_k > 0):
+            self._warn_renormalised(sampling)
         self._inflight.add(rid)
         try:
             await self.start()
@@ -314,13 +334,12 @@ class VLLMEngine:
         t1 = time.perf_counter()
         payload = pickle.dumps(meta)
         try:
-            await self._on_loop(self._load(payload))
+            version = await self._on_loop(self._load(payload))
         except Exception as exc:
             raise EngineError(f"weight update failed: {type(exc).__name__}: {exc}") from exc
         finally:
             del packed
         t2 = time.perf_counter()
-        self._weights_version += 1
         self.last_update = {
             "pack_s": t1 - t0,
             "load_s": t2 - t1,
@@ -328,8 +347,8 @@ class VLLMEngine:
             "bytes": float(meta["bytes"]),
             "tensors": float(len(meta["names"])),
         }
-        log.info("engine.weights_updated", version=self._weights_version, **self.last_update)
-        return self._weights_version
+        log.info("engine.weights_updated", version=version, **self.last_update)
+        return version
 
     async def sleep(self, level: int = 1) -> None:
         """Free GPU memory (level 1: offload weights, drop KV cache); needs ``enable_sleep_mode``."""
@@ -444,14 +463,36 @@ class VLLMEngine:
             num_cached_prompt_tokens=cached,
         )
 
-    async def _load(self, payload: bytes) -> None:
+    async def _load(self, payload: bytes) -> int:
+        """On the engine loop: pause generation, load the packed weights, bump the version, clear the
+        prefix cache, resume; returns the new version. The bump comes before ``resume_generation``
+        and on this loop, where ``_generate`` reads the version as a request finishes: a request
+        that runs on the new weights cannot be labelled with the old version (bumped after the
+        resume, a fast one could). A request that finished on the old weights reads the version
+        when its final output reaches it: ``pause_generation`` returns once the engine is idle plus
+        20 ms for those outputs to be delivered, and the load is a round trip to the worker after
+        that, so it reads the old one. A failed load leaves the version alone and still resumes."""
         mode = "wait" if self._policy == "drain" else "abort"
         await self._llm.pause_generation(mode=mode, clear_cache=True)
         try:
             await self._llm.collective_rpc("agentloop_load_packed", args=(payload,))
+            self._weights_version += 1  # the weights are in: from now on, requests carry the new version
             await self._llm.reset_prefix_cache()
         finally:
             await self._llm.resume_generation()
+        return self._weights_version
+
+    def _warn_renormalised(self, sampling: SamplingParams) -> None:
+        """Once per engine: a top-p / top-k request gets renormalised logprobs (module docstring)."""
+        if self._warned_renormalised:
+            return
+        self._warned_renormalised = True
+        log.warning(
+            "engine.vllm_logprobs_renormalised", top_p=sampling.top_p, top_k=sampling.top_k,
+            detail="vLLM reports top-p/top-k logprobs renormalised over the kept tokens: higher than "
+            "the sampling policy's log_softmax(logits / T) by -log(kept mass); sample with top_p=1, "
+            "top_k=0 or recompute old log-probs in the trainer",
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
     def _model_dtype(self) -> torch.dtype:
@@ -519,9 +560,15 @@ def logprob_gap(
     }
 
 
-def reference_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
-    """The trainer's view: log-softmax of the model's logits (bf16 autocast on CUDA, as the actor
-    computes them) at each response position, gathered at the response tokens."""
+def reference_logprobs(
+    model: Any, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0
+) -> list[float]:
+    """The trainer's view of the sampling policy (base.py): ``log_softmax(logits / temperature)`` of
+    the model's logits (bf16 autocast on CUDA, as the actor computes them; raw logits when
+    ``temperature`` is 0) at each response position, gathered at the response tokens. Pass the
+    temperature the response was sampled at."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy, raw logits), got {temperature}")
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=device)
     with (
@@ -530,5 +577,8 @@ def reference_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int]) 
     ):
         logits = model(input_ids=ids).logits[0]
     p = len(prompt_ids)
-    lp = logits[p - 1 : -1].float().log_softmax(-1)
+    scores = logits[p - 1 : -1].float()  # (n, V)
+    if temperature > 0:
+        scores = scores / temperature
+    lp = scores.log_softmax(-1)
     return lp.gather(1, torch.tensor(token_ids, device=device)[:, None])[:, 0].tolist()

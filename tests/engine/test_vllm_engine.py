@@ -14,7 +14,7 @@ import torch
 
 from agentloop.engine.base import SamplingParams
 from agentloop.errors import EngineError
-from tests.engine.conftest import VLLM_SKIP_REASON, vllm_available
+from tests.engine.conftest import VLLM_SKIP_REASON, policy_logprobs, vllm_available
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason=VLLM_SKIP_REASON)
@@ -45,8 +45,8 @@ def test_logprob_gap_values() -> None:
 async def test_reference_logprobs_match_the_torch_engine(
     tiny_model_dir: Path, chat_prompt: list[int]
 ) -> None:
-    """The trainer-side reference (what the gap is measured against) agrees with an engine's raw-logit
-    logprobs to fp32 rounding on CPU."""
+    """The trainer-side reference (what the gap is measured against) at the sampling temperature
+    agrees with an engine's logprobs (the sampling policy's, base.py) to fp32 rounding on CPU."""
     from transformers import AutoModelForCausalLM
 
     from agentloop.engine.torch_engine import TorchEngine
@@ -59,9 +59,71 @@ async def test_reference_logprobs_match_the_torch_engine(
     finally:
         await eng.stop()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    ref = reference_logprobs(model, chat_prompt, out.token_ids)
+    ref = reference_logprobs(model, chat_prompt, out.token_ids, temperature=1.2)
+    _, tol = policy_logprobs(model, chat_prompt, out.token_ids, 1.2)  # fp32 rounding: see there
     assert out.logprobs is not None
-    assert logprob_gap(out.logprobs, ref)["max_abs"] < 1e-4
+    assert logprob_gap(out.logprobs, ref)["max_abs"] <= float(tol.min())
+    at_one = reference_logprobs(model, chat_prompt, out.token_ids)  # the default: temperature 1
+    assert logprob_gap(out.logprobs, at_one)["max_abs"] > 10 * float(tol.max())  # T matters
+    raw, _ = policy_logprobs(model, chat_prompt, out.token_ids, 0.0)
+    greedy = reference_logprobs(model, chat_prompt, out.token_ids, temperature=0.0)  # raw logits
+    assert logprob_gap(greedy, raw)["max_abs"] <= float(tol.min())
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        reference_logprobs(model, chat_prompt, out.token_ids, temperature=-1.0)
+
+
+class _FakeAsyncLLM:
+    """The calls ``VLLMEngine._load`` makes on vLLM's AsyncLLM, recorded with the weights version a
+    request would be labelled with at each; a request admitted when generation resumes is at once
+    labelled (as a fast one can be)."""
+
+    def __init__(self, engine: Any, fail_load: bool = False) -> None:
+        self.engine, self.fail_load = engine, fail_load
+        self.calls: list[tuple[str, int]] = []
+
+    def _record(self, name: str) -> None:
+        self.calls.append((name, self.engine.weights_version))
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        assert clear_cache and mode == "wait"
+        self._record("pause")
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[int]:
+        await asyncio.sleep(0)
+        if self.fail_load:
+            raise RuntimeError("worker died")
+        self._record(method)
+        return [1]
+
+    async def reset_prefix_cache(self) -> None:
+        self._record("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        self._record("resume")
+
+
+def _engine_without_vllm() -> Any:
+    """A VLLMEngine holding only the state ``_load`` touches (vLLM cannot start here)."""
+    from agentloop.engine.vllm_engine import VLLMEngine
+
+    eng = object.__new__(VLLMEngine)
+    eng._policy, eng._weights_version = "drain", 3
+    eng._llm = _FakeAsyncLLM(eng)
+    return eng
+
+
+async def test_weights_version_moves_before_generation_resumes() -> None:
+    """A request that starts as generation resumes runs on the new weights, so it must see the new
+    version; a failed load keeps the old one and still resumes generation."""
+    eng = _engine_without_vllm()
+    assert await eng._load(b"packed") == 4 == eng.weights_version
+    assert eng._llm.calls == [
+        ("pause", 3), ("agentloop_load_packed", 3), ("reset_prefix_cache", 4), ("resume", 4)
+    ]  # fmt: skip
+    eng._llm = _FakeAsyncLLM(eng, fail_load=True)
+    with pytest.raises(RuntimeError, match="worker died"):
+        await eng._load(b"packed")
+    assert eng.weights_version == 4 and eng._llm.calls == [("pause", 4), ("resume", 4)]
 
 
 def test_lazy_export_and_missing_vllm(tiny_model_dir: Path) -> None:
