@@ -149,7 +149,9 @@ class LLMCall(_Model):
     prompt_ids: list[int] = Field(default_factory=list)
     response_ids: list[int] = Field(default_factory=list)
     response_logprobs: list[float] | None = Field(
-        default=None, description="log-softmax of the raw logits (before temperature) at each sampled token."
+        default=None,
+        description="The sampling policy's log-prob of each sampled token: log_softmax(logits / T), "
+        "raw logits when T = 0, top-p/top-k not renormalised (engine/base.py).",
     )
     messages: list[dict[str, JSON]] = Field(default_factory=list)
     tools: list[dict[str, JSON]] | None = None

@@ -1,9 +1,13 @@
 """The token-level engine contract: token ids in, token ids and logprobs out.
 
-Logprob definition (shared by every engine and by the trainer): the value returned for a sampled
-token is ``log_softmax(logits)[token]`` of the model's raw logits at that position, *before*
-temperature, top-p or top-k are applied. The trainer computes exactly this quantity from its own
-forward pass, so the two can be compared token by token.
+Logprob definition (shared by every engine and by the trainer): the log-prob of the sampling
+policy. For a token sampled at temperature ``T > 0`` it is ``log_softmax(logits / T)[token]`` of the
+model's logits at that position; for a greedy request (``T = 0``) ``log_softmax(logits)[token]`` of
+the raw logits. Top-p / top-k are NOT renormalised (as verl): the value is the same whether or not
+they cut the distribution. The trainer computes old, new and reference log-probs at each sample's
+own recorded temperature from its own forward pass, so the two compare token by token (and feed
+rollout correction). Engines are exact per row: one batch may mix temperatures and greedy rows.
+Where an engine cannot give exactly this (vLLM with top-p / top-k, vllm_engine.py), it says so.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class SamplingParams(BaseModel):
-    """How to sample one response."""
+    """How to sample one response. ``temperature`` also sets the logprobs' distribution:
+    ``log_softmax(logits / temperature)``, raw logits at 0 (module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -36,7 +41,9 @@ class SamplingParams(BaseModel):
 
 
 class TokenOutput(BaseModel):
-    """The engine's answer to one generate call."""
+    """The engine's answer to one generate call. ``logprobs[i]`` is the sampling policy's log-prob
+    of ``token_ids[i]``: ``log_softmax(logits / T)[token]`` at the request's temperature ``T``, raw
+    logits when ``T = 0``, top-p / top-k not renormalised (module docstring); None when not asked for."""
 
     model_config = ConfigDict(frozen=True)
 

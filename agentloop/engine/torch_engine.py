@@ -16,12 +16,15 @@ One engine step (run by a dedicated thread, so the asyncio side never blocks on 
    resolve the caller's future.
 
 Sampling (agentloop.engine._sampling) is batched and batch-invariant: Gumbel-max with noise hashed
-from ``(seed, step, token)``, so no per-request generator and no per-request kernels.
+from ``(seed, step, token)``, so no per-request generator and no per-request kernels. Every path
+(the prefill's first token, eager or CPU-decoder or CUDA-graph decode steps, prompts shared within a
+prefill group) samples through it, so every logprob is the sampling policy's (base.py), per row.
 
 Why not transformers' own continuous batching (``generate_batch`` / ``ContinuousBatchingManager``,
 transformers 5.24): it samples the whole batch with one ``torch.multinomial`` on the global RNG
 (no per-request seed, so a request's tokens depend on its batch-mates), its logprobs are taken
-after temperature/top-p processing (our contract, base.py, wants raw-logit log-softmax), sampling
+after its logits processors, top-p/top-k masks included (renormalised; our contract, base.py, wants
+``log_softmax(logits / T)`` without renormalisation, raw logits for greedy rows), sampling
 settings are per manager rather than per request, and it has no stop strings or abort-with-partial
 output. The model forward itself is transformers' (we pass our own cache object, a 4D mask and
 position ids), except a CPU decode step of a Llama-family model, which agentloop.engine._cpu_decode
