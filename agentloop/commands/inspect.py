@@ -1,7 +1,9 @@
 """``agentloop inspect RUN_DIR``: a table of the run's rollouts and one trajectory in colour.
 
 In the trajectory, the prompt is dim, tokens the model produced (trained, mask 1) are green, and
-tokens it did not produce (tool output, later user turns: mask 0) are yellow.
+tokens it did not produce (tool output, later user turns: mask 0) are yellow. For a training rollout
+each call's advantage is shown as the trainer computed it (``trainer.sample_advantages`` over the
+attempts at the same task in the same step, with the run's config).
 """
 
 from __future__ import annotations
@@ -48,18 +50,48 @@ async def collect(run_dir: Path) -> list[tuple[Rollout, float | None, int]]:
         await store.close()
 
 
-async def trajectory(run_dir: Path, rollout_id: str) -> tuple[list[Triplet], Rollout]:
-    from agentloop.adapter import spans_to_triplets
+async def trajectory(run_dir: Path, rollout_id: str) -> tuple[list[Triplet], Rollout, list[float | None]]:
+    """The rollout's calls merged for display, the rollout, and each call's advantage (None when the
+    trainer would not train on it, or the rollout is not a training rollout)."""
+    from agentloop.adapter import spans_to_triplets, triplets_for_rollouts
     from agentloop.store.sqlite import SQLiteStore
-    from trainer.batch import merge_trajectory  # the CLI is the one place agentloop reaches the trainer
+    from agentloop.types import RolloutStatus
+    from trainer import TrainerConfig, sample_advantages  # the CLI is where agentloop reaches the trainer
+    from trainer.batch import merge_trajectory
 
+    config = _config(run_dir)
     store = SQLiteStore(run_dir / "store.db")
     try:
         rollout = await store.get_rollout(rollout_id)
         spans = await store.query_spans(rollout_id)
+        calls = spans_to_triplets(spans, rollout=rollout).triplets
+        advantages: list[float | None] = [None] * len(calls)
+        if rollout.mode == "train" and rollout.status is RolloutStatus.SUCCEEDED:
+            key = (rollout.metadata.get("step"), rollout.metadata.get("data_index"))
+            group = [
+                r.rollout_id
+                for r in await store.list_rollouts()
+                if r.mode == "train" and (r.metadata.get("step"), r.metadata.get("data_index")) == key
+            ]
+            cfg = TrainerConfig.from_dict(config)
+            adapted = await triplets_for_rollouts(store, group, cfg.adapter.credit_assignment)
+            if not cfg.algorithm.use_kl_in_reward:
+                by_call = dict(
+                    zip(
+                        (
+                            (t.metadata.get("attempt_id"), t.metadata.get("call_index"))
+                            for t in adapted.triplets
+                        ),
+                        sample_advantages(adapted.triplets, cfg),
+                        strict=True,
+                    )
+                )
+                advantages = [
+                    by_call.get((t.metadata.get("attempt_id"), t.metadata.get("call_index"))) for t in calls
+                ]
     finally:
         await store.close()
-    return merge_trajectory(spans_to_triplets(spans, rollout=rollout).triplets), rollout
+    return merge_trajectory(calls), rollout, advantages
 
 
 def render(tokenizer: Any, triplet: Triplet, color: bool) -> str:
@@ -112,15 +144,24 @@ def run(args: argparse.Namespace) -> int:
             f"agentloop inspect: --rollout {chosen!r} matches {len(matches)} rollouts; give more of the id\n"
         )
         return 2
-    triplets, rollout = anyio.run(trajectory, run_dir, matches[0])
+    triplets, rollout, advantages = anyio.run(trajectory, run_dir, matches[0])
     tokenizer = _tokenizer(run_dir)
     w(
         f"\n{BOLD if color else ''}trajectory of {rollout.rollout_id}{RESET if color else ''} "
         f"({len(triplets)} sample(s); green: model tokens, trained; yellow: masked)\n"
     )
+    remaining = list(advantages)
     for t in triplets:
-        w(render(tokenizer, t, color) + f"\n  -> reward {t.reward}\n")
+        n = int(t.metadata.get("merged_calls", 1))
+        mine, remaining = remaining[:n], remaining[n:]
+        shown = ", ".join("-" if a is None else f"{a:+.3f}" for a in mine)
+        w(render(tokenizer, t, color) + f"\n  -> reward {t.reward}; advantage per call: {shown}\n")
     return 0
+
+
+def _config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _tokenizer(run_dir: Path) -> Any:
@@ -128,6 +169,6 @@ def _tokenizer(run_dir: Path) -> Any:
 
     from agentloop.engine.models import resolve_model
 
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    config = _config(run_dir)
     model = config.get("actor_rollout_ref", {}).get("model", {}).get("path", "smollm2-135m-instruct")
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,8 @@ def test_inspect_prints_table_and_trajectory(trained_run: Path) -> None:
     assert "8 rollouts in" in out.stdout
     assert "succeeded" in out.stdout
     assert "[prompt]<|im_start|>" in out.stdout and "[model]" in out.stdout
+    # the advantage the trainer gave the call, from its group (the other attempt at the task, same step)
+    assert re.search(r"-> reward [01]\.0; advantage per call: [+-]\d\.\d{3}", out.stdout), out.stdout
 
 
 def test_train_rejects_bad_config(tmp_path: Path) -> None:
