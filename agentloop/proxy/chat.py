@@ -138,6 +138,7 @@ class ChatTemplate:
         self.stop_token_ids = end_of_turn_ids(tokenizer)
         self.stop_texts = [tokenizer.convert_ids_to_tokens(i) for i in self.stop_token_ids]
         self._pieces = PieceEncoder.for_tokenizer(tokenizer)
+        self._anchor = _anchor_token(tokenizer)
 
     def _for_template(self, messages: Sequence[JSONDict], tools: list[JSONDict] | None) -> list[JSONDict]:
         out = []
@@ -172,10 +173,20 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of template text; special-token text (``<|im_start|>``) becomes its single id."""
+    def encode(self, text: str, *, follows_token: bool = False) -> list[int]:
+        """Token ids of template text; special-token text (``<|im_start|>``) becomes its single id.
+
+        ``follows_token``: ``text`` continues a prompt right after a token already in it (the
+        ledger's delta after ``<|im_end|>``), so it is encoded as the tokenizer encodes text after an
+        added token, not as the start of a string (a Metaspace ``prepend_scheme="first"`` pre-tokenizer
+        adds '▁' only at the start).
+        """
         if self._pieces is not None:
-            return self._pieces.encode(text)
+            return self._pieces.encode(text, follows_token=follows_token)
+        if follows_token and self._anchor is not None and text:
+            ids = list(self.tokenizer.encode(self._anchor[0] + text, add_special_tokens=False))
+            if ids[:1] == [self._anchor[1]]:
+                return ids[1:]
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -183,23 +194,29 @@ class PieceEncoder:
     """Encodes template text piece by piece between added tokens, caching the pieces.
 
     A Hugging Face fast tokenizer cuts added tokens (``<|im_start|>``, ``<|im_end|>``) out of the text
-    before anything else, so encoding the pieces between them separately gives the same ids as
-    encoding the whole text (``for_tokenizer`` refuses tokenizers whose added tokens strip
-    neighbouring whitespace, where that would not hold). Template pieces repeat across requests
-    (system prompts, tool blocks, role headers, a GRPO group's shared prompt), so the cache turns
-    most of the tokenization into dict lookups.
+    before anything else and encodes the pieces between them separately (``for_tokenizer`` refuses
+    tokenizers whose added tokens strip neighbouring whitespace, where that would not hold). Separately,
+    but not alone: each piece keeps its offset in the string, and a Metaspace pre-tokenizer with
+    ``prepend_scheme="first"`` adds '▁' only to the piece at offset 0. So a piece that follows an added
+    token is encoded behind one (``anchor + piece``, the anchor's id dropped), which is exactly how
+    the whole text's encoding sees it, whatever the pre-tokenizer; only a piece at the very start of
+    the text is encoded alone. Template pieces repeat across requests (system prompts, tool blocks,
+    role headers, a GRPO group's shared prompt), so the cache turns most of the tokenization into
+    dict lookups.
     """
 
     MAX_ENTRIES = 8192  # pieces cached; the cache is cleared when full
     MAX_PIECE_CHARS = 8192  # longer pieces are encoded but not cached
 
-    def __init__(self, backend: Any, added: dict[str, int]) -> None:
+    def __init__(self, backend: Any, added: dict[str, int], anchor: str) -> None:
         self._backend = backend
         self._added = added
         self._split = re.compile(
             "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
         )
-        self._cache: dict[str, list[int]] = {}
+        self._anchor, self._anchor_id = anchor, added[anchor]
+        self._cache: dict[str, list[int]] = {}  # pieces that follow an added token
+        self._first_cache: dict[str, list[int]] = {}  # pieces at the start of a text
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> PieceEncoder | None:
@@ -210,27 +227,56 @@ class PieceEncoder:
         tokens = list(decoder.items())
         if any(t.lstrip or t.rstrip or t.single_word or t.normalized for _, t in tokens):
             return None
-        return cls(backend, {t.content: i for i, t in tokens})
+        added = {t.content: i for i, t in tokens}
+        for anchor, tid in added.items():  # an anchor that starts no longer added token, checked once
+            if any(o != anchor and o.startswith(anchor) for o in added):
+                continue
+            if backend.encode(anchor + "a", add_special_tokens=False).ids[:1] == [tid]:
+                return cls(backend, added, anchor)
+        return None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, follows_token: bool = False) -> list[int]:
+        """The ids of ``text``; ``follows_token``: it continues after a token (see ChatTemplate.encode)."""
         out: list[int] = []
-        cache = self._cache
-        for piece in self._split.split(text):
+        for i, piece in enumerate(self._split.split(text)):
             if not piece:
                 continue
             tid = self._added.get(piece)
             if tid is not None:
                 out.append(tid)
                 continue
+            at_start = i == 0 and not follows_token  # the split's first piece is the text's start
+            cache = self._first_cache if at_start else self._cache
             ids = cache.get(piece)
             if ids is None:
-                ids = self._backend.encode(piece, add_special_tokens=False).ids
+                ids = self._encode_piece(piece, at_start)
                 if len(piece) <= self.MAX_PIECE_CHARS:
                     if len(cache) >= self.MAX_ENTRIES:
                         cache.clear()
                     cache[piece] = ids
             out.extend(ids)
         return out
+
+    def _encode_piece(self, piece: str, at_start: bool) -> list[int]:
+        if at_start:
+            return list(self._backend.encode(piece, add_special_tokens=False).ids)
+        ids = self._backend.encode(self._anchor + piece, add_special_tokens=False).ids
+        if ids[:1] != [self._anchor_id]:  # pragma: no cover - for_tokenizer picks an anchor no piece extends
+            raise RuntimeError(f"added token {self._anchor!r} did not encode to its own id first: {ids[:3]}")
+        return list(ids[1:])
+
+
+def _anchor_token(tokenizer: Any) -> tuple[str, int] | None:
+    """An added token that is cut out of any text exactly as written and leaves its neighbours alone
+    (no rstrip, not matched on normalized text, not single-word): text after it encodes as text after
+    a token. None when the tokenizer has none."""
+    tokens = sorted((getattr(tokenizer, "added_tokens_decoder", None) or {}).items())
+    for tid, token in tokens:
+        if token.rstrip or token.normalized or token.single_word:
+            continue
+        if not any(o.content != token.content and o.content.startswith(token.content) for _, o in tokens):
+            return token.content, tid
+    return None
 
 
 def tool_dicts(tools: list[ToolSpec] | None) -> list[JSONDict] | None:

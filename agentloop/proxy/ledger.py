@@ -201,7 +201,7 @@ def _delta(
     if pos < 0:
         return fallback(f"the template does not close the assistant turn of call {e.call_index} with {eot!r}")
     closing = segment[pos + len(eot) :] if ended_on_eot else segment[pos:]
-    delta_ids = template.encode(closing + full[len(base) :])
+    delta_ids = template.encode(closing + full[len(base) :], follows_token=True)
     return PromptPlan(
         prompt_ids=e.prompt_ids + e.response_ids + delta_ids,
         prompt_text=full,
