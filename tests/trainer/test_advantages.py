@@ -168,3 +168,11 @@ def test_batch_advantages_needs_the_built_batch() -> None:
     batch, _ = build_batch(attempt("a", [1.0]), max_prompt_length=8, max_response_length=8)
     with pytest.raises(ValueError, match="a selection has no calls"):
         batch_advantages(batch.select([0]), TrainerConfig())
+
+
+def test_reward_mean_is_per_attempt_not_per_call() -> None:
+    from trainer.ray_trainer import _attempt_metrics
+
+    triplets = attempt("a", [1.0] * 5) + attempt("b", [0.0])  # per call the mean would be 5 / 6
+    metrics = _attempt_metrics(triplets)
+    assert metrics["reward/mean"] == 0.5 and metrics["rollout/calls_per_attempt"] == 3.0
