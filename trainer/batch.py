@@ -338,22 +338,24 @@ def build_batch(
     rows: list[tuple[int, _Row]] = []  # (attempt number, row)
     attempt_rewards: list[float] = []
     group_keys: list[str] = []
-    for calls in attempts.values():
-        reasons = [r for _, t in calls if (r := _unusable(t, max_prompt_length)) is not None]
+    for attempt_calls in attempts.values():
+        reasons = [r for _, t in attempt_calls if (r := _unusable(t, max_prompt_length)) is not None]
         if reasons:
             stats[reasons[0]] += 1
-            stats["dropped_calls"] += len(calls)
+            stats["dropped_calls"] += len(attempt_calls)
             continue
         number = len(attempt_rewards)
-        first = calls[0][1].metadata
+        first = attempt_calls[0][1].metadata
         total = first.get("attempt_reward")
-        attempt_rewards.append(float(total) if isinstance(total, int | float) else _reward(calls[-1][1]))
+        attempt_rewards.append(
+            float(total) if isinstance(total, int | float) else _reward(attempt_calls[-1][1])
+        )
         key = _group_key(first)
         if key is None:
             stats["ungrouped"] += 1
             key = f"attempt:{number}"
         group_keys.append(key)
-        rows.extend((number, row) for row in _rows(calls, merge, default_temperature))
+        rows.extend((number, row) for row in _rows(attempt_calls, merge, default_temperature))
     stats["num_samples"], stats["num_attempts"] = len(rows), len(attempt_rewards)
     dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
     if dropped:
