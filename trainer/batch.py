@@ -116,7 +116,8 @@ class Batch:
         """(B, R) what each token's logits are divided by: its sampling temperature, 1 for greedy (T=0)."""
         if self.temperatures is None:
             return torch.ones(self.response_mask.shape, dtype=torch.float32, device=self.input_ids.device)
-        return torch.where(self.temperatures > 0, self.temperatures, 1.0)
+        # the engines' floor: 0 < T < 1e-5 samples (and reports log-probs) as T = 1e-5
+        return torch.where(self.temperatures > 0, self.temperatures.clamp(min=1e-5), 1.0)
 
     def to(self, device: torch.device | str) -> Batch:
         def move(t: torch.Tensor | None) -> Any:
