@@ -102,8 +102,8 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir: Path, ray_local: No
         same_sign = lr * adam_eps * noise / ((g + adam_eps) * (g - noise + adam_eps))
         bound = torch.where(g > noise, same_sign.clamp(max=2 * lr), 2 * lr) + rounding
         excess = (got[k] - expected[k]).abs() - bound
-        i = int(excess.argmax())
-        assert float(excess.max()) <= 0, (
+        i, worst = int(excess.argmax()), float(excess.max())
+        assert worst <= 0, (
             f"{k}: 2 ranks {got[k].flatten()[i]} vs 1 rank {expected[k].flatten()[i]} (bound {bound.flatten()[i]})"
         )
     # entropy (4.35): per-token error <= eps * M * (M + log2 V) ~ 4e-4 at logit scale M ~ 50 (see test_actor),
