@@ -44,8 +44,12 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path,
     for way in ("direct", "proxy"):
         assert all(0 < t <= agents * new_tokens for t in result["tokens_per_round"][way])
         assert sum(result["finish_reasons"][way].values()) == agents * reps
-    loss = 1 - result["proxy_tokens_per_s"] / result["direct_tokens_per_s"]
-    assert math.isclose(result["proxy_loss"], loss, abs_tol=1e-3) and result["proxy_loss"] < 1
+    proxy, direct = result["proxy_tokens_per_s"], result["direct_tokens_per_s"]
+    loss = 1 - proxy / direct
+    # both rates are reported rounded to 0.1 tok/s and proxy_loss to 1e-4: 1 - proxy / direct moves by up to
+    # 0.05 * (1 + proxy / direct) / direct + 5e-5 (over 1e-3 below ~100 tok/s: a 2-core CPU makes ~70)
+    loss_tol = 0.05 * (1 + proxy / direct) / direct + 5e-5
+    assert math.isclose(result["proxy_loss"], loss, abs_tol=loss_tol) and result["proxy_loss"] < 1
     assert result["workload"]["stop_token_ids"]  # the chat template's stop ids, replayed in the direct calls
     assert result["workload"]["store"] == "sqlite"
     assert result["weights_versions_recorded"] == [0]  # the proxy recorded the engine's version
