@@ -15,6 +15,7 @@ so no held-out question is ever trained on. Accuracy is strict: the first ``<ans
 the reply must hold exactly a + b; validation decodes greedily and gives no format bonus.
 
 Run it with ``agentloop demo`` (``make demo``); ``run_demo(args)`` is the same from Python.
+``agentloop demo --task tools`` runs the tool-using demo instead (trainer/demo_tools.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,9 +123,30 @@ async def arithmetic_agent(task: dict, llm: al.LLM, rollout: AttemptedRollout) -
 # ---------------------------------------------------------------- the run
 
 
+class _TaskParser(argparse.ArgumentParser):
+    """Hands the command line to the chosen task's parser: ``--task tools`` has its own options
+    and defaults (trainer.demo_tools), every other command line is this demo's."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        peek.add_argument("--task")
+        if peek.parse_known_args(argv)[0].task == "tools":
+            from trainer.demo_tools import build_parser as tools_parser
+
+            return tools_parser().parse_known_args(argv, namespace)
+        return super().parse_known_args(argv, namespace)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The demo's options (``agentloop demo --help``); defaults are the measured CPU recipe."""
-    p = parser or argparse.ArgumentParser(prog="agentloop demo", description=__doc__.splitlines()[0])
+    p = parser or _TaskParser(prog="agentloop demo", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--task", choices=("arithmetic", "tools"), default="arithmetic",
+        help="arithmetic: this demo; tools: ToolAgent with a calculator (demo --task tools --help: its options)",
+    )  # fmt: skip
     p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or HF folder")
     p.add_argument("--name", default=None, help="run folder name under --out (default: demo-<time>)")
     p.add_argument("--out", default="runs", help="parent folder of the run folder")
@@ -261,10 +285,12 @@ def _shutdown_ray() -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The ``agentloop demo`` handler: run, then print before/after accuracy and the run folder."""
-    import sys
-
     from agentloop.logging import configure_logging
 
+    if getattr(args, "task", "arithmetic") == "tools":
+        from trainer.demo_tools import main as tools_main
+
+        return tools_main(args)
     configure_logging(level="WARNING")  # keep the progress bar readable: per-rollout events are INFO
     summary = run_demo(args)
     sys.stdout.write(

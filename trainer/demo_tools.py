@@ -1,0 +1,597 @@
+"""Proof that a tool-using agent learns: GRPO teaches SmolLM2-135M-Instruct to solve problems with a calculator.
+
+MEASUREMENTS_PLACEHOLDER
+
+Run it with ``agentloop demo --task tools``; ``run_tools_demo(args)`` is the same from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import operator
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+import agentloop as al
+from agentloop.resources import Resources
+from agentloop.tool_agent import ToolAgent
+from agentloop.tools import function_tool
+from agentloop.types import AttemptedRollout
+
+log = structlog.get_logger("agentloop.demo_tools")
+
+# ---------------------------------------------------------------- the tool
+
+_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+_MAX_ABS = 10**12  # model output is hostile input: no giant numbers (there is no ** either)
+_MAX_EXPRESSION_CHARS = 200
+
+
+def evaluate(expression: str) -> int | float:
+    """The value of ``expression``: numbers, ``+ - * /``, parentheses and signs; anything else raises."""
+    if len(expression) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression is {len(expression)} characters long, at most {_MAX_EXPRESSION_CHARS}")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression!r}; write numbers with + - * / and ( )") from None
+
+    def ev(node: ast.AST) -> int | float:
+        value: int | float
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, int | float)
+            and not isinstance(node.value, bool)
+        ):
+            value = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            value = -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            value = _OPS[type(node.op)](left, right)
+        else:
+            raise ValueError(f"unsupported {type(node).__name__} in {expression!r}; use + - * / and ( )")
+        if abs(value) > _MAX_ABS:
+            raise ValueError(f"a value in {expression!r} exceeds {_MAX_ABS:.0e}")
+        return value
+
+    return ev(tree.body)
+
+
+def format_number(value: int | float) -> str:
+    """``6.0`` -> ``"6"``, ``2.5`` -> ``"2.5"``, ``1 / 3`` -> ``"0.333333"``."""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:.6g}"
+    return str(value)
+
+
+@function_tool(timeout_s=5.0)
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: e.g. "12 * 7 - 5"
+    """
+    return format_number(evaluate(expression))
+
+
+# ---------------------------------------------------------------- problems
+
+_NAMES = ("Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jon", "Kai", "Lena")
+_ITEMS = ("apples", "pencils", "stamps", "marbles", "books", "coins", "shells", "cards", "eggs", "nails")
+
+
+def _product(r: random.Random) -> tuple[str, int]:
+    a, b = r.randint(12, 999), r.randint(12, 99)
+    return f"What is {a} * {b}?", a * b
+
+
+def _boxes(r: random.Random) -> tuple[str, int]:
+    who, item = r.choice(_NAMES), r.choice(_ITEMS)
+    a, b = r.randint(12, 99), r.randint(12, 99)
+    return f"{who} has {a} boxes with {b} {item} in each box. How many {item} does {who} have?", a * b
+
+
+def _gets_more(r: random.Random) -> tuple[str, int]:
+    who, item = r.choice(_NAMES), r.choice(_ITEMS)
+    a, b = r.randint(120, 999), r.randint(120, 999)
+    return f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have now?", a + b
+
+
+def _times_minus(r: random.Random) -> tuple[str, int]:
+    who, item = r.choice(_NAMES), r.choice(_ITEMS)
+    a, b = r.randint(3, 40), r.randint(6, 60)
+    c = r.randint(1, a * b - 1)
+    return (
+        f"{who} buys {a} boxes of {item} with {b} {item} in each box, then loses {c} of them. "
+        f"How many {item} does {who} have?",
+        a * b - c,
+    )
+
+
+def _share(r: random.Random) -> tuple[str, int]:
+    who, item = r.choice(_NAMES), r.choice(_ITEMS)
+    friends, each, extra = r.randint(2, 12), r.randint(5, 120), r.randint(1, 50)
+    return (
+        f"{who} shares {friends * each} {item} equally among {friends} friends and then gives each "
+        f"friend {extra} more. How many {item} does each friend get in total?",
+        each + extra,
+    )
+
+
+# (kind, level, generator), easy to hard: level 1 is one operation on bare numbers, level 2 one
+# operation in words, level 3 two operations in words. The worked examples use other names and items.
+KINDS: tuple[tuple[str, int, Callable[[random.Random], tuple[str, int]]], ...] = (
+    ("product", 1, _product),
+    ("boxes", 2, _boxes),
+    ("gets_more", 2, _gets_more),
+    ("times_minus", 3, _times_minus),
+    ("share", 3, _share),
+)
+
+
+def make_problems(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` distinct problems ``{question, answer, kind, level}``, the kinds in turn, from ``seed``."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    r = random.Random(seed)
+    seen: set[str] = set()
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        kind, level, gen = KINDS[len(out) % len(KINDS)]
+        question, answer = gen(r)
+        if question not in seen:
+            seen.add(question)
+            out.append({"question": question, "answer": answer, "kind": kind, "level": level})
+    return out
+
+
+def make_datasets(train_size: int, val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out): ``train_size + val_size`` distinct problems shuffled by ``seed`` and split.
+
+    No held-out question is ever trained on; the same seed always gives the same split, and both
+    sets hold every kind in the same proportions (up to shuffling).
+    """
+    if train_size < 1 or val_size < 1:
+        raise ValueError(f"train_size and val_size must be >= 1, got {train_size} and {val_size}")
+    problems = make_problems(train_size + val_size, seed)
+    random.Random(seed).shuffle(problems)
+    return problems[val_size:], problems[:val_size]
+
+
+# ---------------------------------------------------------------- prompt
+
+SYSTEM_PROMPT = (
+    "You are a math assistant. Do not compute in your head: call the calculator tool with the "
+    "expression, then reply with one line 'Answer: <number>' using the number it returned."
+)
+
+
+def _worked_example(index: int, question: str, expression: str, result: str) -> list[dict[str, Any]]:
+    """One solved problem as earlier turns: question, tool call, tool result, final answer."""
+    call_id = f"call_example_{index}"
+    return [
+        {"role": "user", "content": question},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "name": "calculator", "content": result},
+        {"role": "assistant", "content": f"Answer: {result}"},
+    ]
+
+
+# Two solved problems shown before every question (their names and items are not in the data):
+# a bare product and a two-step word problem.
+EXAMPLES: list[dict[str, Any]] = [
+    *_worked_example(1, "What is 23 * 47?", "23 * 47", "1081"),
+    *_worked_example(
+        2,
+        "Mia buys 7 boxes of cups with 14 cups in each box, then breaks 9 of them. "
+        "How many cups does Mia have?",
+        "7 * 14 - 9",
+        "89",
+    ),
+]
+
+
+def task_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation the model sees: system prompt, the worked examples, then the question."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        *EXAMPLES,
+        {"role": "user", "content": task["question"]},
+    ]
+
+
+# ---------------------------------------------------------------- reward
+
+_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)(?![\d.])")
+
+
+def parse_answer(text: str | None) -> int | None:
+    """The integer after the first ``Answer:`` in ``text``, or None (``Answer: 4.5`` is None too)."""
+    match = _ANSWER_RE.search(text or "")
+    return int(match.group(1)) if match else None
+
+
+def well_formed_calls(messages: list[dict[str, Any]]) -> int:
+    """Calculator calls in ``messages`` that the proxy parsed and the tool ran without an error."""
+    return sum(
+        1
+        for m in messages
+        if m.get("role") == "tool"
+        and m.get("name") == "calculator"
+        and not str(m.get("content") or "").startswith("Error")
+    )
+
+
+def score(answer: str | None, gold: int, made_call: bool, call_bonus: float = 0.0) -> float:
+    """1.0 when the final answer is exactly ``gold``; else ``call_bonus`` if a call was well formed."""
+    if parse_answer(answer) == gold:
+        return 1.0
+    return call_bonus if made_call else 0.0
+
+
+# ---------------------------------------------------------------- the agent
+
+# the measured CPU recipe (see the module docstring)
+DEFAULTS: dict[str, Any] = {
+    "steps": 16,
+    "batch_size": 4,
+    "n": 8,
+    "lr": 1e-5,
+    "temperature": 0.8,
+    "train_size": 400,
+    "val_size": 100,
+}
+
+
+@dataclass
+class AgentSettings:
+    """What the agent does per attempt (defaults: the measured CPU recipe)."""
+
+    max_turns: int = 3  # call -> result -> answer is 2; one spare for a retry after a tool error
+    max_tokens: int = 48  # per model call: a tool call is ~30 tokens, "Answer: N" ~6
+    call_bonus: float = 0.1  # train reward for a well-formed call when the answer is wrong
+    max_tool_response_chars: int = 100  # tool errors are short; results are numbers
+    request_timeout_s: float = 180.0  # a reply is <= 48 tokens: a stuck request fails and is retried
+
+
+class CalculatorAgent(al.Agent):
+    """``al.ToolAgent`` with the calculator: sampled (training temperature) when training, greedy
+    and without the call bonus when validating."""
+
+    def __init__(self, settings: AgentSettings | None = None) -> None:
+        self.settings = s = settings or AgentSettings()
+        common: dict[str, Any] = {
+            "max_turns": s.max_turns,
+            "max_tool_response_chars": s.max_tool_response_chars,
+            "request_timeout_s": s.request_timeout_s,
+            "parallel_tool_calls": False,
+        }
+        # training: temperature and top_p come from the trainer's LLM resource
+        self.train_agent = ToolAgent(
+            [calculator], self._train_reward, sampling={"max_tokens": s.max_tokens}, **common
+        )
+        self.val_agent = ToolAgent(
+            [calculator],
+            self._val_reward,
+            sampling={"max_tokens": s.max_tokens, "temperature": 0.0},
+            **common,
+        )
+
+    def _train_reward(
+        self, task: dict[str, Any], answer: str | None, messages: list[dict[str, Any]]
+    ) -> float:
+        made_call = well_formed_calls(messages) > 0
+        return score(answer, int(task["answer"]), made_call, self.settings.call_bonus)
+
+    def _val_reward(self, task: dict[str, Any], answer: str | None) -> float:
+        return score(answer, int(task["answer"]), made_call=False)
+
+    async def rollout(
+        self, task: Any, resources: Resources | None, rollout: AttemptedRollout
+    ) -> float | None:
+        agent = self.train_agent if rollout.mode == "train" else self.val_agent
+        return await agent.rollout({**task, "messages": task_messages(task)}, resources, rollout)
+
+
+# ---------------------------------------------------------------- held-out metrics from the store
+
+
+def validation_metrics(store_path: Path) -> dict[int, dict[str, Any]]:
+    """Per validation step: accuracy, tool-call rate, mean turns and accuracy per level, read from
+    the run's SQLite store (the store is the record: every held-out attempt's spans are in it).
+
+    accuracy: share of held-out questions whose final answer is exactly right (a failed attempt
+    counts as wrong); tool_call_rate: share whose attempt made at least one calculator call that the
+    proxy parsed and the tool ran; mean_turns: model calls per attempt (attempts that finished).
+    """
+    import anyio
+
+    from agentloop.store.sqlite import SQLiteStore
+    from agentloop.types import Log, Reward, RolloutStatus, ToolCall
+
+    async def read() -> dict[int, dict[str, Any]]:
+        store = SQLiteStore(store_path)
+        rows: dict[int, list[dict[str, Any]]] = {}
+        try:
+            for rollout in await store.list_rollouts():
+                if rollout.mode != "val":
+                    continue
+                step = int(rollout.metadata.get("step", 0))  # type: ignore[arg-type]
+                spans = await store.query_spans(rollout.rollout_id, "latest")
+                ok = rollout.status is RolloutStatus.SUCCEEDED
+                finished = [
+                    s.payload.fields
+                    for s in spans
+                    if isinstance(s.payload, Log) and s.payload.message == "tool_agent_finished"
+                ]
+                task = rollout.input if isinstance(rollout.input, dict) else {}
+                rows.setdefault(step, []).append(
+                    {
+                        "correct": ok
+                        and sum(s.payload.value for s in spans if isinstance(s.payload, Reward)) >= 1.0,
+                        "called": any(
+                            isinstance(s.payload, ToolCall) and s.payload.error is None for s in spans
+                        ),
+                        "turns": finished[0].get("turns") if finished else None,
+                        "level": task.get("level"),
+                    }
+                )
+        finally:
+            await store.close()
+        return {step: _summarise(r) for step, r in sorted(rows.items())}
+
+    return anyio.run(read)
+
+
+def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    turns = [r["turns"] for r in rows if isinstance(r["turns"], int)]
+    by_level: dict[str, float] = {}
+    for level in sorted({r["level"] for r in rows if r["level"] is not None}):
+        mine = [r for r in rows if r["level"] == level]
+        by_level[str(level)] = sum(r["correct"] for r in mine) / len(mine)
+    return {
+        "n": len(rows),
+        "accuracy": sum(r["correct"] for r in rows) / len(rows),
+        "tool_call_rate": sum(r["called"] for r in rows) / len(rows),
+        "mean_turns": sum(turns) / len(turns) if turns else 0.0,
+        "accuracy_by_level": by_level,
+    }
+
+
+# ---------------------------------------------------------------- the run
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The tools demo's options (``agentloop demo --task tools --help``); defaults: the CPU recipe."""
+    p = parser or argparse.ArgumentParser(
+        prog="agentloop demo --task tools", description=(__doc__ or "").splitlines()[0]
+    )
+    p.add_argument(
+        "--task", choices=("arithmetic", "tools"), default="tools", help="which demo (this: tools)"
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or HF folder")
+    p.add_argument("--name", default=None, help="run folder name under --out (default: demo-tools-<time>)")
+    p.add_argument("--out", default="runs", help="parent folder of the run folder")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="problems per step")
+    p.add_argument("--n", type=int, default=DEFAULTS["n"], help="attempts per problem (GRPO group)")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
+    p.add_argument(
+        "--temperature", type=float, default=DEFAULTS["temperature"], help="training sampling temperature"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=AgentSettings.max_tokens, help="max tokens per model call"
+    )
+    p.add_argument("--max-turns", type=int, default=AgentSettings.max_turns, help="model calls per attempt")
+    p.add_argument(
+        "--call-bonus", type=float, default=AgentSettings.call_bonus,
+        help="train reward for a well-formed calculator call when the answer is wrong (never in validation)",
+    )  # fmt: skip
+    p.add_argument("--train-size", type=int, default=DEFAULTS["train_size"], help="training problems")
+    p.add_argument("--val-size", type=int, default=DEFAULTS["val_size"], help="held-out problems")
+    p.add_argument("--test-freq", type=int, default=0, help="validate every N steps (0: before/after only)")
+    p.add_argument(
+        "--trajectory", action=argparse.BooleanOptionalAction, default=True,
+        help="one sample per attempt, tool tokens masked (adapter.trajectory); --no-trajectory: one per call",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="data split and sampling seed")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    return p
+
+
+def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
+    """trainer.demo's GRPO recipe, sized for multi-turn attempts (verl keys)."""
+    from trainer.demo import grpo_config
+
+    config = grpo_config(args, run_dir, model_path)
+    # A merged sample's response holds every turn plus the tool turns between them (masked):
+    # per tool turn ~12 template tokens + the result (<= 100 chars). Nothing gets near the cap.
+    config["data"]["max_response_length"] = args.max_turns * args.max_tokens + (args.max_turns - 1) * 64
+    config["data"]["max_prompt_length"] = 1024  # system + tools + examples ~ PROMPT_TOKENS tokens
+    config["adapter"] = {"trajectory": args.trajectory}
+    return config
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for key in ("steps", "batch_size", "n", "max_tokens", "max_turns", "train_size", "val_size"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.n < 2:
+        raise ValueError(f"--n must be >= 2 (GRPO compares the attempts at one problem), got {args.n}")
+    if args.max_turns < 2:
+        raise ValueError(f"--max-turns must be >= 2 (a tool call, then the answer), got {args.max_turns}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not 0.0 <= args.call_bonus < 1.0:
+        raise ValueError(f"--call-bonus must be in [0, 1), got {args.call_bonus}")
+    if args.train_size < args.batch_size:
+        raise ValueError(f"--train-size ({args.train_size}) must be >= --batch-size ({args.batch_size})")
+
+
+def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Train, evaluate before/after, save the final weights and write the report; returns the summary."""
+    import anyio
+
+    from agentloop.engine.models import load_engine, resolve_model
+    from trainer.demo import _mean_timings, _shutdown_ray
+    from trainer.ray_trainer import Trainer
+
+    _check_args(args)
+    t_start = time.perf_counter()
+    run_dir = Path(args.out) / (args.name or time.strftime("demo-tools-%Y%m%d-%H%M%S"))
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"run folder {run_dir} already exists and is not empty; pick another --name")
+    train, val = make_datasets(args.train_size, args.val_size, args.seed)
+    settings = AgentSettings(max_turns=args.max_turns, max_tokens=args.max_tokens, call_bonus=args.call_bonus)
+    agent = CalculatorAgent(settings)
+
+    model_path = str(resolve_model(args.model))
+    engine = load_engine(model_path, device=args.device, max_batch_size=64)
+    t_loaded = time.perf_counter()
+    config = trainer_config(args, run_dir, model_path)
+    result = Trainer(config).fit(agent, train, val, engine=engine)
+    t_trained = time.perf_counter()
+
+    final_dir = run_dir / "final_model"
+    engine.model.save_pretrained(final_dir, safe_serialization=True)  # the engine holds the synced weights
+    engine.tokenizer.save_pretrained(final_dir)
+    anyio.run(engine.stop)
+    _shutdown_ray()
+
+    by_step = validation_metrics(run_dir / "store.db")
+    before, after = by_step[min(by_step)], by_step[max(by_step)]
+    wall_s = time.perf_counter() - t_start
+    summary: dict[str, Any] = {
+        "title": "agentloop demo --task tools",
+        "run_dir": str(run_dir),
+        "model": args.model,
+        "steps": result.steps,
+        # the trainer's own count (reward >= 1 per held-out attempt) is the headline number
+        "accuracy_before": result.val_history[0]["val/success_rate"],
+        "accuracy_after": result.val_history[-1]["val/success_rate"],
+        "tool_call_rate_before": before["tool_call_rate"],
+        "tool_call_rate_after": after["tool_call_rate"],
+        "mean_turns_before": before["mean_turns"],
+        "mean_turns_after": after["mean_turns"],
+        "accuracy_by_level_before": before["accuracy_by_level"],
+        "accuracy_by_level_after": after["accuracy_by_level"],
+        "validations": {str(k): v for k, v in by_step.items()},
+        "val_size": len(val),
+        "train_size": len(train),
+        "wall_s": wall_s,
+        "wall_minutes": wall_s / 60,
+        "load_s": t_loaded - t_start,
+        "fit_s": t_trained - t_loaded,
+        "timing": _mean_timings(result.history),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "command")},
+        "prompt": SYSTEM_PROMPT,
+        "agent": asdict(settings),
+    }
+    summary["accuracy_gain"] = summary["accuracy_after"] - summary["accuracy_before"]
+    write_tools_report(run_dir, summary, result.history, result.val_history)
+    log.info(
+        "demo_tools.done",
+        **{k: summary[k] for k in ("run_dir", "accuracy_before", "accuracy_after", "wall_s")},
+    )
+    return summary
+
+
+def write_tools_report(
+    run_dir: Path,
+    summary: dict[str, Any],
+    history: list[dict[str, float]],
+    val_history: list[dict[str, float]],
+) -> Path:
+    """trainer.report's files (curves.png, summary.json, report.md) with a tool-use table in report.md."""
+    from trainer.report import write_report
+
+    path = write_report(run_dir, summary, history, val_history)
+    rows = [
+        ("held-out accuracy (greedy, exact `Answer: N`)", "accuracy", "{:.1%}"),
+        ("attempts with a well-formed calculator call", "tool_call_rate", "{:.1%}"),
+        ("model calls per attempt", "mean_turns", "{:.2f}"),
+    ]
+    lines = ["", "## Tool use on the held-out problems", "", "| metric | before | after |", "|---|---|---|"]
+    for label, key, fmt in rows:
+        lines.append(
+            f"| {label} | {fmt.format(summary[key + '_before'])} | {fmt.format(summary[key + '_after'])} |"
+        )
+    levels = sorted(set(summary["accuracy_by_level_before"]) | set(summary["accuracy_by_level_after"]))
+    for level in levels:
+        b = summary["accuracy_by_level_before"].get(level, float("nan"))
+        a = summary["accuracy_by_level_after"].get(level, float("nan"))
+        kinds = ", ".join(k for k, lv, _ in KINDS if str(lv) == level)
+        lines.append(f"| accuracy, level {level} ({kinds}) | {b:.1%} | {a:.1%} |")
+    lines += ["", "Worked example shown before every question:", "", "```json"]
+    lines += [json.dumps(m) for m in EXAMPLES]
+    lines += ["```", ""]
+    path.write_text(path.read_text() + "\n".join(lines))
+    return path
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``agentloop demo --task tools`` handler: run, then print before/after and the run folder."""
+    import sys
+
+    from agentloop.logging import configure_logging
+
+    configure_logging(level="WARNING")  # keep the progress bar readable: per-rollout events are INFO
+    s = run_tools_demo(args)
+    sys.stdout.write(
+        f"\nheld-out accuracy ({s['val_size']} problems, greedy, exact 'Answer: N'): "
+        f"{s['accuracy_before']:.1%} before -> {s['accuracy_after']:.1%} after "
+        f"({s['accuracy_gain'] * 100:+.1f} points) in {s['wall_minutes']:.1f} min\n"
+        f"well-formed calculator calls: {s['tool_call_rate_before']:.1%} -> {s['tool_call_rate_after']:.1%}; "
+        f"model calls per attempt: {s['mean_turns_before']:.2f} -> {s['mean_turns_after']:.2f}\n"
+        f"run folder: {s['run_dir']} (report.md, metrics.jsonl, curves.png, final_model/)\n"
+    )
+    return 0
+
+
+__all__ = [
+    "KINDS",
+    "AgentSettings",
+    "CalculatorAgent",
+    "build_parser",
+    "calculator",
+    "evaluate",
+    "format_number",
+    "main",
+    "make_datasets",
+    "make_problems",
+    "parse_answer",
+    "run_tools_demo",
+    "score",
+    "task_messages",
+    "trainer_config",
+    "validation_metrics",
+    "well_formed_calls",
+    "write_tools_report",
+]
