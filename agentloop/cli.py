@@ -32,9 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`agentloop demo [OPTIONS]`: GRPO on an arithmetic agent with SmolLM2 on CPU.
+    """`agentloop demo [--task arithmetic|tools] [OPTIONS]`: GRPO on an agent with SmolLM2 on CPU.
 
-    The options belong to trainer.demo, imported only when the command runs (it pulls in torch).
+    The options belong to trainer.demo (``--task tools``: trainer.demo_tools), imported only when the
+    command runs (it pulls in torch).
     """
 
     def run(args: argparse.Namespace) -> int:
@@ -47,7 +48,8 @@ def _add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "demo",
         add_help=False,
         prefix_chars="\x00",
-        help="train SmolLM2 on arithmetic with GRPO on this CPU (demo --help: its options)",
+        help="train SmolLM2 with GRPO on this CPU: arithmetic, or --task tools (a ToolAgent with a "
+        "calculator); demo --help, demo --task tools --help: their options",
     )
     demo.add_argument("demo_args", nargs="*")
     demo.set_defaults(func=run)

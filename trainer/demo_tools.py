@@ -1,6 +1,63 @@
-"""Proof that a tool-using agent learns: GRPO teaches SmolLM2-135M-Instruct to solve problems with a calculator.
+"""Proof that a tool-using agent learns: GRPO teaches SmolLM2-135M-Instruct to use a calculator tool.
 
-MEASUREMENTS_PLACEHOLDER
+The built-in ``al.ToolAgent`` runs each attempt through the proxy: the model writes a tool call, the
+``calculator`` tool answers, the model writes ``Answer: N`` (two model calls; ``--max-turns 3`` leaves
+one spare for a retry after a tool error). The proxy renders the tool schema into SmolLM2's system
+message in the hermes format (SmolLM2's own template knows no tools) and parses hermes calls,
+``<tool_call>{"name": "calculator", "arguments": {"expression": "23 * 47"}}</tool_call>``, back
+into OpenAI ``tool_calls``; earlier assistant calls in the history are rendered as that same text, so a
+worked example given as earlier turns (user question, assistant tool call, ``tool`` result, assistant
+``Answer: N``) shows the model the exact text the parser accepts. That is the format used here.
+
+Problems, easy to hard (``KINDS``): level 1 ``What is 347 * 86?``; level 2 word problems in the form
+of the worked example (``buys 12 boxes ... with 30 in each box, then loses / finds 7``: a product,
+then a difference or sum); level 3 other two-step forms (``has 420, gets 385 more and then gives away
+97``; ``shares 96 among 8 friends, then gives each 5 more``). All are generated from a seed, shuffled
+and split: the first ``--val-size`` are held out, the rest train, so no held-out question is trained on.
+
+Reward: 1.0 when the first ``Answer: N`` of the final message is exactly the answer. Training only:
+0.1 (``--call-bonus``) for a wrong answer after a well-formed call (parsed by the proxy and run by
+the tool without an error). Validation decodes greedily and gives no bonus; it reports accuracy,
+the share of attempts with a well-formed call and model calls per attempt, before and after.
+
+Measured before building the run (untrained SmolLM2, this 2-core CPU, fp32, 3 turns, 48 tokens a
+call, every kind in equal shares; "call": attempts with a well-formed calculator call; "first set":
+an earlier problem set with one-step word problems, see below; "final": ``KINDS``)::
+
+    prompt                                    problems        decoding          call        exact answer
+    calc_x's system prompt, no example        24, first set   greedy / T 0.8    0% / 0%     0% / 0%
+    + one worked word problem                 40, first set   greedy / T 0.8    45% / 8%    18% / 0%
+    + a worked product and a word problem     40, first set   greedy / T 0.5    75% / 70%   42% / 38%
+      (chosen)                                                T 0.65 / T 0.8    43% / 23%   20% / 5%
+                                              50, final       greedy / T 0.6    88% / 50%   42% / 20%
+    + a word problem and a share problem      40, first set   greedy            68%         28%
+    chosen examples, one-line system prompt   40, first set   greedy / T 0.5    80% / 50%   40% / 30%
+
+Zero-shot the model never calls the tool (it computes in its head, ``808 * 68 = 5448``), so GRPO
+would get no signal. A worked example makes it copy the format; a product example is needed for
+bare products (with only a word-problem example it calls for none of them). Sampling breaks the JSON
+fast (``"type": "function"`` instead of ``"name"`` from the tools block, invented argument names,
+unclosed tags), so training samples at T 0.6, not the arithmetic demo's 0.8: half the attempts make
+a well-formed call and a fifth are right, which gives GRPO groups with mixed rewards. Whenever the
+tool returned the right number the model copied it into ``Answer: N`` (greedy: every time; T 0.6:
+91%), so the final step is learnable; what training has to fix is the call's format and the
+expression. A first problem set with one-step word problems (``has 23 boxes with 86 in each``) was
+dropped: the example's ``- 9`` was copied into them, and RL then learned to drop every third number,
+taking two-step accuracy to 0% (CPU trial, 5 steps: 15% -> 0%; on an H100, one of three seeds:
+30% -> 0%). Every word problem now needs both of its operations.
+
+One sample per attempt (``adapter.trajectory``, the default here): the calls of an attempt are merged
+into one sample, the tool result and template tokens between them masked. Each attempt then votes
+once in its GRPO group whatever the trainer's grouping, and the ~420-token prompt (tools block, two
+examples) is computed once per attempt instead of once per call: the update (~170 tokens/s on this
+CPU) takes 72-94 s of a ~100 s step with 32 merged samples; per-call samples would nearly double it.
+
+The recipe is trainer.demo's (GRPO, lr 1e-5, engine log-probs, 2048-token micro-batches) at T 0.6,
+with 4 problems x 8 attempts a step for 12 steps: ~100 s a step here plus ~90 s per validation of
+100 problems, about 25 minutes. On an H100 (bf16; a check of the design, not this CPU), 12 steps:
+43% -> 67% and 46% -> 78% (seeds 0, 1) at lr 1e-5; +29, +20 and +54 points (seeds 0, 1, 2) at
+lr 2e-5; 24 steps of an earlier problem set at lr 1e-5: 37% -> 75%, with 100% well-formed calls.
+Seeds differ most on level 3, which some runs learn late or not at all within 12 steps.
 
 Run it with ``agentloop demo --task tools``; ``run_tools_demo(args)`` is the same from Python.
 """
@@ -102,18 +159,6 @@ def _product(r: random.Random) -> tuple[str, int]:
     return f"What is {a} * {b}?", a * b
 
 
-def _boxes(r: random.Random) -> tuple[str, int]:
-    who, item = r.choice(_NAMES), r.choice(_ITEMS)
-    a, b = r.randint(12, 99), r.randint(12, 99)
-    return f"{who} has {a} boxes with {b} {item} in each box. How many {item} does {who} have?", a * b
-
-
-def _gets_more(r: random.Random) -> tuple[str, int]:
-    who, item = r.choice(_NAMES), r.choice(_ITEMS)
-    a, b = r.randint(120, 999), r.randint(120, 999)
-    return f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have now?", a + b
-
-
 def _times_minus(r: random.Random) -> tuple[str, int]:
     who, item = r.choice(_NAMES), r.choice(_ITEMS)
     a, b = r.randint(3, 40), r.randint(6, 60)
@@ -122,6 +167,26 @@ def _times_minus(r: random.Random) -> tuple[str, int]:
         f"{who} buys {a} boxes of {item} with {b} {item} in each box, then loses {c} of them. "
         f"How many {item} does {who} have?",
         a * b - c,
+    )
+
+
+def _times_plus(r: random.Random) -> tuple[str, int]:
+    who, item = r.choice(_NAMES), r.choice(_ITEMS)
+    a, b, c = r.randint(3, 40), r.randint(6, 60), r.randint(1, 99)
+    return (
+        f"{who} buys {a} boxes of {item} with {b} {item} in each box, then finds {c} more. "
+        f"How many {item} does {who} have?",
+        a * b + c,
+    )
+
+
+def _plus_minus(r: random.Random) -> tuple[str, int]:
+    who, item = r.choice(_NAMES), r.choice(_ITEMS)
+    a, b = r.randint(100, 999), r.randint(100, 999)
+    c = r.randint(10, a + b - 1)
+    return (
+        f"{who} has {a} {item}, gets {b} more and then gives away {c}. How many {item} does {who} have now?",
+        a + b - c,
     )
 
 
@@ -135,13 +200,16 @@ def _share(r: random.Random) -> tuple[str, int]:
     )
 
 
-# (kind, level, generator), easy to hard: level 1 is one operation on bare numbers, level 2 one
-# operation in words, level 3 two operations in words. The worked examples use other names and items.
+# (kind, level, generator), easy to hard. Level 1: one operation on bare numbers; level 2: two
+# operations in words, in the worked example's form (a product, then a sum or difference); level 3:
+# two operations in other forms. Every word problem has three numbers and needs both operations,
+# so no kind rewards dropping a term that another kind needs. The examples' names and items are
+# not in the data.
 KINDS: tuple[tuple[str, int, Callable[[random.Random], tuple[str, int]]], ...] = (
     ("product", 1, _product),
-    ("boxes", 2, _boxes),
-    ("gets_more", 2, _gets_more),
-    ("times_minus", 3, _times_minus),
+    ("times_minus", 2, _times_minus),
+    ("times_plus", 2, _times_plus),
+    ("plus_minus", 3, _plus_minus),
     ("share", 3, _share),
 )
 
@@ -260,11 +328,11 @@ def score(answer: str | None, gold: int, made_call: bool, call_bonus: float = 0.
 
 # the measured CPU recipe (see the module docstring)
 DEFAULTS: dict[str, Any] = {
-    "steps": 16,
+    "steps": 12,
     "batch_size": 4,
     "n": 8,
     "lr": 1e-5,
-    "temperature": 0.8,
+    "temperature": 0.6,
     "train_size": 400,
     "val_size": 100,
 }
@@ -434,7 +502,7 @@ def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> 
     # A merged sample's response holds every turn plus the tool turns between them (masked):
     # per tool turn ~12 template tokens + the result (<= 100 chars). Nothing gets near the cap.
     config["data"]["max_response_length"] = args.max_turns * args.max_tokens + (args.max_turns - 1) * 64
-    config["data"]["max_prompt_length"] = 1024  # system + tools + examples ~ PROMPT_TOKENS tokens
+    config["data"]["max_prompt_length"] = 1024  # system + tools block + examples: ~420 tokens
     config["adapter"] = {"trajectory": args.trajectory}
     return config
 
