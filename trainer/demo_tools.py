@@ -297,7 +297,7 @@ def task_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- reward
 
-_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)(?![\d.])")
+_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)(?!\d|\.\d)")  # "Answer: 89." counts, "Answer: 89.5" does not
 
 
 def parse_answer(text: str | None) -> int | None:
@@ -307,10 +307,12 @@ def parse_answer(text: str | None) -> int | None:
 
 
 def well_formed_calls(messages: list[dict[str, Any]]) -> int:
-    """Calculator calls in ``messages`` that the proxy parsed and the tool ran without an error."""
+    """Calculator calls after the last user message (the worked examples' calls come before it)
+    that the proxy parsed and the tool ran without an error."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
     return sum(
         1
-        for m in messages
+        for m in messages[users[-1] + 1 if users else 0 :]
         if m.get("role") == "tool"
         and m.get("name") == "calculator"
         and not str(m.get("content") or "").startswith("Error")

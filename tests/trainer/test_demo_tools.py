@@ -78,6 +78,7 @@ def test_datasets_are_deterministic_and_disjoint() -> None:
         ("Answer: 1080 no wait Answer: 1081", True, 0.1),  # the first answer counts
         ("1081", True, 0.1),  # the number without "Answer:" is not an answer
         ("Answer: 1081.5", True, 0.1),
+        ("Answer: 1081.", True, 1.0),  # a full stop is not a decimal
         (None, True, 0.1),  # the loop ended without a final answer (max turns)
     ],
 )
@@ -102,6 +103,10 @@ def test_well_formed_calls_counts_calls_the_tool_ran() -> None:
     ]
     assert well_formed_calls(messages) == 1
     assert well_formed_calls([{"role": "assistant", "content": "<tool_call>{bad</tool_call>"}]) == 0
+    # the worked examples' calls come before the question: they are not the model's
+    prompt = task_messages({"question": "What is 12 * 34?"})
+    assert well_formed_calls(prompt) == 0
+    assert well_formed_calls([*prompt, *messages]) == 1
 
 
 def test_example_tool_call_renders_in_the_format_the_parser_reads(tiny_model_dir: Path) -> None:
