@@ -57,7 +57,9 @@ with 4 problems x 8 attempts a step for 12 steps: ~100 s a step here plus ~90 s 
 100 problems, about 25 minutes. On an H100 (bf16; a check of the design, not this CPU), 12 steps:
 43% -> 67% and 46% -> 78% (seeds 0, 1) at lr 1e-5; +29, +20 and +54 points (seeds 0, 1, 2) at
 lr 2e-5; 24 steps of an earlier problem set at lr 1e-5: 37% -> 75%, with 100% well-formed calls.
-Seeds differ most on level 3, which some runs learn late or not at all within 12 steps.
+Seeds differ most on level 3, which some runs learn late or not at all within 12 steps. (Those runs
+and the first CPU trial gave the 0.1 to every wrong answer, a bug since fixed; a constant for all
+wrong answers leaves GRPO's advantages unchanged, so they trained without a call bonus.)
 
 Run it with ``agentloop demo --task tools``; ``run_tools_demo(args)`` is the same from Python.
 """
@@ -348,7 +350,9 @@ class AgentSettings:
     max_tokens: int = 48  # per model call: a tool call is ~30 tokens, "Answer: N" ~6
     call_bonus: float = 0.1  # train reward for a well-formed call when the answer is wrong
     max_tool_response_chars: int = 100  # tool errors are short; results are numbers
-    request_timeout_s: float = 180.0  # a reply is <= 48 tokens: a stuck request fails and is retried
+    # A reply is <= 48 tokens, but a request can wait behind 63 others' ~450-token prefills: on this
+    # 2-core CPU under other load 180 s failed half of one validation (a held-out attempt gets no retry).
+    request_timeout_s: float = 600.0
 
 
 class CalculatorAgent(al.Agent):
@@ -424,6 +428,7 @@ def validation_metrics(store_path: Path) -> dict[int, dict[str, Any]]:
                 task = rollout.input if isinstance(rollout.input, dict) else {}
                 rows.setdefault(step, []).append(
                     {
+                        "failed": not ok,
                         "correct": ok
                         and sum(s.payload.value for s in spans if isinstance(s.payload, Reward)) >= 1.0,
                         "called": any(
@@ -448,6 +453,7 @@ def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         by_level[str(level)] = sum(r["correct"] for r in mine) / len(mine)
     return {
         "n": len(rows),
+        "failed": sum(r["failed"] for r in rows),  # attempts that errored or timed out (count as wrong)
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
         "tool_call_rate": sum(r["called"] for r in rows) / len(rows),
         "mean_turns": sum(turns) / len(turns) if turns else 0.0,
@@ -572,6 +578,8 @@ def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
         "mean_turns_after": after["mean_turns"],
         "accuracy_by_level_before": before["accuracy_by_level"],
         "accuracy_by_level_after": after["accuracy_by_level"],
+        "val_failed_before": before["failed"],
+        "val_failed_after": after["failed"],
         "validations": {str(k): v for k, v in by_step.items()},
         "val_size": len(val),
         "train_size": len(train),
@@ -613,6 +621,10 @@ def write_tools_report(
         lines.append(
             f"| {label} | {fmt.format(summary[key + '_before'])} | {fmt.format(summary[key + '_after'])} |"
         )
+    lines.append(
+        f"| held-out attempts that failed (timeout, error; counted wrong) | {summary['val_failed_before']} "
+        f"| {summary['val_failed_after']} |"
+    )
     levels = sorted(set(summary["accuracy_by_level_before"]) | set(summary["accuracy_by_level_after"]))
     for level in levels:
         b = summary["accuracy_by_level_before"].get(level, float("nan"))
@@ -634,13 +646,20 @@ def main(args: argparse.Namespace) -> int:
 
     configure_logging(level="WARNING")  # keep the progress bar readable: per-rollout events are INFO
     s = run_tools_demo(args)
+    failed = s["val_failed_before"] + s["val_failed_after"]
     sys.stdout.write(
         f"\nheld-out accuracy ({s['val_size']} problems, greedy, exact 'Answer: N'): "
         f"{s['accuracy_before']:.1%} before -> {s['accuracy_after']:.1%} after "
         f"({s['accuracy_gain'] * 100:+.1f} points) in {s['wall_minutes']:.1f} min\n"
         f"well-formed calculator calls: {s['tool_call_rate_before']:.1%} -> {s['tool_call_rate_after']:.1%}; "
         f"model calls per attempt: {s['mean_turns_before']:.2f} -> {s['mean_turns_after']:.2f}\n"
-        f"run folder: {s['run_dir']} (report.md, metrics.jsonl, curves.png, final_model/)\n"
+        + (
+            f"held-out attempts that failed (counted wrong): {s['val_failed_before']} before, "
+            f"{s['val_failed_after']} after\n"
+            if failed
+            else ""
+        )
+        + f"run folder: {s['run_dir']} (report.md, metrics.jsonl, curves.png, final_model/)\n"
     )
     return 0
 

@@ -199,6 +199,7 @@ def test_one_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path) ->
             assert isinstance(summary[f"{key}_{when}"], float), key
     assert 0.0 <= summary["accuracy_after"] <= 1.0 and 1.0 <= summary["mean_turns_before"] <= 2.0
     assert summary["wall_minutes"] == pytest.approx(summary["wall_s"] / 60)
+    assert summary["val_failed_before"] == summary["val_failed_after"] == 0
     assert sorted(summary["validations"]) == ["0", "1"]
     assert all(v["n"] == 3 for v in summary["validations"].values())
     for name in ("report.md", "curves.png", "summary.json", "metrics.jsonl", "final_model/model.safetensors"):
