@@ -15,8 +15,11 @@ from trainer.config import TrainerConfig
 
 
 def test_package_exports() -> None:
-    assert trainer.__all__ == ["FitResult", "Trainer", "TrainerConfig"]
+    assert trainer.__all__ == ["FitResult", "Trainer", "TrainerConfig", "sample_advantages"]
     assert trainer.TrainerConfig is TrainerConfig
+    from trainer.advantages import sample_advantages
+
+    assert trainer.sample_advantages is sample_advantages
 
 
 def test_defaults_are_valid_and_use_verl_names() -> None:
