@@ -636,7 +636,7 @@ def write_tools_report(
         a = summary["accuracy_by_level_after"].get(level, float("nan"))
         kinds = ", ".join(k for k, lv, _ in KINDS if str(lv) == level)
         lines.append(f"| accuracy, level {level} ({kinds}) | {b:.1%} | {a:.1%} |")
-    lines += ["", "Worked example shown before every question:", "", "```json"]
+    lines += ["", "Worked examples shown before every question (as earlier turns):", "", "```json"]
     lines += [json.dumps(m) for m in EXAMPLES]
     lines += ["```", ""]
     path.write_text(path.read_text() + "\n".join(lines))
