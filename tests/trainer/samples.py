@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from agentloop.types import Triplet
 from trainer.batch import Batch, build_batch
+from trainer.config import TrainerConfig
+
+
+def actor_config(model_dir: Path, **actor: object) -> TrainerConfig:
+    """A CPU config for an Actor on ``model_dir``: 2 prompts x 2 samples, lr 1e-3; ``actor`` overrides."""
+    return TrainerConfig.from_dict(
+        {
+            "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 16},
+            "actor_rollout_ref": {
+                "model": {"path": str(model_dir)},
+                "rollout": {"n": 2},
+                "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 1e-3, "weight_decay": 0.0}, **actor},
+            },
+            "trainer": {"device": "cpu"},
+        }
+    )
 
 
 def small_triplets() -> list[Triplet]:

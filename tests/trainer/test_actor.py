@@ -11,30 +11,15 @@ import torch
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
 from agentloop.types import Triplet
-from tests.trainer.samples import small_batch, small_triplets
+from tests.trainer.samples import actor_config, small_batch, small_triplets
 from trainer.actor import Actor
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import build_batch
-from trainer.config import TrainerConfig
-
-
-def _config(model_dir: Path, **actor: object) -> TrainerConfig:
-    return TrainerConfig.from_dict(
-        {
-            "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 16},
-            "actor_rollout_ref": {
-                "model": {"path": str(model_dir)},
-                "rollout": {"n": 2},
-                "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 1e-3, "weight_decay": 0.0}, **actor},
-            },
-            "trainer": {"device": "cpu"},
-        }
-    )
 
 
 def test_response_logprobs_match_the_full_forward(tiny_model_dir: Path) -> None:
     """The head on response positions only (trainer/head.py) gives the full forward's logprobs and entropy."""
-    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     batch = small_batch()
     p, r = batch.prompt_length, batch.response_length
     full = actor.model(
@@ -67,7 +52,7 @@ def test_trainer_logprobs_equal_the_engines(tiny_model_dir: Path) -> None:
         return list(prompt), out.token_ids, out.logprobs or []
 
     prompt, response, engine_logprobs = anyio.run(generate)
-    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     batch, _ = build_batch(
         [
             Triplet(
@@ -96,7 +81,7 @@ def test_micro_batches_accumulate_to_the_full_batch(tiny_model_dir: Path, agg: s
     weights = []
     for budget in (10_000, 8):  # one micro-batch vs one sample per micro-batch
         actor = Actor(
-            _config(tiny_model_dir, loss_agg_mode=agg, ppo_max_token_len_per_gpu=budget),
+            actor_config(tiny_model_dir, loss_agg_mode=agg, ppo_max_token_len_per_gpu=budget),
             tiny_model_dir,
             "cpu",
         )
@@ -114,7 +99,7 @@ def test_micro_batches_accumulate_to_the_full_batch(tiny_model_dir: Path, agg: s
 
 def test_update_moves_weights_only_with_a_signal(tiny_model_dir: Path) -> None:
     batch = small_batch()
-    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     before = actor.model.lm_head.weight.detach().clone()
     metrics = actor.update(batch)
     assert not torch.equal(before, actor.model.lm_head.weight)
@@ -123,7 +108,7 @@ def test_update_moves_weights_only_with_a_signal(tiny_model_dir: Path) -> None:
 
     flat = [t.model_copy(update={"reward": 1.0}) for t in small_triplets()]  # equal rewards: zero advantage
     batch, _ = build_batch(flat, max_prompt_length=32, max_response_length=16)
-    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     before = actor.model.lm_head.weight.detach().clone()
     metrics = actor.update(batch)
     assert metrics["actor/grad_norm"] == 0.0
@@ -136,7 +121,9 @@ def test_engine_logprobs_are_used_until_their_gap_is_too_large(
 ) -> None:
     """use_engine_logprobs: a probe measures the gap; past engine_logprob_gap_limit the batch is recomputed."""
     actor = Actor(
-        _config(tiny_model_dir, use_engine_logprobs=True, engine_logprob_gap_limit=0.1), tiny_model_dir, "cpu"
+        actor_config(tiny_model_dir, use_engine_logprobs=True, engine_logprob_gap_limit=0.1),
+        tiny_model_dir,
+        "cpu",
     )
     plain = small_batch()
     policy = actor.compute_logprobs(plain)  # what the engine would report with exactly these weights

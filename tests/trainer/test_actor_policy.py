@@ -10,29 +10,15 @@ import torch
 from torch import nn
 
 from agentloop.types import Triplet
+from tests.trainer.samples import actor_config
 from trainer.actor import Actor
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import build_batch
-from trainer.config import TrainerConfig
 
 # fp32 log-softmax over V=49152 logits of magnitude <= ~30 (the tiny model's peaked init): the
 # chunked head and the full forward sum in different orders, each term rounding at ~30 * 2^-24 and
 # the logsumexp over V adding ~log2(V) ~ 16 such roundings: ~3e-5; 2e-4 leaves room for any x86 CPU.
 ATOL = 2e-4
-
-
-def _config(model_dir: Path, **actor: object) -> TrainerConfig:
-    return TrainerConfig.from_dict(
-        {
-            "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 16},
-            "actor_rollout_ref": {
-                "model": {"path": str(model_dir)},
-                "rollout": {"n": 2},
-                "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 1e-3, "weight_decay": 0.0}, **actor},
-            },
-            "trainer": {"device": "cpu"},
-        }
-    )
 
 
 def _mixed_temperature_batch() -> tuple[list[Triplet], list[float]]:
@@ -50,7 +36,7 @@ def _mixed_temperature_batch() -> tuple[list[Triplet], list[float]]:
 
 
 def test_logprobs_and_entropy_are_those_of_each_calls_temperature(tiny_model_dir: Path) -> None:
-    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     assert actor.fused_head  # a Llama's logits are hidden @ head.T: the chunked head path is used
     triplets, temps = _mixed_temperature_batch()
     batch, _ = build_batch(triplets, max_prompt_length=32, max_response_length=16)
@@ -96,7 +82,7 @@ def _tiny(kind: str, path: Path) -> Path:
 @pytest.mark.parametrize(("kind", "shortcut"), [("granite", False), ("qwen2", True)])
 def test_lm_head_shortcut_only_where_it_equals_the_forward(kind: str, shortcut: bool, tmp_path: Path) -> None:
     model_dir = _tiny(kind, tmp_path / kind)
-    actor = Actor(_config(model_dir), model_dir, "cpu")
+    actor = Actor(actor_config(model_dir), model_dir, "cpu")
     assert actor.fused_head is shortcut
     triplets = [
         Triplet(prompt_ids=[3, 4, 5], response_ids=[6, 7, 8], reward=1.0, metadata={"temperature": 0.7})
@@ -112,7 +98,7 @@ def test_lm_head_shortcut_only_where_it_equals_the_forward(kind: str, shortcut: 
 def test_clip_frac_and_approx_kl_average_over_the_tokens_that_trained(tiny_model_dir: Path) -> None:
     """Old log-probs 0.1 above the policy's on every token: approx_kl = mean(old - new) = 0.1 on the
     first step, although one group (all rewards equal) has zero advantages and is skipped."""
-    cfg = _config(tiny_model_dir, use_engine_logprobs=True, engine_logprob_gap_limit=1.0)
+    cfg = actor_config(tiny_model_dir, use_engine_logprobs=True, engine_logprob_gap_limit=1.0)
     actor = Actor(cfg, tiny_model_dir, "cpu")
     triplets = [
         Triplet(prompt_ids=[1, 5, 9], response_ids=[20, 21, 22], reward=r, metadata={"group_id": g})
@@ -126,7 +112,7 @@ def test_clip_frac_and_approx_kl_average_over_the_tokens_that_trained(tiny_model
 
 
 def test_head_probe_survives_a_non_linear_head(tiny_model_dir: Path) -> None:
-    actor = Actor(_config(tiny_model_dir), tiny_model_dir, "cpu")
+    actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     from trainer.actor import _head_shortcut_is_exact
 
     actor.model.lm_head = nn.Sequential(actor.model.lm_head)  # type: ignore[assignment]
