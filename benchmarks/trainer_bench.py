@@ -4,6 +4,9 @@
     python benchmarks/trainer_bench.py --device cuda --random-config qwen2-0.5b --batch 32 --prompt 256 --response 768
 
 One update = old-logprob recompute (a forward) + a PPO forward/backward + AdamW, as Trainer.fit runs it.
+``--same-prompt --group 8``: GRPO's shape, 8 attempts sharing each prompt, which the actor runs once
+(``actor.shared_prompt_forward``; ``--no-shared-prompt`` for the A/B). ``tokens_per_s`` counts the
+tokens learned from, ``computed_tokens_per_s`` those run; MFU counts what ran.
 FLOPs per token follow the PaLM count: training 6N + 12·L·d·T, a forward alone 2N + 4·L·d·T, with N the
 body's matmul parameters; the LM head (V·d) counts on response positions only, where the actor runs it. MFU = achieved FLOP/s / the card's dense bf16 peak.
 Prints JSON.
@@ -58,6 +61,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up")
+    ap.add_argument("--group", type=int, default=2, help="attempts per task (GRPO group size)")
+    ap.add_argument(
+        "--same-prompt", action="store_true", help="a group's attempts share their prompt, as in GRPO"
+    )
+    ap.add_argument("--no-shared-prompt", action="store_true", help="actor.shared_prompt_forward=False (A/B)")
     ap.add_argument("--token-budget", type=int, default=16384, help="ppo_max_token_len_per_gpu")
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=False (A/B)")
@@ -75,15 +83,16 @@ def main() -> None:
         config = TrainerConfig.from_dict(
             {
                 "data": {
-                    "train_batch_size": args.batch // 2,
+                    "train_batch_size": args.batch // args.group,
                     "max_prompt_length": args.prompt,
                     "max_response_length": args.response,
                 },
                 "actor_rollout_ref": {
                     "model": {"path": str(path), "enable_gradient_checkpointing": args.grad_ckpt},
-                    "rollout": {"n": 2},
+                    "rollout": {"n": args.group},
                     "actor": {
-                        "ppo_mini_batch_size": args.batch // 2,
+                        "ppo_mini_batch_size": args.batch // args.group,
+                        "shared_prompt_forward": not args.no_shared_prompt,
                         "ppo_max_token_len_per_gpu": args.token_budget,
                         "optim": {"lr": 1e-6},
                         "use_torch_compile": not args.no_compile,
@@ -95,12 +104,13 @@ def main() -> None:
         actor = Actor(config, path, args.device)
         vocab = min(actor.model.config.vocab_size, 49152)
         g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
         triplets = [
             Triplet(
-                prompt_ids=torch.randint(0, vocab, (args.prompt,), generator=g).tolist(),
+                prompt_ids=prompts[i // args.group if args.same_prompt else i],
                 response_ids=torch.randint(0, vocab, (args.response,), generator=g).tolist(),
                 reward=float(i % 2),
-                metadata={"group_id": i // 2},
+                metadata={"group_id": i // args.group},
             )
             for i in range(args.batch)
         ]
@@ -130,11 +140,14 @@ def main() -> None:
     body, head = body_and_head_params(actor.model)
     seq = args.prompt + args.response
     attn = cfg.num_hidden_layers * cfg.hidden_size * seq
-    tokens = args.batch * seq * args.steps
+    tokens = args.batch * seq * args.steps  # the tokens the update learns from
+    # the tokens it runs: each distinct prompt once when a group shares it and the actor runs it once
+    prompts_run = args.batch // args.group if args.same_prompt and actor.shared_prompts else args.batch
+    computed = (prompts_run * args.prompt + args.batch * args.response) * args.steps
     # train step (6x) + old-logprob forward (2x); the LM head runs on response positions only
-    flops_per_token = 8 * body + 16 * attn + 8 * head * args.response / seq
+    flops_per_token = 8 * body + 16 * attn + 8 * head * args.batch * args.response * args.steps / computed
     card, peak = peak_flops(actor.device)
-    achieved = tokens * flops_per_token / elapsed
+    achieved = computed * flops_per_token / elapsed
     result = {
         "benchmark": "trainer_update",
         "model": args.random_config or args.model,
@@ -144,12 +157,16 @@ def main() -> None:
         "card": card,
         "dtype": "bf16 autocast, fp32 master weights" if actor.device.type == "cuda" else "fp32",
         "torch_compile": actor.compiled,
+        "group": args.group,
+        "same_prompt": args.same_prompt,
+        "shared_prompt_forward": actor.shared_prompts,
         "warmup_s": round(warmup_s, 1),
         "token_budget": args.token_budget,
         "batch": args.batch,
         "seq_len": seq,
         "steps": args.steps,
         "tokens_per_s": round(tokens / elapsed, 1),
+        "computed_tokens_per_s": round(computed / elapsed, 1),
         "achieved_tflops": round(achieved / 1e12, 2),
         "mfu": round(achieved / peak, 4) if peak else None,
         "machine": {

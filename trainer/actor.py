@@ -19,6 +19,7 @@ One update on a Batch:
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from dataclasses import replace
@@ -87,6 +88,13 @@ class Actor:
         if self.compiled:
             _compile_layers(self.model)
         self.fused_head = _head_shortcut_is_exact(self.model, self.device)
+        # each distinct prompt of a micro-batch runs once (a GRPO group's attempts share theirs)
+        self.shared_prompts = (
+            arr.actor.shared_prompt_forward
+            and self.fused_head
+            and not arr.model.enable_gradient_checkpointing  # HF turns the KV cache off under it
+            and _shared_prompt_is_exact(self.model, self.device)
+        )
         needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.ref: nn.Module | None = None
         if needs_ref:
@@ -113,7 +121,7 @@ class Actor:
         cuda = self.device.type == "cuda"
         temps = mb.logit_temperatures()[:, :r, None]  # (b, R, 1)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            fused = _response_hidden(model, mb, p, r) if self.fused_head else None
+            fused = _response_hidden(model, mb, p, r, self.shared_prompts) if self.fused_head else None
             if fused is not None:
                 hidden, head = fused
                 logprobs, ent = head_logprobs(
@@ -143,7 +151,7 @@ class Actor:
         model.eval()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)  # (B, R)
         budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        for mb, rows in _micro_batches(batch, budget):
+        for mb, rows in _micro_batches(batch, budget, self.shared_prompts):
             lp, _ = self._forward(model, mb, entropy=False)  # (b, r)
             out[rows, : lp.shape[1]] = lp
         model.train(was_training)
@@ -308,7 +316,8 @@ class Actor:
 
     def _train_micro_batches(self, mini: Batch) -> list[tuple[Batch, torch.Tensor]]:
         """The micro-batches this process trains on (trainer/dp.py: this rank's share, padded)."""
-        return _micro_batches(mini, self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu)
+        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+        return _micro_batches(mini, budget, self.shared_prompts)
 
     def _apply_warmup(self) -> None:
         optim = self.config.actor_rollout_ref.actor.optim
@@ -347,7 +356,13 @@ class Actor:
         self.step = int(state["step"])
 
 
-def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch.Tensor, nn.Linear] | None:
+_PROBE_TOKENS = 16
+_PROBE_REL_TOL = 1e-2  # fp32 (TF32 on CUDA: ~1e-3 relative) passes; a logit scale 1% off from 1 fails
+
+
+def _response_hidden(
+    model: nn.Module, mb: Batch, p: int, r: int, shared_prompts: bool = False
+) -> tuple[torch.Tensor, nn.Linear] | None:
     """Final hidden states (b, R, d) at the positions that score the response tokens, and the LM head;
     None for models whose logits are more than ``hidden @ head.weight.T`` (soft-capping,
     logit scaling, a head with bias or wrapped by an adapter), which take the plain full forward.
@@ -364,6 +379,10 @@ def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch
         return None
     if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
         return None
+    if shared_prompts:
+        shared = shared_prompt_hidden(decoder, mb.input_ids, mb.attention_mask, mb.position_ids, p, r)
+        if shared is not None:
+            return shared, head
     hidden = decoder(  # use_cache=False: a KV cache in training only copies keys and values
         input_ids=mb.input_ids,
         attention_mask=mb.attention_mask,
@@ -373,8 +392,105 @@ def _response_hidden(model: nn.Module, mb: Batch, p: int, r: int) -> tuple[torch
     return hidden[:, p - 1 : p + r - 1], head
 
 
-_PROBE_TOKENS = 16
-_PROBE_REL_TOL = 1e-2  # fp32 (TF32 on CUDA: ~1e-3 relative) passes; a logit scale 1% off from 1 fails
+def shared_prompt_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    p: int,
+    r: int,
+) -> torch.Tensor | None:
+    """The decoder's final hidden states (b, R, d) at the positions that score the response tokens
+    (columns p-1 .. p+r-2 of the (b, P+R) rows), with each distinct prompt run once.
+
+    The attempts of a GRPO group share their prompt, often most of the tokens (a system prompt, tool
+    schemas, worked examples). Each distinct prompt goes through the decoder once with a KV cache; the
+    cache is indexed out to its rows and the responses run on top of it. Gradients flow through the
+    shared keys and values into the prompt's single forward, so the loss and its gradient are those of
+    the full forward (``_shared_prompt_is_exact`` checks the model once). None when no two rows share
+    a prompt or the model returned no cache: the caller runs the plain forward.
+    """
+    key = torch.cat([input_ids[:, :p], attention_mask[:, :p]], dim=1)  # (b, 2P): the same pads too
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)  # note: CPU-GPU sync
+    if distinct.shape[0] == key.shape[0] or p == 0:
+        return None
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (u,) a row holding each prompt
+    prompt = decoder(
+        input_ids=input_ids[first, :p],
+        attention_mask=attention_mask[first, :p],
+        position_ids=position_ids[first, :p],
+        use_cache=True,
+    )
+    cache = getattr(prompt, "cache", None)  # transformers >= 5.x; earlier: past_key_values
+    cache = getattr(prompt, "past_key_values", None) if cache is None else cache
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    last = prompt.last_hidden_state[inverse, p - 1 : p]  # (b, 1, d) scores the first response token
+    if r <= 1:
+        return last
+    cache.batch_select_indices(inverse)  # (u, ...) -> (b, ...) keys and values, differentiable
+    rest = decoder(  # the last response token scores nothing: it is not run
+        input_ids=input_ids[:, p : p + r - 1],
+        attention_mask=attention_mask[:, : p + r - 1],
+        position_ids=position_ids[:, p : p + r - 1],
+        use_cache=True,
+        **{_cache_argument(decoder): cache},
+    ).last_hidden_state  # (b, R-1, d)
+    return torch.cat([last, rest], dim=1)
+
+
+def _cache_argument(decoder: nn.Module) -> str:
+    """The name under which ``decoder.forward`` takes a KV cache (transformers renamed it in 5.x)."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def _shared_prompt_is_exact(model: nn.Module, device: torch.device) -> bool:
+    """Whether ``shared_prompt_hidden`` equals the plain forward for this model, on a probe of three
+    rows (two share a prompt; one prompt is left-padded; responses of different lengths).
+
+    Models whose cache is not a plain per-layer key/value store (sliding windows, recurrent state,
+    cross-layer sharing) fail or raise here and keep the plain forward.
+    """
+    hf = cast("PreTrainedModel", model)
+    decoder = hf.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None:
+        return False
+    vocab = int(hf.get_output_embeddings().weight.shape[0])
+    p, r = 6, 5
+    ids = (torch.arange(3 * (p + r), device=device).view(3, p + r) * 7919 + 11) % vocab
+    ids[1, :p] = ids[0, :p]  # rows 0 and 1 share a prompt
+    mask = torch.ones_like(ids)
+    mask[2, :2] = 0  # row 2: a 4-token prompt, left-padded
+    mask[1, p + 3 :] = 0  # responses of 5, 3 and 4 tokens, right-padded
+    mask[2, p + 4 :] = 0
+    ids = ids * mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    was_training = model.training
+    model.eval()
+    try:
+        full = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        expected = full.last_hidden_state[:, p - 1 : p + r - 1].float()  # (3, R, d)
+        shared = shared_prompt_hidden(decoder, ids, mask, positions, p, r)
+    except Exception as exc:  # an architecture whose cache cannot be indexed or extended this way
+        log.info("actor.shared_prompt_forward_off", model=type(model).__name__, error=repr(exc)[:200])
+        return False
+    finally:
+        model.train(was_training)
+    if shared is None:
+        return False
+    valid = mask[:, p : p + r].bool()  # (3, R) the positions that score real response tokens
+    error = float(
+        (shared.float() - expected)[valid].abs().max() / expected[valid].abs().max().clamp(min=1e-6)
+    )
+    exact = error <= _PROBE_REL_TOL
+    if not exact:
+        log.info(
+            "actor.shared_prompt_forward_off", model=type(model).__name__, relative_error=round(error, 4)
+        )
+    return exact
 
 
 @torch.no_grad()
@@ -459,10 +575,13 @@ def _local_count(mask: torch.Tensor, agg: str) -> float:
     return max(float((mask.sum(-1) > 0).sum()), 1.0)
 
 
-def _micro_batches(batch: Batch, budget: int) -> list[tuple[Batch, torch.Tensor]]:
+def _micro_batches(
+    batch: Batch, budget: int, shared_prompts: bool = False
+) -> list[tuple[Batch, torch.Tensor]]:
     """Token-budget micro-batches of ``batch`` with the row indices (into batch) each one holds."""
     batch.extras["row"] = torch.arange(len(batch), device=batch.input_ids.device)  # (B,)
-    return [(mb, mb.extras["row"]) for mb in split_by_token_budget(batch, budget, padded=True)]
+    split = split_by_token_budget(batch, budget, padded=True, shared_prompts=shared_prompts)
+    return [(mb, mb.extras["row"]) for mb in split]
 
 
 def _wrap_lora(model: nn.Module, config: TrainerConfig) -> nn.Module:

@@ -470,12 +470,16 @@ def merge_trajectory(triplets: Sequence[Triplet]) -> list[Triplet]:
     return out
 
 
-def split_by_token_budget(batch: Batch, max_tokens: int, *, padded: bool = False) -> list[Batch]:
+def split_by_token_budget(
+    batch: Batch, max_tokens: int, *, padded: bool = False, shared_prompts: bool = False
+) -> list[Batch]:
     """Micro-batches of whole samples whose token count stays <= max_tokens (a longer sample goes alone).
 
     Counts non-pad tokens by default (packed attention); ``padded=True`` counts rows x padded width,
     what a padded forward pass really computes. Samples are taken longest first, so each micro-batch
-    holds similar lengths; the split is deterministic.
+    holds similar lengths; the split is deterministic. ``shared_prompts=True`` (a forward that runs
+    each distinct prompt once) counts each distinct prompt once and keeps the rows that share a prompt
+    next to each other, longest prompt group first.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -484,17 +488,34 @@ def split_by_token_budget(batch: Batch, max_tokens: int, *, padded: bool = False
     plen = batch.attention_mask[:, :p].sum(-1).tolist()
     rlen = batch.attention_mask[:, p:].sum(-1).tolist()
     order = sorted(range(len(batch)), key=lambda i: -(plen[i] + rlen[i]))
+    prompt_of = list(range(len(batch)))  # a prompt id per row: every row its own without sharing
+    if shared_prompts:
+        ids = batch.input_ids[:, :p].tolist()
+        keys = [tuple(ids[i][p - plen[i] :]) for i in range(len(batch))]
+        first: dict[tuple[int, ...], int] = {}
+        prompt_of = [first.setdefault(k, i) for i, k in enumerate(keys)]  # first row with these tokens
+        longest: dict[int, int] = {}
+        for i in order:
+            longest.setdefault(prompt_of[i], plen[i] + rlen[i])  # order is longest first
+        order.sort(key=lambda i: (-longest[prompt_of[i]], prompt_of[i]))  # stable: longest first within
     groups: list[list[int]] = []
     cur: list[int] = []
+    prompts: set[int] = set()  # distinct prompts in cur
     total = max_p = max_r = 0  # of cur
     for i in order:
         mp, mr = max(max_p, plen[i]), max(max_r, rlen[i])
-        cost = (len(cur) + 1) * (mp + mr) if padded else total + plen[i] + rlen[i]
+        new_prompt = prompt_of[i] not in prompts
+        if shared_prompts:
+            n_prompts = len(prompts) + new_prompt
+            cost = n_prompts * mp + (len(cur) + 1) * mr if padded else total + plen[i] * new_prompt + rlen[i]
+        else:
+            cost = (len(cur) + 1) * (mp + mr) if padded else total + plen[i] + rlen[i]
         if cur and cost > max_tokens:
             groups.append(cur)
-            cur, total, mp, mr = [], 0, plen[i], rlen[i]
+            cur, prompts, total, mp, mr, new_prompt = [], set(), 0, plen[i], rlen[i], True
         cur.append(i)
-        total, max_p, max_r = total + plen[i] + rlen[i], mp, mr
+        prompts.add(prompt_of[i])
+        total, max_p, max_r = total + plen[i] * (new_prompt or not shared_prompts) + rlen[i], mp, mr
     if cur:
         groups.append(cur)
     return [batch.select(g) for g in groups]
@@ -513,10 +534,3 @@ def split_by_groups(batch: Batch, groups_per_mini_batch: int) -> list[Batch]:
     for s in range(0, len(order), groups_per_mini_batch):
         out.append(batch.select([i for g in order[s : s + groups_per_mini_batch] for i in rows_of[g]]))
     return out
-
-
-def split_mini_batches(batch: Batch, size: int) -> list[Batch]:
-    """Consecutive slices of ``size`` samples, in order (the last one may be smaller); no shuffling."""
-    if size < 1:
-        raise ValueError(f"mini-batch size must be >= 1, got {size}")
-    return [batch.select(list(range(s, min(s + size, len(batch))))) for s in range(0, len(batch), size)]

@@ -203,6 +203,11 @@ class ActorConfig(_Section):
     kl_loss_type: KLKind = Field(default="low_var_kl", description="KL estimator used in the loss.")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
     policy_loss: str = Field(default="vanilla", description="Policy loss: vanilla (PPO clip), gspo or pg.")
+    shared_prompt_forward: bool = Field(
+        default=True,
+        description="Run each distinct prompt of a micro-batch once (a GRPO group's attempts share it); "
+        "exact, checked once per model, off where it does not hold; one device only (not FSDP).",
+    )
     use_engine_logprobs: bool = Field(default=False, description="Use the engine's logprobs as old logprobs.")
     engine_logprob_gap_limit: float = Field(
         default=0.05,

@@ -25,7 +25,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,37 +210,57 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--format-bonus must be in [0, 1), got {args.format_bonus}")
 
 
-def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    """Train, evaluate before/after, save the final weights and write the report; returns the summary."""
+def new_run_dir(args: argparse.Namespace, prefix: str) -> Path:
+    """``--out/--name`` (default ``<prefix>-<time>``); refuses a folder that already holds a run."""
+    run_dir = Path(args.out) / (args.name or time.strftime(f"{prefix}-%Y%m%d-%H%M%S"))
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"run folder {run_dir} already exists and is not empty; pick another --name")
+    return run_dir
+
+
+def fit_and_save(
+    args: argparse.Namespace,
+    run_dir: Path,
+    make_config: Callable[[argparse.Namespace, Path, str], dict[str, Any]],
+    agent: Any,
+    train: list[dict],
+    val: list[dict],
+) -> tuple[Any, float, float]:
+    """Load ``--model`` into an engine, train ``agent`` with the config ``make_config`` builds, save the
+    trained weights to ``run_dir/final_model`` and stop the engine and Ray.
+
+    Returns the FitResult, the seconds loading took and the seconds training took."""
     import anyio
 
     from agentloop.engine.models import load_engine, resolve_model
     from trainer.ray_trainer import Trainer
-    from trainer.report import write_report
 
-    _check_args(args)
     t_start = time.perf_counter()
-    name = args.name or time.strftime("demo-%Y%m%d-%H%M%S")
-    run_dir = Path(args.out) / name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"run folder {run_dir} already exists and is not empty; pick another --name")
-    train, val = make_datasets(args.operand_max, args.val_size, args.seed)
-    if len(train) < args.batch_size:
-        raise ValueError(f"only {len(train)} training questions for --batch-size {args.batch_size}")
-    SETTINGS.max_tokens, SETTINGS.format_bonus = args.max_tokens, args.format_bonus
-
     model_path = str(resolve_model(args.model))
     engine = load_engine(model_path, device=args.device, max_batch_size=64)
     t_loaded = time.perf_counter()
-    config = grpo_config(args, run_dir, model_path)
-    result = Trainer(config).fit(arithmetic_agent, train, val, engine=engine)
+    result = Trainer(make_config(args, run_dir, model_path)).fit(agent, train, val, engine=engine)
     t_trained = time.perf_counter()
-
     final_dir = run_dir / "final_model"
     engine.model.save_pretrained(final_dir, safe_serialization=True)  # the engine holds the synced weights
     engine.tokenizer.save_pretrained(final_dir)
     anyio.run(engine.stop)
     _shutdown_ray()
+    return result, t_loaded - t_start, t_trained - t_loaded
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Train, evaluate before/after, save the final weights and write the report; returns the summary."""
+    from trainer.report import write_report
+
+    _check_args(args)
+    t_start = time.perf_counter()
+    run_dir = new_run_dir(args, "demo")
+    train, val = make_datasets(args.operand_max, args.val_size, args.seed)
+    if len(train) < args.batch_size:
+        raise ValueError(f"only {len(train)} training questions for --batch-size {args.batch_size}")
+    SETTINGS.max_tokens, SETTINGS.format_bonus = args.max_tokens, args.format_bonus
+    result, load_s, fit_s = fit_and_save(args, run_dir, grpo_config, arithmetic_agent, train, val)
 
     before, after = result.val_history[0], result.val_history[-1]
     summary: dict[str, Any] = {
@@ -252,8 +272,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "val_size": len(val),
         "train_size": len(train),
         "wall_s": time.perf_counter() - t_start,
-        "load_s": t_loaded - t_start,
-        "fit_s": t_trained - t_loaded,
+        "load_s": load_s,
+        "fit_s": fit_s,
         "timing": _mean_timings(result.history),
         "settings": {k: v for k, v in vars(args).items() if k not in ("func", "command")},
         "prompt": PROMPT,

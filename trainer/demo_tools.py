@@ -550,33 +550,15 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Train, evaluate before/after, save the final weights and write the report; returns the summary."""
-    import anyio
-
-    from agentloop.engine.models import load_engine, resolve_model
-    from trainer.demo import _mean_timings, _shutdown_ray
-    from trainer.ray_trainer import Trainer
+    from trainer.demo import _mean_timings, fit_and_save, new_run_dir
 
     _check_args(args)
     t_start = time.perf_counter()
-    run_dir = Path(args.out) / (args.name or time.strftime("demo-tools-%Y%m%d-%H%M%S"))
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"run folder {run_dir} already exists and is not empty; pick another --name")
+    run_dir = new_run_dir(args, "demo-tools")
     train, val = make_datasets(args.train_size, args.val_size, args.seed)
     settings = AgentSettings(max_turns=args.max_turns, max_tokens=args.max_tokens, call_bonus=args.call_bonus)
     agent = CalculatorAgent(settings)
-
-    model_path = str(resolve_model(args.model))
-    engine = load_engine(model_path, device=args.device, max_batch_size=64)
-    t_loaded = time.perf_counter()
-    config = trainer_config(args, run_dir, model_path)
-    result = Trainer(config).fit(agent, train, val, engine=engine)
-    t_trained = time.perf_counter()
-
-    final_dir = run_dir / "final_model"
-    engine.model.save_pretrained(final_dir, safe_serialization=True)  # the engine holds the synced weights
-    engine.tokenizer.save_pretrained(final_dir)
-    anyio.run(engine.stop)
-    _shutdown_ray()
+    result, load_s, fit_s = fit_and_save(args, run_dir, trainer_config, agent, train, val)
 
     by_step = validation_metrics(run_dir / "store.db")
     before, after = by_step[min(by_step)], by_step[max(by_step)]
@@ -602,8 +584,8 @@ def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
         "train_size": len(train),
         "wall_s": wall_s,
         "wall_minutes": wall_s / 60,
-        "load_s": t_loaded - t_start,
-        "fit_s": t_trained - t_loaded,
+        "load_s": load_s,
+        "fit_s": fit_s,
         "timing": _mean_timings(result.history),
         "settings": {k: v for k, v in vars(args).items() if k not in ("func", "command")},
         "prompt": SYSTEM_PROMPT,

@@ -80,6 +80,7 @@ class ShardedActor(Actor):
             raise RuntimeError("ShardedActor needs torch.distributed initialised (see DPWorker.setup)")
         super().__init__(config, model_path, device)
         self.rank, self.world_size = rank, world_size
+        self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         for layer in layers or []:  # one FSDP unit per decoder layer: all-gather one layer at a time
             fully_shard(layer)

@@ -139,3 +139,106 @@ def test_engine_logprobs_are_used_until_their_gap_is_too_large(
     expected = (policy + (0.0 if recomputed else shift)) * batch.response_mask
     torch.testing.assert_close(used, expected, atol=1e-4, rtol=0)
     assert actor.update(batch)["actor/old_logprobs_recomputed"] == float(recomputed)
+
+
+def _shared_prompt_triplets() -> list[Triplet]:
+    """Two GRPO groups of three attempts: each group shares its prompt (one shorter, so left-padded);
+    responses of different lengths, one with masked tool tokens between two calls."""
+    prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 6, 10, 14]]
+    responses = [
+        [30, 31, 32, 33, 34],
+        [40, 41],
+        [50, 51, 52, 53, 54, 55, 56],
+        [60, 61, 62],
+        [70],
+        [80, 81, 82, 83],
+    ]
+    triplets = []
+    for i, response in enumerate(responses):
+        mask = [1] * len(response)
+        if len(response) == 7:
+            mask[2:4] = [0, 0]  # a tool result between two calls
+        triplets.append(
+            Triplet(
+                prompt_ids=prompts[i // 3],
+                response_ids=response,
+                response_mask=mask,
+                reward=float(i % 3 == 0) + 0.5 * (i == 4),
+                metadata={"group_id": i // 3, "temperature": 0.7},
+            )
+        )
+    return triplets
+
+
+def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir: Path) -> None:
+    """Each distinct prompt runs once, its keys and values shared by its rows; the log-probs, entropy
+    and gradients are those of the plain forward, and the prompt's tokens go through the model once."""
+    batch, _ = build_batch(_shared_prompt_triplets(), max_prompt_length=32, max_response_length=16)
+    shared = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
+    plain = Actor(actor_config(tiny_model_dir, shared_prompt_forward=False), tiny_model_dir, "cpu")
+    assert shared.shared_prompts and not plain.shared_prompts
+    seen: list[int] = []  # tokens through the embedding, per forward
+    hook = shared.model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: seen.append(i[0].numel())
+    )
+    results = []
+    for actor in (shared, plain):
+        logprobs, entropy = actor._forward(actor.model, batch, entropy=True)
+        assert entropy is not None
+        (logprobs * batch.response_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+        results.append((logprobs * batch.response_mask, entropy * batch.response_mask, grads))
+    hook.remove()
+    p, r = batch.prompt_length, batch.response_length
+    assert seen == [2 * p, 6 * (r - 1)]  # two distinct prompts, then the responses on their cache
+    eps = torch.finfo(torch.float32).eps
+    # the same fp32 sums taken in another order (attention over a cache vs one sequence): each hidden state
+    # sums ~1150 products (see test_trainer_logprobs_equal_the_engines) and a log-prob moves ~2x its logit
+    # (|logit| <= 20, / T 0.7); the entropy as in test_response_logprobs_match_the_full_forward, at M ~ 60
+    lp_atol = 2 * 1150**0.5 * eps * 20 / 0.7
+    torch.testing.assert_close(results[0][0], results[1][0], atol=lp_atol, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=lp_atol * 60, rtol=0)
+    assert results[0][2].keys() == results[1][2].keys()
+    for name, grad in results[0][2].items():
+        # a gradient sums the batch's ~60 tokens' contributions, each carrying the forward's error
+        scale = float(results[1][2][name].abs().max())
+        torch.testing.assert_close(
+            grad, results[1][2][name], atol=lp_atol * 60**0.5 * max(scale, 1.0), rtol=0
+        )
+
+
+def test_shared_prompt_update_takes_the_plain_step(tiny_model_dir: Path) -> None:
+    """A whole update with shared prompts moves the weights as the plain forward's update does."""
+    batch, _ = build_batch(_shared_prompt_triplets(), max_prompt_length=32, max_response_length=16)
+    weights = []
+    for flag in (True, False):
+        actor = Actor(actor_config(tiny_model_dir, shared_prompt_forward=flag), tiny_model_dir, "cpu")
+        actor.optimizer = torch.optim.SGD(actor.model.parameters(), lr=1.0)
+        metrics = actor.update(batch)
+        assert metrics["actor/grad_norm"] > 0
+        weights.append(actor.model.lm_head.weight.detach().clone())
+    # as test_micro_batches_accumulate_to_the_full_batch: a clipped gradient summed in another order
+    eps = torch.finfo(torch.float32).eps
+    g_atol = (int(batch.attention_mask.sum()) ** 0.5 + 49152**0.5) * eps * 1.0
+    torch.testing.assert_close(weights[0], weights[1], atol=g_atol, rtol=2 * eps)
+
+
+def test_shared_prompt_forward_is_off_where_it_is_not_exact(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe turns the shortcut off for a model whose cached forward differs, or that keeps no cache."""
+    import trainer.actor as actor_module
+
+    real = actor_module.shared_prompt_hidden
+
+    def off_by_a_bit(*args: object, **kwargs: object) -> torch.Tensor | None:
+        hidden = real(*args, **kwargs)  # type: ignore[arg-type]
+        return None if hidden is None else hidden * 1.05
+
+    monkeypatch.setattr(actor_module, "shared_prompt_hidden", off_by_a_bit)
+    assert not Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu").shared_prompts
+    monkeypatch.setattr(actor_module, "shared_prompt_hidden", real)
+    config = actor_config(tiny_model_dir)
+    config.actor_rollout_ref.model.enable_gradient_checkpointing = True
+    assert not Actor(config, tiny_model_dir, "cpu").shared_prompts
+    assert Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu").shared_prompts

@@ -7,7 +7,7 @@ import torch
 
 from agentloop.errors import AgentLoopError, EmptyBatchError
 from agentloop.types import Triplet
-from trainer.batch import Batch, build_batch, merge_trajectory, split_by_token_budget, split_mini_batches
+from trainer.batch import Batch, build_batch, merge_trajectory, split_by_token_budget
 
 PAD = 0
 
@@ -228,25 +228,29 @@ def test_token_budget_padded_counts_rows_times_width() -> None:
         assert len(m) * m.input_ids.shape[1] <= 18 or len(m) == 1
 
 
-def test_mini_batches_are_consecutive_and_keep_extras_aligned() -> None:
-    batch = _batch([(2, 3), (1, 1), (3, 2), (1, 4), (2, 2), (1, 1), (4, 1)])
-    batch.extras["advantages"] = batch.response_mask.float() * torch.arange(7.0).unsqueeze(-1)  # (B, R)
-    batch.extras["values"] = torch.arange(7.0)  # (B,)
-    minis = split_mini_batches(batch, 3)
-    assert [len(m) for m in minis] == [3, 3, 1]
-    assert [m.rewards.tolist() for m in minis] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0]]
-    for m in minis:
-        assert m.extras["advantages"].shape == m.response_mask.shape
-        assert torch.equal(m.extras["advantages"], m.response_mask.float() * m.rewards.unsqueeze(-1))
-        assert m.extras["values"].tolist() == m.rewards.tolist()
-    assert minis[2].input_ids.tolist() == [[601, 602, 603, 604, 650]]  # trimmed to its own lengths
-    with pytest.raises(ValueError, match="mini-batch size must be >= 1, got 0"):
-        split_mini_batches(batch, 0)
-
-
 def test_to_device_keeps_everything() -> None:
     batch = _batch([(2, 2), (1, 3)])
     batch.extras["x"] = torch.ones(2)
     moved = batch.to("cpu")
     assert torch.equal(moved.input_ids, batch.input_ids) and moved.prompt_length == batch.prompt_length
     assert moved.extras["x"].tolist() == [1.0, 1.0] and moved.metadata == batch.metadata
+
+
+def test_token_budget_counts_a_shared_prompt_once() -> None:
+    """shared_prompts=True: rows with the same prompt stay together and their prompt counts once."""
+    prompts = {0: [11, 12, 13, 14, 15, 16], 1: [21, 22, 23], 2: [31, 32, 33, 34]}
+    rows = [(0, 2), (1, 4), (0, 3), (2, 1), (1, 2), (0, 2), (2, 2), (1, 1)]  # (prompt, response length)
+    triplets = [trip(prompts[g], [40 + i] * r, metadata={"i": i}) for i, (g, r) in enumerate(rows)]
+    batch, _ = build_batch(triplets, max_prompt_length=8, max_response_length=8)
+    # padded cost: distinct prompts x longest prompt + rows x longest response
+    whole = split_by_token_budget(batch, 6 + 3 * 3, padded=True, shared_prompts=True)
+    assert [sorted(m.metadata[j]["i"] for j in range(len(m))) for m in whole] == [
+        [0, 2, 5],
+        [1, 4, 7],
+        [3, 6],
+    ]
+    # without sharing, the prompt group 0 alone costs 3 x (6 + 3) = 27 tokens: it is cut up
+    assert len(split_by_token_budget(batch, 15, padded=True)) > 3
+    # packed: each distinct prompt's tokens once plus the responses' own; prompt 2's rows cost 4 + 2 + 1
+    packed = split_by_token_budget(batch, 4 + 3, shared_prompts=True)
+    assert [sorted(m.metadata[j]["i"] for j in range(len(m))) for m in packed][-1] == [3, 6]
