@@ -34,7 +34,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, get_args, overload
 
 import anyio
 import anyio.from_thread
@@ -294,10 +294,29 @@ class Agent:
         return f"<{type(self).__qualname__}>"
 
 
+def _is_rollout_annotation(annotation: Any) -> bool:
+    """``AttemptedRollout`` (or a subclass, a union holding it, or the name as a string annotation)."""
+    if annotation is inspect.Parameter.empty:
+        return False
+    if isinstance(annotation, str):  # `from __future__ import annotations`
+        return "AttemptedRollout" in annotation
+    if isinstance(annotation, type):
+        return issubclass(annotation, AttemptedRollout)
+    return any(_is_rollout_annotation(arg) for arg in get_args(annotation))
+
+
 def _arity(fn: Callable[..., Any]) -> int:
-    """2 for ``(task, llm)``, 3 for ``(task, llm, rollout)``; TypeError for anything else."""
+    """2 for ``(task, llm)``, 3 for ``(task, llm, rollout)``; TypeError for anything else.
+
+    The third parameter receives the ``AttemptedRollout``, so it must say so: it is named ``rollout``
+    or annotated ``AttemptedRollout``. A third parameter meant for something else (``tokenizer``)
+    would silently receive the rollout: refused here, unless it has a default (then it keeps it).
+    """
     what = getattr(fn, "__qualname__", repr(fn))
-    expected = "@rollout expects a function taking (task, llm) or (task, llm, rollout)"
+    expected = (
+        "@rollout expects a function taking (task, llm) or (task, llm, rollout), where the third "
+        "parameter receives the AttemptedRollout (name it `rollout` or annotate it al.AttemptedRollout)"
+    )
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
@@ -311,8 +330,16 @@ def _arity(fn: Callable[..., Any]) -> int:
         raise TypeError(f"{expected}; {what}{sig} also requires the keyword-only arguments {kw_required}")
     if len(required) > 3:
         raise TypeError(f"{expected}; {what}{sig} requires {len(required)} positional arguments")
-    if len(required) == 3 or (len(positional) >= 3 and positional[2].name == "rollout"):
-        return 3
+    if len(positional) >= 3:
+        third = positional[2]
+        if third.name == "rollout" or _is_rollout_annotation(third.annotation):
+            return 3
+        if third.default is third.empty:
+            raise TypeError(
+                f"{expected}; {what}{sig} has a third parameter {third.name!r} that is neither named "
+                "`rollout` nor annotated AttemptedRollout, so it would receive the rollout. Get other "
+                "objects elsewhere (a closure, a class agent's attribute), or give it a default"
+            )
     if len(positional) >= 2 or var_positional:
         return 2
     raise TypeError(f"{expected}; {what}{sig} takes {len(positional)} positional argument(s)")

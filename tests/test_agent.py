@@ -10,6 +10,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import pytest
 
+import agentloop as al
 from agentloop.agent import Agent, FunctionAgent, attempt_context, check_reward, emit_reward, rollout
 from agentloop.context import current_rollout
 from agentloop.errors import AgentError, RolloutContextError
@@ -320,3 +321,45 @@ async def test_rejected_reward_write_fails_the_attempt() -> None:
         stats = await Runner(agent, store).run(max_rollouts=1)
     assert stats.lost == 1
     assert (await store.get_rollout(ro.rollout_id)).status is RolloutStatus.CANCELLED
+
+
+# a third parameter receives the AttemptedRollout; one meant for something else is refused
+
+
+def _tokenizer_third(task: Any, llm: Any, tokenizer: Any) -> float:
+    return 0.0
+
+
+def _annotated_other(task: Any, llm: Any, rollout_count: int) -> float:
+    return 0.0
+
+
+def test_third_parameter_not_for_the_rollout_is_rejected() -> None:
+    for fn in (_tokenizer_third, _annotated_other):
+        with pytest.raises(TypeError, match=r"third parameter '\w+' that is neither named `rollout`") as info:
+            rollout(fn)
+        assert "(task, llm) or (task, llm, rollout)" in str(info.value)  # says what is allowed
+
+
+def _ro_annotated(task: Any, llm: Any, ro: AttemptedRollout) -> float:
+    return 0.0
+
+
+def _ro_string_annotated(task: Any, llm: Any, attempt: al.AttemptedRollout | None) -> float:
+    return 0.0
+
+
+def _tokenizer_with_default(task: Any, llm: Any, tokenizer: Any = None) -> float:
+    return 0.0
+
+
+def _var_positional(task: Any, llm: Any, *rest: Any) -> float:
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    ("fn", "arity"),
+    [(_ro_annotated, 3), (_ro_string_annotated, 3), (_tokenizer_with_default, 2), (_var_positional, 2)],
+)
+def test_supported_signatures_keep_working(fn: Any, arity: int) -> None:
+    assert rollout(fn).arity == arity
