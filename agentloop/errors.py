@@ -16,6 +16,7 @@
     ├── InvalidRequestError      a bad argument to a store call (also a ValueError)
     ├── ConfigError              a trainer config key or value is not valid (also a ValueError)
     ├── EmptyBatchError          no usable training sample in a batch (also a ValueError)
+    ├── TrainerTimeoutError      a wait in the training loop passed its deadline (also a TimeoutError)
     └── ToolError                a tool was defined, looked up or called wrongly
         ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
         ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)
@@ -106,3 +107,8 @@ class ConfigError(AgentLoopError, ValueError):
 
 class EmptyBatchError(AgentLoopError, ValueError):
     """No usable training sample: no triplets came, or every one was dropped (the message says why)."""
+
+
+class TrainerTimeoutError(AgentLoopError, TimeoutError):
+    """A wait in the training loop (rollouts, runner, engine, update, weight sync, checkpoint) passed its
+    deadline; the message names what it waited for and the ``trainer.timeouts`` key that sets it."""

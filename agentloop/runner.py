@@ -120,10 +120,12 @@ class Runner:
         self._stopping = False
         self._cancel_running = False
         self._stop_event: anyio.Event | None = None
+        self._stop_pending = False  # stop() came before run() started: the next run() returns at once
         self._loop_thread = 0
         self._loop_token: Any = None
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._thread_limiter: anyio.CapacityLimiter | None = None
+        self._errors_seen: set[tuple[str, str]] = set()  # (type, first line): warned once per run
         self.stats = RunnerStats()
 
     # ------------------------------------------------------------ control
@@ -135,8 +137,10 @@ class Runner:
     def stop(self, cancel_running: bool = True) -> None:
         """Stop taking rollouts. With ``cancel_running`` (default) in-flight attempts are cancelled and
         reported failed ("runner stopped", so the store requeues them per retry_on); otherwise they finish.
-        Safe to call from any thread; a no-op when the runner is not running."""
+        Safe to call from any thread. Called before ``run`` has started (a task scheduled with
+        ``start_soon`` that has not run yet), the stop is kept: the next ``run`` returns at once."""
         if not self._running:
+            self._stop_pending = True
             return
         if threading.get_ident() != self._loop_thread:
             anyio.from_thread.run_sync(self._stop, cancel_running, token=self._loop_token)
@@ -171,12 +175,19 @@ class Runner:
             )
         if self._running:
             raise RuntimeError(f"runner {self.worker_id} is already running; one run() at a time")
-        self._running, self._stopping, self._cancel_running = True, False, False
+        if self._stop_pending:  # stopped before it started: nothing to do (the stop is used up)
+            self._stop_pending = False
+            self.stats = RunnerStats()
+            log.debug("runner_stopped_before_start", worker_id=self.worker_id)
+            return self.stats
+        self._stopping, self._cancel_running = False, False
         self._stop_event = anyio.Event()
         self._loop_thread = threading.get_ident()
         self._loop_token = anyio.lowlevel.current_token()
+        self._running = True  # last: a stop() from another thread now finds the loop token set
         self._thread_limiter = anyio.CapacityLimiter(self.concurrency)  # worker threads of sync agents
         self.stats = RunnerStats()
+        self._errors_seen = set()
         log.info(
             "runner_started",
             worker_id=self.worker_id,
@@ -248,7 +259,7 @@ class Runner:
             kind="stopped",
         )
         start = time.monotonic()
-        log.info(
+        log.debug(  # per-rollout lines are debug: thousands of rollouts must not flood the console
             "attempt_started", rollout_id=rollout.rollout_id, attempt_id=aid, seq=rollout.attempt.sequence_id
         )
         try:
@@ -344,7 +355,12 @@ class Runner:
                     log.error("attempt_report_failed", rollout_id=rid, attempt_id=aid, error=repr(exc))
                     kind = "lost"
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
-        event = log.debug if outcome.status is AttemptStatus.SUCCEEDED else log.warning  # no spam at 1000s/s
+        event = log.debug  # no spam at 1000s/s; a failure's first occurrence is a warning (below)
+        if outcome.error is not None and outcome.status is not AttemptStatus.SUCCEEDED:
+            key = (outcome.error.type, outcome.error.message.splitlines()[0] if outcome.error.message else "")
+            if key not in self._errors_seen:  # the store keeps every attempt's error; counts: the trainer
+                self._errors_seen.add(key)
+                event = log.warning
         event(
             "attempt_finished",
             rollout_id=rid,

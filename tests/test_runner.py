@@ -242,6 +242,53 @@ async def test_stop_without_cancel_lets_attempts_finish() -> None:
     assert runner.stats.attempts == 1  # the second rollout was not taken
 
 
+@pytest.mark.timeout(30)
+async def test_stop_before_run_starts_makes_run_return_at_once() -> None:
+    """The trainer schedules ``runner.run`` and may call ``stop()`` before that task has started
+    (issue 15: a re-run of a finished run hung here). The stop must not be lost: ``run`` returns at
+    once without taking a rollout, and the runner can run again afterwards."""
+    store = MemoryStore()
+    await store.enqueue_rollout({})
+
+    @rollout
+    async def agent(task: Any, llm: Any) -> float:
+        return 1.0
+
+    runner = Runner(agent, store)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            runner.stop()  # run() has not started yet
+    assert runner.stats.attempts == 0
+    with anyio.fail_after(5):
+        stats = await runner.run(max_rollouts=1)  # the stop was consumed: a later run works
+    assert stats.succeeded == 1
+
+
+async def test_per_rollout_lines_are_debug_and_each_distinct_error_warns_once() -> None:
+    """issue 15: two INFO lines per rollout flooded the console (374 lines in 3 minutes)."""
+    from structlog.testing import capture_logs
+
+    store = MemoryStore()
+
+    @rollout
+    async def agent(task: Any, llm: Any) -> float:
+        if task["i"] % 2:
+            raise ValueError(f"bad task kind {task['i'] % 4}")  # two distinct messages
+        return 1.0
+
+    for i in range(8):
+        await store.enqueue_rollout({"i": i}, config=RolloutConfig(max_attempts=1))
+    with capture_logs() as events, anyio.fail_after(10):
+        stats = await Runner(agent, store, concurrency=4).run(max_rollouts=8)
+    assert (stats.succeeded, stats.failed) == (4, 4)
+    per_attempt = [e for e in events if e["event"].startswith("attempt_")]
+    assert len(per_attempt) == 16  # started + finished, 8 attempts
+    loud = [e for e in per_attempt if e["log_level"] != "debug"]
+    assert sorted(e["error"] for e in loud) == ["bad task kind 1", "bad task kind 3"]
+    assert all(e["log_level"] == "warning" for e in loud)
+
+
 async def test_stop_from_another_thread() -> None:
     store = MemoryStore()
 

@@ -128,6 +128,24 @@ class ModelConfig(_Section):
         return list(v) if isinstance(v, tuple) else v
 
 
+class ValKwargsConfig(_Section):
+    """How validation samples (verl's ``actor_rollout_ref.rollout.val_kwargs``): greedy by default, so
+    the same model on the same tasks scores the same."""
+
+    temperature: float = Field(default=0.0, ge=0, description="Validation temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Validation nucleus sampling mass.")
+    top_k: int = Field(default=-1, ge=-1, description="Validation top-k; -1 (or 0) disables it.")
+    n: int = Field(default=1, ge=1, description="Attempts per validation task; the means count each.")
+    do_sample: bool = Field(default=False, description="False: greedy, whatever temperature says.")
+
+    def sampling(self) -> dict[str, Any]:
+        """The LLM sampling defaults a validation rollout runs with."""
+        out: dict[str, Any] = {"temperature": self.temperature if self.do_sample else 0.0}
+        out["top_p"] = self.top_p
+        out["top_k"] = max(self.top_k, 0)  # the engine's 0 is verl's -1: no top-k
+        return out
+
+
 class RolloutConfig(_Section):
     n: int = Field(default=4, ge=1, description="Responses sampled per prompt (the GRPO group size).")
     temperature: float = Field(
@@ -145,6 +163,9 @@ class RolloutConfig(_Section):
         default=0.5, gt=0, le=1, description="vLLM only: share of GPU memory its engine may take."
     )
     concurrency: int = Field(default=16, ge=1, description="Agent rollouts a runner runs at once.")
+    val_kwargs: ValKwargsConfig = Field(
+        default_factory=ValKwargsConfig, description="Validation sampling (greedy by default, as verl)."
+    )
 
 
 def engine_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
@@ -258,6 +279,22 @@ class ActorRolloutRefConfig(_Section):
 # ---------------------------------------------------------------- trainer / adapter
 
 
+class TimeoutsConfig(_Section):
+    """Deadlines of the training loop's waits: none can wait forever; each ends in a
+    TrainerTimeoutError that names what it waited for. Generous: they catch hangs, not slow steps."""
+
+    rollouts_s: float = Field(
+        default=1800.0, gt=0, description="A batch's rollouts may go this long without one finishing."
+    )
+    runner_s: float = Field(default=120.0, gt=0, description="The local runner must stop within this.")
+    engine_s: float = Field(
+        default=1800.0, gt=0, description="Loading the engine or the trainer worker's model, or a checkpoint."
+    )
+    update_s: float = Field(default=7200.0, gt=0, description="One policy update (all its mini-batches).")
+    weight_sync_s: float = Field(default=1800.0, gt=0, description="New weights into the engine.")
+    save_s: float = Field(default=1800.0, gt=0, description="Writing a checkpoint or the final model.")
+
+
 class RunConfig(_Section):
     total_epochs: int = Field(default=1, ge=1, description="Passes over the training dataset.")
     total_training_steps: int | None = Field(
@@ -266,7 +303,8 @@ class RunConfig(_Section):
     save_freq: int = Field(default=-1, ge=-1, description="Checkpoint every N steps; -1 or 0: never.")
     test_freq: int = Field(default=-1, ge=-1, description="Validate every N steps; -1 or 0: never.")
     val_before_train: bool = Field(
-        default=True, description="Validate once before the first step (if val data)."
+        default=True,
+        description="Validate once before the first step (if val data); the last step always validates.",
     )
     logger: list[LoggerName] = Field(default=["console", "jsonl"], description="Metric sinks.")
     project_name: str = Field(
@@ -278,13 +316,19 @@ class RunConfig(_Section):
         description="Run folder (checkpoints, metrics.jsonl, plots); None: runs/<project>/<experiment>.",
     )
     resume: str = Field(
-        default="auto", min_length=1, description="auto (latest checkpoint), disable, or a checkpoint path."
+        default="auto",
+        min_length=1,
+        description="auto: continue this config's run in the run folder (or return it if finished); "
+        "disable: never; or a checkpoint path. A folder holding another run is never appended to.",
     )
     n_gpus_per_node: int = Field(default=1, ge=1, description="GPUs the trainer uses per node.")
     nnodes: int = Field(default=1, ge=1, description="Nodes the trainer uses.")
     ray_address: str | None = Field(default=None, description="Ray cluster to join; None starts a local Ray.")
     device: str = Field(default="auto", description="auto (cuda when available), cpu, cuda or cuda:N.")
     seed: int = Field(default=0, description="Seeds data order, sampling and initialisation.")
+    timeouts: TimeoutsConfig = Field(
+        default_factory=TimeoutsConfig, description="Deadlines of the loop's waits (seconds)."
+    )
 
     @field_validator("device")
     @classmethod
@@ -363,10 +407,20 @@ class TrainerConfig(_Section):
         actor, n = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout.n
         tbs, mbs = self.data.train_batch_size, actor.ppo_mini_batch_size
         if tbs % mbs:
+            fit = max(d for d in range(1, min(tbs, mbs) + 1) if tbs % d == 0)
+            if mbs > tbs:
+                why = (
+                    f"a step's {tbs} prompts ({tbs * n} samples with rollout.n={n}) cannot fill one "
+                    f"mini-batch of {mbs} prompts ({mbs * n} samples)"
+                )
+            else:
+                why = (
+                    f"a step's {tbs} prompts ({tbs * n} samples with rollout.n={n}) would split into "
+                    f"{tbs // mbs} mini-batch(es) of {mbs} prompts ({mbs * n} samples) and {tbs % mbs} left over"
+                )
             raise ValueError(
                 f"data.train_batch_size ({tbs}) must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size "
-                f"({mbs}); both count prompts, so a step's {tbs * n} samples (x rollout.n={n}) split into "
-                f"mini-batches of {mbs * n}"
+                f"({mbs}); both count prompts: {why}; set ppo_mini_batch_size to a divisor of {tbs}, such as {fit}"
             )
         micro = actor.ppo_micro_batch_size_per_gpu
         if micro is not None and (mbs * n) % micro:

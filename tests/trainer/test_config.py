@@ -93,7 +93,16 @@ def test_batch_sizes_must_divide_and_the_message_says_which_numbers() -> None:
     assert str(e.value).startswith(
         "data.train_batch_size (30) must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size (8)"
     )
-    assert "120 samples" in str(e.value) and "mini-batches of 32" in str(e.value)
+    assert "a step's 30 prompts (120 samples with rollout.n=4)" in str(e.value)
+    assert "3 mini-batch(es) of 8 prompts (32 samples) and 6 left over" in str(e.value)
+    assert str(e.value).endswith("set ppo_mini_batch_size to a divisor of 30, such as 6")
+    # issue 15: train_batch_size 4 said "a step's 16 samples ... split into mini-batches of 32"
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig.from_dict({"data": {"train_batch_size": 4}})  # ppo_mini_batch_size 8 by default
+    assert "a step's 4 prompts (16 samples with rollout.n=4) cannot fill one mini-batch of 8 prompts" in str(
+        e.value
+    )
+    assert "split into" not in str(e.value) and str(e.value).endswith("such as 4")
     with pytest.raises(
         ConfigError, match=r"a mini-batch of 32 samples .*\.ppo_micro_batch_size_per_gpu \(5\)"
     ):
@@ -207,3 +216,41 @@ def test_engine_kwargs_follow_the_configured_backend() -> None:
     }
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"gpu_memory_utilization": 1.5}}})
+
+
+def test_validation_is_greedy_by_default_with_verls_val_kwargs() -> None:
+    """issue 15: validation sampled at the training temperature (the same model scored 0.2, then 0.1)."""
+    val = TrainerConfig().actor_rollout_ref.rollout.val_kwargs
+    assert (val.temperature, val.top_p, val.top_k, val.n, val.do_sample) == (0.0, 1.0, -1, 1, False)
+    assert val.sampling() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    cfg = TrainerConfig().with_overrides(
+        [
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
+            "actor_rollout_ref.rollout.val_kwargs.top_k=20",
+        ]
+    )
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.sampling()["temperature"] == 0.0  # do_sample false
+    cfg = cfg.with_overrides(["actor_rollout_ref.rollout.val_kwargs.do_sample=true"])
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.sampling() == {
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 20,
+    }
+    assert TrainerConfig().trainer.val_before_train is True
+
+
+def test_every_wait_has_a_configurable_deadline() -> None:
+    timeouts = TrainerConfig().trainer.timeouts
+    assert set(timeouts.model_dump()) == {
+        "rollouts_s",
+        "runner_s",
+        "engine_s",
+        "update_s",
+        "weight_sync_s",
+        "save_s",
+    }
+    assert all(v >= 60 for v in timeouts.model_dump().values())  # generous: they catch hangs, not slow steps
+    cfg = TrainerConfig().with_overrides(["trainer.timeouts.rollouts_s=5"])
+    assert cfg.trainer.timeouts.rollouts_s == 5
+    with pytest.raises(ConfigError, match=r"trainer.timeouts.rollouts_s: Input should be greater than 0"):
+        TrainerConfig().with_overrides(["trainer.timeouts.rollouts_s=0"])
