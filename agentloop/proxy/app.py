@@ -1,10 +1,16 @@
 """The FastAPI app: OpenAI routes per rollout attempt (``/rollout/{rid}/attempt/{aid}/v1/...``) and
 for app sessions (``/v1/...``, session id in the ``X-Session-Id`` header).
 
+Routes (each under both prefixes): ``POST chat/completions``, ``POST completions``, ``GET models``.
+Sessions only: ``POST /v1/sessions/{id}/reward`` (``{"value": 1.0}`` or ``{"reward": 1.0}``, optional
+``"name"``), ``GET /v1/sessions/{id}`` (its calls with token ids, and rewards), ``GET /v1/sessions``
+(every session held: id, number of calls, rewards). ``GET /health``.
+
 Every error answers with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
 400 bad input (``context_length_exceeded`` included), 401 missing/wrong bearer token, 404 unknown
-rollout/attempt/session/route, 408 body not sent in time, 409 stale attempt, 413 body too large,
-503 engine or store failure (or engine timeout).
+rollout/attempt/session/route (``model_not_found``: a session request naming a model not served),
+408 body not sent in time, 409 stale attempt, 413 body too large, 503 engine or store failure (or
+engine timeout).
 An unexpected exception is logged and answered 503, never 500.
 """
 
@@ -195,11 +201,20 @@ def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int
             return error_response(ProxyError(404, f"session {session_id!r} not found", "not_found_error"))
         return _json(orjson.dumps(rec.to_json()))
 
+    async def list_sessions(request: Request) -> Response:
+        if expected_auth is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected_auth
+        ):
+            return error_response(ProxyError(401, "missing or wrong bearer token", "authentication_error"))
+        data = [rec.summary() for rec in service.sessions.records()]
+        return _json(orjson.dumps({"object": "list", "data": data}))
+
     async def health(request: Request) -> Response:
         return _json(b'{"status":"ok"}')
 
     app.add_route("/v1/sessions/{session_id}/reward", post_reward, methods=["POST"])
     app.add_route("/v1/sessions/{session_id}", get_session, methods=["GET"])
+    app.add_route("/v1/sessions", list_sessions, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 JSONDict = dict[str, Any]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -161,8 +161,19 @@ class CompletionRequest(_SamplingFields):
 
 
 class RewardRequest(_Strict):
+    """``{"value": 1.0}`` (or ``{"reward": 1.0}``, the usual first guess), with an optional ``name``."""
+
     value: float
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reward" in data:
+            if "value" in data:
+                raise ValueError('give the reward as "value" or as "reward", not both')
+            data = {("value" if k == "reward" else k): v for k, v in data.items()}
+        return data
 
 
 def parse_model(cls: type[BaseModel], body: Any, what: str) -> Any:

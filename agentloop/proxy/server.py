@@ -20,7 +20,8 @@ import gc
 import socket
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -33,9 +34,10 @@ from agentloop.proxy.app import build_app
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.proxy.service import ProxyService
-from agentloop.proxy.sessions import SessionTable
+from agentloop.proxy.sessions import SessionLog, SessionTable, session_log_path
 from agentloop.resources import ProxyLLM
 from agentloop.store.base import Store
+from agentloop.store.sqlite import SQLiteStore
 
 log = structlog.get_logger("agentloop.proxy")
 
@@ -80,6 +82,22 @@ def _freeze_startup_heap() -> None:
         gc.freeze()
 
 
+LEGACY_MODEL_NAME = "agentloop"  # what /models listed before it named the model; still accepted
+
+
+def served_model_name(engine: InferenceEngine) -> str:
+    """The name apps see for ``engine``'s model: its folder's name (``smollm2-135m-instruct``,
+    ``Qwen2.5-0.5B-Instruct``; ``Org/Name`` for a Hugging Face hub snapshot), read from the tokenizer's
+    ``name_or_path``; ``agentloop`` when the engine does not say."""
+    source = str(getattr(engine.tokenizer, "name_or_path", "") or "").rstrip("/")
+    if not source:
+        return LEGACY_MODEL_NAME
+    path = Path(source)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")  # hub cache layout
+    return path.name or LEGACY_MODEL_NAME
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handlers: Ctrl+C belongs to the program that embeds the proxy."""
 
@@ -97,7 +115,12 @@ class Proxy:
         host, port: bind address; port 0 picks a free port (see ``.port`` after start).
         api_key: when set, requests must carry ``Authorization: Bearer <api_key>`` (else 401).
         max_body_bytes: larger request bodies get 413.
-        model_name: the name ``/models`` reports and responses carry when a request names none.
+        model_name: the name ``/models`` reports and responses carry when a request names none; by
+            default the model folder's name (``served_model_name``). On the session routes (``/v1``)
+            a request must name this model, ``agentloop`` (the old name) or none, else 404
+            ``model_not_found``; per-attempt routes accept any name (the agent's LLM resource names it).
+        session_log: where session calls and rewards are appended as JSON lines; ``"auto"``: beside a
+            SQLiteStore's file (``session_log_path``), nowhere for other stores; None: memory only.
         chat_template: overrides the tokenizer's chat template (jinja source).
         engine_timeout_s: longest one generate may take; then the request is aborted and answered 503.
         store_timeout_s: longest one store call may take; then 503.
@@ -115,7 +138,8 @@ class Proxy:
         api_key: str | None = None,
         *,
         max_body_bytes: int = 8 * 1024 * 1024,
-        model_name: str = "agentloop",
+        model_name: str | None = None,
+        session_log: str | Path | Literal["auto"] | None = "auto",
         chat_template: str | None = None,
         engine_timeout_s: float = 600.0,
         store_timeout_s: float = 30.0,
@@ -141,12 +165,20 @@ class Proxy:
                 )
         self.engine, self.store, self.host, self.api_key = engine, store, host, api_key
         self.ledger_sweep_s = ledger_sweep_s  # how often the ledgers of finished attempts are released
-        self.sessions = SessionTable(max_sessions=max_sessions)
+        name = model_name or served_model_name(engine)
+        if session_log == "auto":
+            session_log = session_log_path(store.path) if isinstance(store, SQLiteStore) else None
+        log_file = None
+        if session_log is not None:
+            tokenizer_dir = str(getattr(engine.tokenizer, "name_or_path", "") or "")
+            log_file = SessionLog(session_log, server={"model": name, "tokenizer": tokenizer_dir})
+        self.sessions = SessionTable(max_sessions=max_sessions, log=log_file)
         self.ledger = TokenLedger()
         self.service = ProxyService(
             engine,
             store,
-            model_name=model_name,
+            model_name=name,
+            model_aliases=(LEGACY_MODEL_NAME,),
             template=ChatTemplate(engine.tokenizer, chat_template),
             ledger=self.ledger,
             sessions=self.sessions,
@@ -179,6 +211,16 @@ class Proxy:
     def url_template(self) -> str:
         """Base URL with ``{rollout_id}`` and ``{attempt_id}`` placeholders (for ProxyLLM)."""
         return f"{self.url}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (``/v1/models``)."""
+        return self.service.model_name
+
+    @property
+    def session_log(self) -> Path | None:
+        """The file session calls and rewards are appended to, if any."""
+        return self.sessions.log.path if self.sessions.log is not None else None
 
     @property
     def session_base_url(self) -> str:
@@ -298,6 +340,8 @@ class Proxy:
                 with contextlib.suppress(BaseException):
                     await task
         self.state = ProxyState.STOPPED
+        if self.sessions.log is not None:
+            self.sessions.log.close()
 
     async def __aenter__(self) -> Proxy:
         await self.start()

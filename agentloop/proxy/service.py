@@ -99,6 +99,7 @@ class ProxyService:
         store: Store,
         *,
         model_name: str,
+        model_aliases: tuple[str, ...] = (),
         template: ChatTemplate,
         ledger: TokenLedger,
         sessions: SessionTable,
@@ -108,6 +109,7 @@ class ProxyService:
         default_sampling: dict[str, Any],
     ) -> None:
         self.engine, self.store, self.model_name = engine, store, model_name
+        self.model_names = frozenset((model_name, *model_aliases))  # what a session request may name
         self.template, self.ledger, self.sessions = template, ledger, sessions
         self.tokenizer = template.tokenizer
         self.engine_timeout_s, self.store_timeout_s = engine_timeout_s, store_timeout_s
@@ -141,6 +143,18 @@ class ProxyService:
             raise ProxyError(
                 503, f"the store failed on {what}: {type(exc).__name__}", "store_error"
             ) from None
+
+    def check_model(self, target: Target, model: str | None) -> None:
+        """Session requests name the served model (or its alias, or none); else 404 as OpenAI answers.
+        Per-attempt requests may name anything: the agent's LLM resource chose the name."""
+        if target.session_id is None or model is None or model in self.model_names:
+            return
+        raise ProxyError(
+            404,
+            f"the model {model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
 
     async def check_live(self, target: Target) -> dict[str, Any]:
         """404 for an unknown rollout/attempt, 409 for a finished or superseded one; the LLM's defaults."""
@@ -282,6 +296,7 @@ class ProxyService:
 
     async def chat(self, target: Target, req: ChatCompletionRequest, raw_messages: list[Any]) -> Generation:
         started = time.perf_counter()
+        self.check_model(target, req.model)
         llm = await self.check_live(target)
         messages = [canonical_message(m, i) for i, m in enumerate(req.messages)]
         use_tools = req.tools is not None and req.tool_choice != "none"
@@ -329,6 +344,7 @@ class ProxyService:
 
     async def complete(self, target: Target, req: CompletionRequest) -> Generation:
         started = time.perf_counter()
+        self.check_model(target, req.model)
         llm = await self.check_live(target)
         prompt_ids = self._prompt_ids(req.prompt)
         call: dict[str, Any] = {"prompt_ids": prompt_ids, "model": req.model}

@@ -158,13 +158,15 @@ async def test_sessions_record_calls_and_take_a_reward(tokenizer: Any, oai: Any)
     async with running_proxy(engine) as proxy:
         client = oai(proxy.session_base_url)
         with anyio.fail_after(20):
-            raw = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
+            raw = await client.chat.completions.with_raw_response.create(
+                model=proxy.model_name, messages=MESSAGES
+            )
             sid = raw.headers["x-session-id"]
             first = raw.parse()
             follow = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content},
                       {"role": "user", "content": "more"}]  # fmt: skip
             await client.chat.completions.create(
-                model="m", messages=follow, extra_headers={"X-Session-Id": sid}
+                model=proxy.model_name, messages=follow, extra_headers={"X-Session-Id": sid}
             )
             http = client._client  # the httpx client the openai client uses
             ok = await http.post(f"{proxy.session_base_url}/sessions/{sid}/reward", json={"value": 1.5})
