@@ -1,4 +1,8 @@
-"""``agentloop inspect RUN_DIR``: a table of the run's rollouts and one trajectory in colour.
+"""``agentloop inspect RUN``: a table of the rollouts (and app sessions) and one trajectory in colour.
+
+``RUN`` is a training run folder (``store.db``), the SQLite file ``agentloop serve --store`` wrote
+(``agentloop-serve.db``; its sessions are read from ``agentloop-serve.sessions.jsonl`` beside it), a
+folder holding one such file, or a session log itself.
 
 In the trajectory, the prompt is dim, tokens the model produced (trained, mask 1) are green, and
 tokens it did not produce (tool output, later user turns: mask 0) are yellow. For a training rollout
@@ -16,18 +20,81 @@ from typing import Any
 
 import anyio
 
-from agentloop.types import Reward, Rollout, Triplet
+from agentloop.proxy.sessions import SESSION_LOG_SUFFIX, SessionRecord, read_session_log, session_log_path
+from agentloop.types import LLMCall, Reward, Rollout, Span, Triplet
 
 DIM, GREEN, YELLOW, BOLD, RESET = "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[1m", "\x1b[0m"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("inspect", help="show a run's rollouts and one trajectory (model vs masked tokens)")
-    p.add_argument("run_dir", type=Path, help="a run folder (holds store.db and config.json)")
-    p.add_argument("--limit", type=int, default=20, help="rows in the rollout table")
-    p.add_argument("--rollout", default=None, help="the rollout to print (default: the best-rewarded one)")
+    p.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run folder (store.db, config.json), or the store `agentloop serve` wrote (agentloop-serve.db, "
+        "or the folder holding it)",
+    )
+    p.add_argument("--limit", type=int, default=20, help="rows in the rollout and session tables")
+    p.add_argument(
+        "--rollout",
+        default=None,
+        help="the rollout or session to print, by id or a unique start of it (default: the best-rewarded one)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the tokenizer to decode with (default: the run's model or the served one)",
+    )
     p.add_argument("--no-color", action="store_true", help="plain text with [model]...[/model] marks")
     p.set_defaults(func=run)
+
+
+class InspectError(Exception):
+    """A path or id that ``inspect`` cannot use; the message says what to give instead."""
+
+
+def locate(path: Path) -> tuple[Path | None, Path | None]:
+    """The SQLite store and the session log that ``path`` names (either may be None, not both)."""
+    db: Path | None
+    if path.is_file():
+        if path.name.endswith(SESSION_LOG_SUFFIX):
+            beside = path.with_name(path.name.removesuffix(SESSION_LOG_SUFFIX) + ".db")
+            return (beside if beside.is_file() else None), path
+        log = session_log_path(path)
+        return path, (log if log.is_file() else None)
+    if not path.is_dir():
+        raise InspectError(f"{path} does not exist; give a run folder or the store `agentloop serve` wrote")
+    if (path / "store.db").is_file():
+        db = path / "store.db"
+    else:
+        dbs = sorted(path.glob("*.db"))
+        if len(dbs) > 1:
+            names = ", ".join(d.name for d in dbs)
+            raise InspectError(f"{path} holds several stores ({names}); give one of them")
+        db = dbs[0] if dbs else None
+    if db is not None:
+        log = session_log_path(db)
+        return db, (log if log.is_file() else None)
+    logs = sorted(path.glob("*" + SESSION_LOG_SUFFIX))
+    if len(logs) == 1:
+        return None, logs[0]
+    raise InspectError(
+        f"{path} has no store.db; give a run folder written by training, or the store file "
+        "`agentloop serve` wrote (agentloop-serve.db by default, in the folder it ran in)"
+    )
+
+
+def _session_spans(rec: SessionRecord) -> list[Span]:
+    """A session's calls and rewards as the spans of one attempt (rewards after the calls)."""
+    payloads: list[LLMCall | Reward] = [*rec.calls, *rec.rewards]
+    return [
+        Span(rollout_id=rec.session_id, attempt_id=rec.session_id, sequence_id=i, payload=payload)
+        for i, payload in enumerate(payloads, start=1)
+    ]
+
+
+def _session_reward(rec: SessionRecord) -> float | None:
+    return sum(r.value for r in rec.rewards) if rec.rewards else None
 
 
 def _reward(spans: list[Any]) -> float | None:
@@ -35,10 +102,10 @@ def _reward(spans: list[Any]) -> float | None:
     return sum(values) if values else None
 
 
-async def collect(run_dir: Path) -> list[tuple[Rollout, float | None, int]]:
+async def collect(db: Path) -> list[tuple[Rollout, float | None, int]]:
     from agentloop.store.sqlite import SQLiteStore
 
-    store = SQLiteStore(run_dir / "store.db")
+    store = SQLiteStore(db)
     try:
         rows = []
         for rollout in await store.list_rollouts():
@@ -50,7 +117,9 @@ async def collect(run_dir: Path) -> list[tuple[Rollout, float | None, int]]:
         await store.close()
 
 
-async def trajectory(run_dir: Path, rollout_id: str) -> tuple[list[Triplet], Rollout, list[float | None]]:
+async def trajectory(
+    run_dir: Path, rollout_id: str, db: Path | None = None
+) -> tuple[list[Triplet], Rollout, list[float | None]]:
     """The rollout's calls merged for display, the rollout, and each call's advantage (None when the
     trainer would not train on it, or the rollout is not a training rollout)."""
     from agentloop.adapter import spans_to_triplets, triplets_for_rollouts
@@ -60,7 +129,7 @@ async def trajectory(run_dir: Path, rollout_id: str) -> tuple[list[Triplet], Rol
     from trainer.batch import merge_trajectory
 
     config = _config(run_dir)
-    store = SQLiteStore(run_dir / "store.db")
+    store = SQLiteStore(db if db is not None else run_dir / "store.db")
     try:
         rollout = await store.get_rollout(rollout_id)
         spans = await store.query_spans(rollout_id)
@@ -114,40 +183,81 @@ def _paint(text: str, code: str, tag: str, color: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_dir: Path = args.run_dir
-    if not (run_dir / "store.db").exists():
-        sys.stderr.write(
-            f"agentloop inspect: {run_dir} has no store.db; give a run folder written by training\n"
-        )
+    try:
+        return _run(args)
+    except InspectError as exc:
+        sys.stderr.write(f"agentloop inspect: {exc}\n")
         return 2
-    rows = anyio.run(collect, run_dir)
+
+
+def _run(args: argparse.Namespace) -> int:
+    db, log = locate(args.run_dir)
+    run_dir = db.parent if db is not None else args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
+    rows = anyio.run(collect, db) if db is not None else []
+    server, sessions = read_session_log(log) if log is not None else ({}, [])
     color = not args.no_color and sys.stdout.isatty()
     w = sys.stdout.write
-    w(f"{len(rows)} rollouts in {run_dir}\n")
-    w(f"{'rollout':<14} {'mode':<5} {'status':<10} {'attempts':>8} {'calls':>5} {'reward':>7}  input\n")
-    for rollout, reward, calls in rows[-args.limit :]:
-        shown = json.dumps(rollout.input)[:60]
-        r = "-" if reward is None else f"{reward:.3f}"
-        w(
-            f"{rollout.rollout_id[:13]:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
-        )
+    if db is not None:
+        w(f"{len(rows)} rollouts in {db if db.name != 'store.db' else run_dir}\n")
+        w(f"{'rollout':<14} {'mode':<5} {'status':<10} {'attempts':>8} {'calls':>5} {'reward':>7}  input\n")
+        for rollout, reward, calls in rows[-args.limit :]:
+            shown = json.dumps(rollout.input)[:60]
+            r = "-" if reward is None else f"{reward:.3f}"
+            w(
+                f"{rollout.rollout_id[:13]:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
+            )
+    session_rewards = {rec.session_id: _session_reward(rec) for rec in sessions}
+    if log is not None:
+        model = server.get("model", "?")
+        w(f"{len(sessions)} app sessions in {log} (served model {model})\n")
+        w(f"{'session':<22} {'calls':>5} {'reward':>7}  first message\n")
+        for rec in sessions[-args.limit :]:
+            reward = session_rewards[rec.session_id]
+            r = "-" if reward is None else f"{reward:.3f}"
+            first = json.dumps(
+                rec.calls[0].messages[-1].get("content") if rec.calls and rec.calls[0].messages else ""
+            )
+            w(f"{rec.session_id[:21]:<22} {len(rec.calls):>5} {r:>7}  {first[:60]}\n")
     chosen = args.rollout
     if chosen is None:
         scored = [(reward, r.rollout_id) for r, reward, calls in rows if reward is not None and calls]
+        scored += [(reward, sid) for sid, reward in session_rewards.items() if reward is not None]
+        if not scored:  # an app that posts no rewards: its latest session with calls
+            scored = [(0.0, rec.session_id) for rec in sessions[-1:] if rec.calls]
         if not scored:
             w("no rollout with LLM calls and a reward to print\n")
             return 0
         chosen = max(scored)[1]
-    matches = [r.rollout_id for r, _, _ in rows if r.rollout_id.startswith(chosen)]
-    if len(matches) != 1:
-        sys.stderr.write(
-            f"agentloop inspect: --rollout {chosen!r} matches {len(matches)} rollouts; give more of the id\n"
+    rollout_ids = [r.rollout_id for r, _, _ in rows]
+    matches = [i for i in [*rollout_ids, *session_rewards] if i.startswith(chosen)]
+    if chosen in rollout_ids or chosen in session_rewards:
+        matches = [chosen]
+    if not matches:
+        raise InspectError(
+            f"--rollout {chosen!r}: no rollout or session has this id ({len(rows)} rollouts, "
+            f"{len(sessions)} sessions in {args.run_dir}); the table above lists the ids"
         )
-        return 2
-    triplets, rollout, advantages = anyio.run(trajectory, run_dir, matches[0])
-    tokenizer = _tokenizer(run_dir)
+    if len(matches) > 1:
+        raise InspectError(
+            f"--rollout {chosen!r} starts {len(matches)} ids ({', '.join(m[:16] for m in matches[:4])}, ...); "
+            "give more of the id"
+        )
+    (match,) = matches
+    if match in session_rewards:
+        from agentloop.adapter import spans_to_triplets
+        from trainer.batch import merge_trajectory  # the CLI is where agentloop reaches the trainer
+
+        rec = next(r for r in sessions if r.session_id == match)
+        session_calls = spans_to_triplets(_session_spans(rec)).triplets
+        advantages: list[float | None] = [None] * len(session_calls)  # no groups outside training
+        triplets, title = merge_trajectory(session_calls), f"session {match}"
+        model = args.model or server.get("tokenizer") or server.get("model")
+    else:
+        triplets, _, advantages = anyio.run(trajectory, run_dir, match, db)
+        title, model = match, args.model
+    tokenizer = _tokenizer(run_dir, model)
     w(
-        f"\n{BOLD if color else ''}trajectory of {rollout.rollout_id}{RESET if color else ''} "
+        f"\n{BOLD if color else ''}trajectory of {title}{RESET if color else ''} "
         f"({len(triplets)} sample(s); green: model tokens, trained; yellow: masked)\n"
     )
     remaining = list(advantages)
@@ -164,11 +274,12 @@ def _config(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _tokenizer(run_dir: Path) -> Any:
+def _tokenizer(run_dir: Path, model: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     from agentloop.engine.models import resolve_model
 
-    config = _config(run_dir)
-    model = config.get("actor_rollout_ref", {}).get("model", {}).get("path", "smollm2-135m-instruct")
+    if model is None:
+        config = _config(run_dir)
+        model = config.get("actor_rollout_ref", {}).get("model", {}).get("path", "smollm2-135m-instruct")
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))

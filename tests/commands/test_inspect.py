@@ -1,0 +1,170 @@
+"""`agentloop inspect`: unknown rollout ids, and the store and session log `agentloop serve` writes.
+
+Real components: a SQLiteStore file, a real Proxy on a loopback port (the echo engine with the real
+SmolLM2 tokenizer) and the real command; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from agentloop.commands import inspect as inspect_cmd
+from agentloop.proxy.server import Proxy
+from agentloop.proxy.sessions import read_session_log
+from agentloop.store.sqlite import SQLiteStore
+from agentloop.types import AttemptStatus, LLMCall, Reward, Span
+from tests.proxy.engines import EchoEngine
+
+
+def _inspect(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="agentloop")
+    inspect_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["inspect", *argv])
+    code = args.func(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A run folder like training writes: store.db with two finished validation rollouts, config.json."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def fill() -> None:
+        store = SQLiteStore(tmp_path / "store.db")
+        try:
+            for question in ("What is 2 + 2?", "What is 3 + 3?"):
+                await store.enqueue_rollout({"question": question}, mode="val")
+                att = await store.dequeue_rollout("w")
+                assert att is not None
+                rid, aid = att.rollout_id, att.attempt.attempt_id
+                prompt = tok.apply_chat_template(
+                    [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+                )
+                response = [*tok.encode("<answer>4</answer>", add_special_tokens=False), tok.eos_token_id]
+                call = LLMCall(
+                    prompt_ids=tok.encode(prompt, add_special_tokens=False),
+                    response_ids=response,
+                    response_logprobs=[-0.5] * len(response),
+                )
+                await store.add_span(Span(rollout_id=rid, attempt_id=aid, payload=call))
+                await store.add_span(Span(rollout_id=rid, attempt_id=aid, payload=Reward(value=1.0)))
+                await store.update_attempt(rid, aid, status=AttemptStatus.SUCCEEDED)
+        finally:
+            await store.close()
+
+    anyio.run(fill)
+    config = {"actor_rollout_ref": {"model": {"path": str(tiny_model_dir)}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_unknown_rollout_id_says_it_does_not_exist(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _inspect(str(run_dir), "--rollout", "ro-doesnotexist", "--no-color", capsys=capsys)
+    assert code == 2
+    assert "'ro-doesnotexist': no rollout or session has this id (2 rollouts, 0 sessions" in err
+    assert "give more of the id" not in err
+    assert "2 rollouts in" in out  # the table with the real ids is still printed
+
+
+def test_ambiguous_prefix_asks_for_more_and_a_full_id_prints(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _inspect(str(run_dir), "--rollout", "ro-", "--no-color", capsys=capsys)
+    assert code == 2 and "starts 2 ids" in err and "give more of the id" in err
+
+    async def first_id() -> str:
+        store = SQLiteStore(run_dir / "store.db")
+        try:
+            return (await store.list_rollouts())[0].rollout_id
+        finally:
+            await store.close()
+
+    rid = anyio.run(first_id)
+    code, out, _ = _inspect(str(run_dir), "--rollout", rid[:12], "--no-color", capsys=capsys)
+    assert code == 0 and f"trajectory of {rid}" in out
+    assert "[model]<answer>4</answer>" in out and "-> reward 1.0" in out
+
+
+async def _serve_two_sessions(store_path: Path, tokenizer: Any) -> tuple[str, str, str]:
+    """What `agentloop serve` does (a Proxy on a SQLiteStore file), then two app sessions."""
+    store = SQLiteStore(store_path)
+    engine = EchoEngine(tokenizer, reply=lambda prompt, sampling: "Paris is the capital.")
+    try:
+        async with Proxy(engine, store) as proxy, httpx.AsyncClient(timeout=20) as http:
+            chat = {
+                "model": proxy.model_name,
+                "messages": [{"role": "user", "content": "Capital of France?"}],
+            }
+            with anyio.fail_after(30):
+                first = await http.post(f"{proxy.session_base_url}/chat/completions", json=chat)
+                sid = first.headers["x-session-id"]
+                follow = {**chat, "messages": [*chat["messages"], first.json()["choices"][0]["message"],
+                                               {"role": "user", "content": "And of Italy?"}]}  # fmt: skip
+                await http.post(
+                    f"{proxy.session_base_url}/chat/completions", json=follow, headers={"X-Session-Id": sid}
+                )
+                rewarded = await http.post(
+                    f"{proxy.session_base_url}/sessions/{sid}/reward", json={"reward": 0.75}
+                )
+                assert rewarded.status_code == 200, rewarded.text
+                other = await http.post(
+                    f"{proxy.session_base_url}/chat/completions",
+                    json=chat,
+                    headers={"X-Session-Id": "app-42"},
+                )
+                assert other.status_code == 200
+            assert proxy.session_log is not None
+            log = str(proxy.session_log)
+        return sid, log, proxy.model_name
+    finally:
+        await store.close()
+
+
+def test_the_store_agentloop_serve_wrote_opens(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store_path = tmp_path / "agentloop-serve.db"  # serve's default --store, in the folder it ran in
+    sid, log, model = anyio.run(_serve_two_sessions, store_path, tokenizer)
+    assert log == str(tmp_path / "agentloop-serve.sessions.jsonl")
+
+    server, sessions = read_session_log(log)  # the durable record replays
+    assert server["model"] == model and server["tokenizer"] == str(tiny_model_dir)
+    assert [s.session_id for s in sessions] == [sid, "app-42"]
+    assert [len(s.calls) for s in sessions] == [2, 1] and [r.value for r in sessions[0].rewards] == [0.75]
+    one, two = sessions[0].calls
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.response_ids)] == one.prompt_ids + one.response_ids
+
+    for target in (tmp_path, store_path):  # the folder serve ran in, or the file it printed
+        code, out, err = _inspect(str(target), "--no-color", capsys=capsys)
+        assert code == 0, err
+        assert "0 rollouts in" in out and f"2 app sessions in {log} (served model {model})" in out
+        assert f"trajectory of session {sid}" in out  # the rewarded session is shown by default
+        assert out.count("[model]Paris is the capital.") == 2 and "[masked]" in out  # the user turn: masked
+        assert "-> reward 0.75" in out
+
+    code, out, _ = _inspect(str(tmp_path), "--rollout", "app-4", "--no-color", capsys=capsys)
+    assert code == 0 and "trajectory of session app-42" in out
+
+
+def test_a_folder_without_a_store_names_what_to_give(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _inspect(str(tmp_path), capsys=capsys)
+    assert code == 2 and "has no store.db" in err and "agentloop-serve.db" in err
+    (tmp_path / "a.db").touch()
+    (tmp_path / "b.db").touch()
+    code, _, err = _inspect(str(tmp_path), capsys=capsys)
+    assert code == 2 and "holds several stores (a.db, b.db); give one of them" in err
