@@ -281,8 +281,17 @@ class ReactAgentLoop(Agent):
     ``reward(task, final_state)`` (sync or async; ``final_state`` is the graph's last state, None if
     it produced none); or override ``build_graph(llm)`` to return their own compiled graph. The graph
     runs with ``recursion_limit=max_steps``; running out of steps, or out of context, ends the run and
-    the last state is scored. Task format: see ``agentloop.tool_agent`` (``messages``, or ``question`` /
-    ``prompt``), turned into the graph input ``{"messages": [...]}`` by ``graph_input``.
+    the last state is scored.
+
+    Task keys read (by ``graph_input``, which makes the graph input ``{"messages": [...]}``):
+
+    - a ``str`` task: the user message;
+    - ``task["messages"]``: a non-empty list of chat messages (dicts with a ``role``), the conversation's start;
+    - else ``task["question"]``, or ``task["prompt"]``: a string sent as the user message.
+
+    Any other key (an ``answer``, an id) is not read here: ``reward(task, final_state)`` gets the whole
+    task. Anything else raises ``ValueError`` naming the keys it got; override ``graph_input`` for
+    another format. ``system_prompt`` goes to the graph (the prebuilt agent's ``prompt``), not the task.
     """
 
     tools: Sequence[Any] = ()
