@@ -15,6 +15,7 @@ substituted text must be in the block, so a README edit cannot silently turn it 
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import re
@@ -128,3 +129,52 @@ def test_snippet_trains_as_written_with_the_tiny_model(
     if "Trainer(" in block:
         run_dir = tmp_path / out.stdout.strip().splitlines()[-1]  # the snippet prints result.run_dir
         assert (run_dir / "metrics.jsonl").is_file(), out.stdout
+
+
+def _serve_curls() -> list[list[str]]:
+    """The README's `curl` calls to `agentloop serve`, each split as a shell would."""
+    import shlex
+
+    text = README.read_text().replace("\\\n", " ")
+    return [
+        shlex.split(line)
+        for line in text.splitlines()
+        if line.startswith("curl ") and "localhost:8000" in line
+    ]
+
+
+async def test_the_serve_sections_curl_calls_work(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import anyio
+    import httpx
+    from transformers import AutoTokenizer
+
+    from agentloop.proxy.server import Proxy
+    from agentloop.store.sqlite import SQLiteStore
+    from tests.proxy.engines import EchoEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    curls = _serve_curls()
+    assert len(curls) >= 3, "the README's serve section lost its curl examples"
+    store = SQLiteStore(tmp_path / "agentloop-serve.db")
+    answers = []
+    try:  # `agentloop serve` with the default model: a Proxy on a SQLite store, the model's folder name
+        async with Proxy(EchoEngine(tokenizer), store, model_name="smollm2-135m-instruct") as proxy:
+            async with httpx.AsyncClient(timeout=20) as http:
+                for argv in curls:
+                    url = next(a for a in argv if a.startswith("localhost:8000")).replace(
+                        "localhost:8000", proxy.url
+                    )
+                    headers = dict(h.split(": ", 1) for flag, h in itertools.pairwise(argv) if flag == "-H")
+                    body = next((d for flag, d in itertools.pairwise(argv) if flag == "-d"), None)
+                    with anyio.fail_after(30):
+                        if body is None:
+                            resp = await http.get(url, headers=headers)
+                        else:
+                            resp = await http.post(url, content=body, headers=headers)
+                    assert resp.status_code == 200, (argv, resp.text)
+                    answers.append(resp.json())
+    finally:
+        await store.close()
+    session = answers[-1]  # GET /v1/sessions/chat-1
+    assert session["session_id"] == "chat-1" and len(session["calls"]) == 1
+    assert session["calls"][0]["prompt_ids"] and [r["value"] for r in session["rewards"]] == [1.0]
