@@ -78,3 +78,46 @@ def test_bad_arguments() -> None:
         configure_logging("LOUD")
     with pytest.raises(ValueError, match="logger name must be a non-empty string"):
         get_logger("")
+
+
+def _fail_with_a_secret_local() -> None:
+    api_key = "sk-live-7f3a9c"  # noqa: F841 (a local that a traceback with locals would print)
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("stream", [_TTY, io.StringIO], ids=["console", "json"])
+def test_tracebacks_never_show_local_variables(stream: type[io.StringIO]) -> None:
+    out = stream()
+    configure_logging("INFO", stream=out)
+    try:
+        _fail_with_a_secret_local()
+    except ValueError:
+        get_logger("agentloop.test").exception("failed")
+    text = out.getvalue()
+    assert "ValueError: boom" in text and "_fail_with_a_secret_local" in text  # the traceback is there
+    assert "sk-live-7f3a9c" not in text and "api_key" not in text  # its locals are not
+
+
+def test_rollout_level_hides_per_rollout_events_below_it() -> None:
+    out = io.StringIO()
+    configure_logging("INFO", json=True, stream=out, rollout_level="WARNING")
+    log = get_logger("agentloop.runner")
+    log.info("attempt_started", rollout_id="ro-1")
+    log.debug("attempt_finished", rollout_id="ro-1", status="succeeded")
+    log.warning("attempt_finished", rollout_id="ro-2", status="failed")
+    log.info("runner_started", worker_id="w")
+    log.debug("hidden_by_level")
+    events = [(r["event"], r.get("rollout_id")) for r in map(json.loads, out.getvalue().splitlines())]
+    assert events == [("attempt_finished", "ro-2"), ("runner_started", None)]
+    with pytest.raises(ValueError, match="rollout_level must be one of"):
+        configure_logging("INFO", rollout_level="LOUD")
+
+
+def test_silence_drops_everything_until_configured_again() -> None:
+    out = io.StringIO()
+    configure_logging("INFO", json=True, stream=out)
+    al_logging.silence()
+    get_logger("x").critical("dropped")
+    configure_logging("INFO", json=True, stream=out)  # the same arguments configure again after silence
+    get_logger("x").info("shown")
+    assert [json.loads(line)["event"] for line in out.getvalue().splitlines()] == ["shown"]

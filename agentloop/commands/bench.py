@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentloop.cli import UsageError
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -157,10 +159,7 @@ def run_script(script: str) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> int:
     scripts = sorted({t.script for t in TARGETS if args.only in (None, t.script) and t.runs_here})
     if not scripts:
-        sys.stderr.write(
-            f"agentloop bench: no benchmark named {args.only!r}; have {sorted({t.script for t in TARGETS})}\n"
-        )
-        return 2
+        raise UsageError(f"no benchmark named {args.only!r}; have {sorted({t.script for t in TARGETS})}")
     docs: dict[str, dict[str, Any] | None] = {}
     for script in scripts:
         if not args.results:

@@ -12,7 +12,12 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+from agentloop.cli import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -30,25 +35,77 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def load_object(spec: str) -> Any:
-    """``package.module:attr.sub`` -> the object; raises ValueError saying what was expected."""
-    module_name, sep, attr = spec.partition(":")
+def load_object(spec: str, what: str = "--agent", *, base: Path | None = None, dotted: bool = False) -> Any:
+    """``package.module:attr.sub`` or ``path/to/file.py:attr`` -> the object.
+
+    A module is looked up in ``base`` (a job file's folder), then the working folder (as
+    ``python -m`` does); a ``.py`` file is imported from its own folder, so its sibling modules
+    import too (a relative file path is relative to ``base``, else the working folder). ``dotted``: also accept
+    ``package.module.attr`` without a colon. Every failure is a UsageError that names what failed
+    and where: a missing module, an error raised while importing it (type, message, file and
+    line), or a missing attribute.
+    """
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep and dotted:
+        module_name, sep, attr = spec.rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(
-            f"--agent must look like module:object (e.g. examples.calc_x.agent:agent), got {spec!r}"
-        )
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does: agents in the working folder are found
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--agent {spec!r}: cannot import module {module_name!r} ({exc})") from None
+        example = "examples.calc_x.agent:agent or agent.py:agent"
+        raise UsageError(f"{what} must look like module:object (e.g. {example}), got {spec!r}")
+    if module_name.endswith(".py"):
+        module = _import_file((base or Path.cwd()) / module_name, spec, what)
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: agents in the working folder are found
+        if base is not None and str(base) not in sys.path:
+            sys.path.insert(0, str(base))
+        module = _import_module(module_name, spec, what, base)
+    obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"--agent {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+            raise UsageError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
+
+
+def _import_file(path: Path, spec: str, what: str) -> ModuleType:
+    if not path.is_file():
+        raise UsageError(f"{what} {spec!r}: file {str(path)!r} does not exist")
+    folder, name = str(path.resolve().parent), path.stem
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = _import_module(name, spec, what, None)
+    found = Path(getattr(module, "__file__", "") or "")
+    if found.resolve() != path.resolve():
+        raise UsageError(
+            f"{what} {spec!r}: a module named {name!r} is already imported from {str(found)!r}; "
+            f"rename {path.name}"
+        )
+    return module
+
+
+def _import_module(name: str, spec: str, what: str, base: Path | None) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            where = f"the job file's folder ({base}), " if base is not None else ""
+            raise UsageError(
+                f"{what} {spec!r}: no module named {exc.name!r} in {where}the working folder ({os.getcwd()}) "
+                "or on the Python path"
+            ) from None
+        raise UsageError(f"{what} {spec!r}: importing {name!r} failed: {_raised_at(exc)}") from exc
+    except Exception as exc:  # the module's own code failed: say what and where
+        raise UsageError(f"{what} {spec!r}: importing {name!r} failed: {_raised_at(exc)}") from exc
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``Type: message (file.py, line N)``: the innermost frame outside Python's import machinery."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError):
+        return f"{type(exc).__name__}: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
+    return f"{text} ({frames[-1].filename}, line {frames[-1].lineno})" if frames else text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,18 +113,15 @@ def run(args: argparse.Namespace) -> int:
     from agentloop.store.http import StoreClient
 
     if args.concurrency < 1:
-        sys.stderr.write(f"agentloop runner: --concurrency must be >= 1, got {args.concurrency}\n")
-        return 2
+        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.max_rollouts is not None and args.max_rollouts < 0:
-        sys.stderr.write(f"agentloop runner: --max-rollouts must be >= 0, got {args.max_rollouts}\n")
-        return 2
+        raise UsageError(f"--max-rollouts must be >= 0, got {args.max_rollouts}")
+    agent = load_object(args.agent)
     try:
-        agent = load_object(args.agent)
         store = StoreClient(args.store, api_key=args.api_key, max_connections=max(16, 4 * args.concurrency))
         runner = Runner(agent, store, concurrency=args.concurrency, worker_id=args.worker_id)
     except (ValueError, TypeError) as exc:
-        sys.stderr.write(f"agentloop runner: {exc}\n")
-        return 2
+        raise UsageError(str(exc)) from None
     stats = runner.run_sync(max_rollouts=args.max_rollouts)
     sys.stdout.write(f"agentloop runner {runner.worker_id}: {vars(stats)}\n")
     return 0

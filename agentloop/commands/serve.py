@@ -8,6 +8,8 @@ from pathlib import Path
 
 import anyio
 
+from agentloop.cli import UsageError
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve a model behind the recording OpenAI-compatible proxy")
@@ -48,11 +50,14 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until stopped: Ctrl-C or SIGTERM ends ``serve`` (the proxy, engine and store close in its
+    ``finally``) and the CLI prints the one line that says so."""
+    from agentloop.errors import ModelResolutionError
+
     if not 0 <= args.port <= 65535:
-        sys.stderr.write(f"agentloop serve: --port must be in [0, 65535], got {args.port}\n")
-        return 2
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     try:
         anyio.run(serve, args)
-    except KeyboardInterrupt:
-        pass
+    except ModelResolutionError as exc:
+        raise UsageError(f"--model: {exc}") from None
     return 0

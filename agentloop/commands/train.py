@@ -1,105 +1,314 @@
-"""``agentloop train CONFIG.yaml``: train any agent, named by import path, with a YAML config.
+"""``agentloop train JOB.yaml``: train any agent, named by import path or file, with a YAML job file.
 
-The YAML file::
+The job file holds the agent, its tasks and the trainer's config sections, all at the top level;
+every path in it is relative to the file, so ``agentloop train capitals/job.yaml`` works from anywhere::
 
-    agent: examples.calc_x.agent:agent      # module:attribute, an al.Agent or @al.rollout function
-    train_data: data/train.jsonl            # a JSONL file of tasks, or module:attribute (list or function)
-    val_data: data/val.jsonl                # optional
-    trainer:                                # TrainerConfig keys (verl names)
-      data: {train_batch_size: 8}
-      actor_rollout_ref: {model: {path: smollm2-135m-instruct}}
+    agent: agent.py:agent                     # file.py:name or package.module:name (an al.Agent or @al.rollout)
+    train_data: data/train.jsonl              # a JSONL file of tasks, or module:name (a list or a function)
+    val_data: data/val.jsonl                  # optional
+    data: {train_batch_size: 8}               # TrainerConfig sections (verl keys) from here on
+    actor_rollout_ref: {model: {path: smollm2-135m-instruct}}
+    trainer: {total_training_steps: 20}
 
-``--set key=value`` overrides a TrainerConfig key (``--set actor_rollout_ref.actor.optim.lr=1e-5``).
+``--set KEY=VALUE`` overrides a key of the job file, dotted as it is nested in the file
+(``--set trainer.total_training_steps=2``); a path given with ``--set`` is relative to the working
+folder, as on any command line. The older form, with the whole config nested under ``trainer:``,
+is still read (with a note).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ALLOWED_KEYS = {"agent", "train_data", "val_data", "trainer"}
+from agentloop.cli import UsageError
+from agentloop.commands.runner import load_object
+
+JOB_KEYS = ("agent", "train_data", "val_data")
+# TrainerConfig's top-level sections, named here so that `agentloop train --help` does not import torch;
+# tests/commands/test_train_cmd.py checks this list against TrainerConfig.
+CONFIG_SECTIONS = ("algorithm", "data", "actor_rollout_ref", "trainer", "adapter", "placement")
+
+EPILOG = f"""\
+The job file (every path in it is relative to the file):
+
+  agent: agent.py:agent                 # file.py:name or package.module:name
+  train_data: train.jsonl               # JSONL of tasks, or module:name (a list or a function)
+  val_data: val.jsonl                   # optional
+  data: {{train_batch_size: 8}}           # the trainer's config sections, verl keys:
+  actor_rollout_ref: {{model: {{path: smollm2-135m-instruct}}, actor: {{optim: {{lr: 1e-6}}}}}}
+  trainer: {{total_training_steps: 20, save_freq: 5}}
+
+  Top-level keys: {", ".join(JOB_KEYS + CONFIG_SECTIONS)}.
+
+--set KEY=VALUE overrides a job-file key, dotted as it is nested in the file; the value is YAML:
+  agentloop train job.yaml --set trainer.total_training_steps=2 --set actor_rollout_ref.actor.optim.lr=1e-5
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("train", help="train an agent from a YAML config (agent import path + trainer keys)")
-    p.add_argument("config", type=Path, help="YAML file with agent, train_data, val_data, trainer")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = sub.add_parser(
+        "train",
+        help="train an agent from a YAML job file (agent, train_data, config sections)",
+        description="Train an agent with RL from a YAML job file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", type=Path, metavar="JOB.yaml", help="the job file (see below)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job-file key, e.g. --set trainer.total_training_steps=2 (repeatable)",
+    )
     p.set_defaults(func=run)
 
 
-def import_object(path: str, what: str) -> Any:
-    """``module:attribute`` (or ``module.attribute``) -> the object, with an error naming what failed."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{what} must look like 'package.module:name', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what}: cannot import module {module_name!r} ({exc})") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
+@dataclass
+class Job:
+    """A job file read, checked and resolved: what ``Trainer.fit`` needs."""
+
+    agent: Any
+    train: list[Any]
+    val: list[Any] | None
+    config: Any  # TrainerConfig (the trainer is imported only when a job is loaded)
 
 
-def load_tasks(spec: str, base: Path, what: str) -> list[Any]:
-    """Tasks from a JSONL file (relative to the config) or from ``module:attribute``."""
-    path = (base / spec) if not Path(spec).is_absolute() else Path(spec)
-    if path.suffix == ".jsonl" or path.exists():
-        if not path.exists():
-            raise ValueError(f"{what}: file {str(path)!r} does not exist")
+# ---------------------------------------------------------------- reading the file
+
+
+def read_job_file(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The job file as a flat mapping (the nested ``trainer:`` form unfolded) and any notes."""
+    if not path.is_file():
+        where = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise UsageError(f"job file {str(path)!r} {where} (working folder: {Path.cwd()})")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UsageError(f"{path} is not valid YAML: {problem}{where}") from None
+    if not isinstance(doc, dict):
+        got = "an empty file" if doc is None else f"a {type(doc).__name__}"
+        raise UsageError(f"{path} must hold a YAML mapping with keys such as agent and train_data, got {got}")
+    notes: list[str] = []
+    nested = doc.get("trainer")
+    if isinstance(nested, dict) and set(nested) & set(CONFIG_SECTIONS):
+        beside = sorted(set(doc) & set(CONFIG_SECTIONS) - {"trainer"})
+        if beside:
+            raise UsageError(
+                f"{path}: 'trainer:' holds the whole config (the old form) while {beside} sit at the top "
+                f"level; put every section ({', '.join(CONFIG_SECTIONS)}) at the top level"
+            )
+        stray = sorted(set(nested) - set(CONFIG_SECTIONS))
+        if stray:
+            raise UsageError(
+                f"{path}: 'trainer:' mixes config sections with keys {stray}; put the sections at the top "
+                f"level and those keys under 'trainer:'"
+            )
+        doc = {k: v for k, v in doc.items() if k != "trainer"} | nested
+        notes.append(
+            f"note: {path} nests the config under 'trainer:', which is deprecated; move "
+            f"{', '.join(sorted(nested))} to the top level of the file"
+        )
+    unknown = [k for k in doc if k not in JOB_KEYS + CONFIG_SECTIONS]
+    if unknown:
+        raise UsageError(
+            f"{path}: unknown top-level keys {unknown}; allowed: {', '.join(JOB_KEYS + CONFIG_SECTIONS)}"
+        )
+    return doc, notes
+
+
+def apply_overrides(doc: dict[str, Any], items: list[str], base: Path) -> dict[str, Any]:
+    """``doc`` with ``--set key=value`` items applied (values are YAML; paths relative to ``base``)."""
+    out = dict(doc)
+    for item in items:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise UsageError(
+                f"--set {item!r} must look like KEY=VALUE with a dotted job-file key, "
+                "e.g. --set trainer.total_training_steps=2"
+            )
+        if parts[0] not in JOB_KEYS + CONFIG_SECTIONS:
+            raise UsageError(
+                f"--set {item!r}: unknown key {parts[0]!r}; --set keys are the job file's keys, starting "
+                f"with one of {', '.join(JOB_KEYS + CONFIG_SECTIONS)}"
+            )
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
+        single: dict[str, Any] = {}
+        node = single
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        _merge(out, resolve_paths(single, base), item)
+    return out
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any], item: str, where: str = "") -> None:
+    for key, value in new.items():
+        here = f"{where}.{key}" if where else key
+        old = into.get(key)
+        if isinstance(value, dict) and old is not None and not isinstance(old, dict):
+            raise UsageError(f"--set {item!r}: {here!r} is a value ({old!r}), not a section")
+        if isinstance(value, dict) and isinstance(old, dict):
+            into[key] = dict(old)
+            _merge(into[key], value, item, here)
+        else:
+            into[key] = value
+
+
+# ---------------------------------------------------------------- paths
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.startswith(("./", "../", "~", "/")) or value.endswith((".jsonl", ".json", ".py"))
+
+
+def _resolve(value: Any, base: Path, *, always: bool) -> Any:
+    """``value`` made absolute against ``base`` when it is a relative path (``always``: any string)."""
+    if not isinstance(value, str) or not value.strip():
+        return value
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    if always or _looks_like_path(value) or (base / p).exists():
+        return str((base / p).resolve())
+    return value
+
+
+def resolve_paths(doc: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy of ``doc`` whose paths (agent file, tasks, model folder, run folder) are relative to ``base``.
+
+    Names that are not paths stay: ``package.module:name`` specs, model aliases and hub ids
+    (``smollm2-135m-instruct``, ``Qwen/Qwen2.5-0.5B-Instruct``) unless such a folder exists next to
+    the file, and ``resume: auto|disable``.
+    """
+    out = dict(doc)
+    agent = out.get("agent")
+    if isinstance(agent, str):
+        file, sep, attr = agent.rpartition(":")
+        if sep and file.endswith(".py"):
+            out["agent"] = f"{_resolve(file, base, always=True)}:{attr}"
+    for key in ("train_data", "val_data"):
+        spec = out.get(key)
+        if isinstance(spec, str) and (_looks_like_path(spec) or "/" in spec or (base / spec).exists()):
+            out[key] = _resolve(spec, base, always=True)
+    section = out.get("actor_rollout_ref")
+    if isinstance(section, dict) and isinstance(section.get("model"), dict) and "path" in section["model"]:
+        model = section["model"]
+        out["actor_rollout_ref"] = {
+            **section,
+            "model": {**model, "path": _resolve(model["path"], base, always=False)},
+        }
+    run = out.get("trainer")
+    if isinstance(run, dict):
+        run = dict(run)
+        if run.get("default_local_dir"):
+            run["default_local_dir"] = _resolve(run["default_local_dir"], base, always=True)
+        if run.get("resume") not in (None, "auto", "disable"):
+            run["resume"] = _resolve(run["resume"], base, always=True)
+        out["trainer"] = run
+    return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_tasks(spec: str, what: str, base: Path | None = None) -> list[Any]:
+    """Tasks from a JSONL file (an absolute path by now) or from ``module:name``."""
+    path = Path(spec)
+    if path.is_absolute():
+        if not path.is_file():
+            raise UsageError(f"{what}: file {spec!r} does not exist")
         rows = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{what}: {path}:{n} is not valid JSON ({exc.msg})") from None
+                    raise UsageError(f"{what}: {path}:{n} is not valid JSON ({exc.msg})") from None
+        if not rows:
+            raise UsageError(f"{what}: {path} holds no tasks (one JSON object per line)")
         return rows
-    obj = import_object(spec, what)
+    obj = load_object(spec, what, base=base, dotted=True)
     data = obj() if callable(obj) else obj
     if not isinstance(data, list):
-        raise ValueError(f"{what}: {spec} must be (or return) a list of tasks, got {type(data).__name__}")
+        raise UsageError(f"{what}: {spec} must be (or return) a list of tasks, got {type(data).__name__}")
     return data
 
 
-def parse_config(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path} must hold a YAML mapping with keys {sorted(ALLOWED_KEYS)}")
-    unknown = set(doc) - ALLOWED_KEYS
-    if unknown:
-        raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: {sorted(ALLOWED_KEYS)}")
+def _config_hint(message: str) -> str:
+    """The fix for the usual trap: a section written under ``trainer.`` (the old nesting)."""
+    for section in CONFIG_SECTIONS:
+        if f"unknown key 'trainer.{section}" in message:
+            return (
+                f"{message} (the config sections sit at the top level of the job file: write "
+                f"{section}.<key>, not trainer.{section}.<key>)"
+            )
+    return message
+
+
+def load_job(
+    path: Path, overrides: list[str] | None = None, note: Callable[[str], None] | None = None
+) -> Job:
+    """Read, resolve and check a job file; every problem is a UsageError saying how to fix it.
+
+    ``note`` receives one-line remarks (the deprecated nested form) as soon as they are known, so they
+    print even when a later check fails.
+    """
+    from agentloop.errors import ConfigError, ModelResolutionError
+    from trainer import TrainerConfig  # the CLI is the one place agentloop reaches the trainer
+
+    doc, notes = read_job_file(path)
+    for line in notes:
+        if note is not None:
+            note(line)
+    doc = resolve_paths(doc, path.resolve().parent)  # before --set: paths on the command line are the cwd's
+    doc = apply_overrides(doc, list(overrides or []), Path.cwd())
     for key in ("agent", "train_data"):
-        if not isinstance(doc.get(key), str):
-            raise ValueError(f"{path}: '{key}' is required and must be a string")
-    return doc
+        if not isinstance(doc.get(key), str) or not doc[key].strip():
+            raise UsageError(f"{path}: '{key}' is required and must be a string (see agentloop train --help)")
+    if doc.get("val_data") is not None and not isinstance(doc["val_data"], str):
+        raise UsageError(f"{path}: 'val_data' must be a string (a JSONL file or module:name)")
+    try:
+        config = TrainerConfig.from_dict({k: v for k, v in doc.items() if k in CONFIG_SECTIONS})
+    except ConfigError as exc:
+        raise UsageError(f"{path}: {_config_hint(str(exc))}") from None
+    model = config.actor_rollout_ref.model.path
+    if Path(model).is_absolute():  # a folder named in the file: check it before anything starts
+        from agentloop.engine.models import resolve_model
+
+        try:
+            resolve_model(model)
+        except ModelResolutionError as exc:
+            raise UsageError(f"actor_rollout_ref.model.path: {exc}") from None
+    base = path.resolve().parent
+    agent = load_object(doc["agent"], "agent", base=base, dotted=True)
+    train = load_tasks(doc["train_data"], "train_data", base)
+    val = load_tasks(doc["val_data"], "val_data", base) if doc.get("val_data") else None
+    return Job(agent=agent, train=train, val=val, config=config)
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer import Trainer, TrainerConfig  # the CLI is the one place agentloop reaches the trainer
+    from trainer import Trainer
 
-    try:
-        doc = parse_config(args.config)
-        base = args.config.parent
-        sys.path.insert(0, str(Path.cwd()))
-        agent = import_object(doc["agent"], "agent")
-        train = load_tasks(doc["train_data"], base, "train_data")
-        val = load_tasks(doc["val_data"], base, "val_data") if doc.get("val_data") else None
-        config = TrainerConfig.from_dict(doc.get("trainer") or {}).with_overrides(args.overrides)
-    except ValueError as exc:
-        sys.stderr.write(f"agentloop train: {exc}\n")
-        return 2
-    result = Trainer(config).fit(agent, train, val)
+    job = load_job(
+        args.config, args.overrides, note=lambda line: sys.stderr.write(f"agentloop train: {line}\n")
+    )
+    result = Trainer(job.config).fit(job.agent, job.train, job.val)
     sys.stdout.write(f"trained {result.steps} steps; run folder: {result.run_dir}\n")
     return 0

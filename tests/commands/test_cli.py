@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,28 +33,47 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, str]:
+    """`agentloop train job/config.yaml` from the job's parent folder, with a flat job file whose
+    paths (agent module, tasks, run folder) are relative to the file: the run folder and the console."""
     work = tmp_path_factory.mktemp("cli-train")
-    (work / "cli_agent_mod.py").write_text(AGENT_MODULE)
-    (work / "train.jsonl").write_text("\n".join(json.dumps({"q": f"question {i}"}) for i in range(8)))
+    job = work / "job"
+    job.mkdir()
+    (job / "cli_agent_mod.py").write_text(AGENT_MODULE)
+    (job / "train.jsonl").write_text("\n".join(json.dumps({"q": f"question {i}"}) for i in range(8)))
     config = {
         "agent": "cli_agent_mod:agent",
         "train_data": "train.jsonl",
-        "trainer": {
-            "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 3},
-            "actor_rollout_ref": {
-                "model": {"path": str(tiny_model_dir)},
-                "rollout": {"n": 2},
-                "actor": {"ppo_mini_batch_size": 2},
-            },
-            "trainer": {"total_training_steps": 2, "device": "cpu", "default_local_dir": str(work / "run")},
+        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 3},
+        "actor_rollout_ref": {
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {"n": 2},
+            "actor": {"ppo_mini_batch_size": 2},
         },
+        "trainer": {"total_training_steps": 5, "device": "cpu", "default_local_dir": "run"},
     }
-    (work / "config.yaml").write_text(yaml.safe_dump(config))
-    out = _cli("train", "config.yaml", "--set", "actor_rollout_ref.actor.optim.lr=1e-4", cwd=work)
+    (job / "config.yaml").write_text(yaml.safe_dump(config))
+    out = _cli(
+        "train",
+        "job/config.yaml",
+        "--set",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "--set",
+        "trainer.total_training_steps=2",
+        cwd=work,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trained 2 steps" in out.stdout
-    return work / "run"
+    match = re.search(r"run folder: (\S+)", out.stdout)
+    assert match, out.stdout
+    run_dir = Path(match.group(1))
+    assert run_dir.is_relative_to(job / "run")  # default_local_dir: relative to the job file
+    return run_dir, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def trained_run(trained: tuple[Path, str]) -> Path:
+    return trained[0]
 
 
 def test_train_writes_the_run_folder(trained_run: Path) -> None:
@@ -63,6 +83,12 @@ def test_train_writes_the_run_folder(trained_run: Path) -> None:
         json.loads((trained_run / "config.json").read_text())["actor_rollout_ref"]["actor"]["optim"]["lr"]
         == 1e-4
     )
+
+
+def test_train_console_has_no_per_rollout_lines(trained: tuple[Path, str]) -> None:
+    console = trained[1]
+    assert "attempt_started" not in console and "attempt_finished" not in console  # 8 rollouts ran
+    assert "Traceback" not in console
 
 
 def test_inspect_prints_table_and_trajectory(trained_run: Path) -> None:
@@ -79,11 +105,60 @@ def test_train_rejects_bad_config(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"agent": "x:y", "train_data": "t.jsonl", "oops": 1}))
     out = _cli("train", "bad.yaml", cwd=tmp_path)
     assert out.returncode == 2 and "unknown top-level keys ['oops']" in out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
     (tmp_path / "bad2.yaml").write_text(
         yaml.safe_dump({"agent": "no_such_module_xyz:agent", "train_data": "t.jsonl"})
     )
     out = _cli("train", "bad2.yaml", cwd=tmp_path)
-    assert out.returncode == 2 and "cannot import module 'no_such_module_xyz'" in out.stderr
+    assert out.returncode == 2 and "no module named 'no_such_module_xyz'" in out.stderr
+
+
+def test_train_bad_model_path_is_one_line(tmp_path: Path) -> None:
+    """The old nested form (read with a note) and a model folder that does not exist: two lines, no traceback."""
+    (tmp_path / "agent_for_bad_model.py").write_text(AGENT_MODULE)
+    (tmp_path / "t.jsonl").write_text('{"q": "x"}\n')
+    doc = {
+        "agent": "agent_for_bad_model:agent",
+        "train_data": "t.jsonl",
+        "trainer": {"actor_rollout_ref": {"model": {"path": "./no-such-model"}}},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    out = _cli("train", "job.yaml", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    note, error = out.stderr.splitlines()
+    assert note.startswith(
+        "agentloop train: note: job.yaml nests the config under 'trainer:', which is deprecated"
+    )
+    assert error == (
+        f"agentloop train: error: actor_rollout_ref.model.path: model folder "
+        f"'{tmp_path.resolve() / 'no-such-model'}' does not exist"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_with_one_line(tmp_path: Path, tiny_model_dir: Path, sig: signal.Signals) -> None:
+    cmd = [sys.executable, "-m", "agentloop.cli", "serve", "--model", str(tiny_model_dir), "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--store", str(tmp_path / "serve.db")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(5)]  # the banner ends with "Ctrl-C to stop."
+        assert lines[-1] == "Ctrl-C to stop.\n", lines
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert err.splitlines()[-1] == f"agentloop serve: stopped by {sig.name}"
+    assert "Traceback" not in err
 
 
 def test_inspect_rejects_a_folder_without_store(tmp_path: Path) -> None:
