@@ -306,9 +306,10 @@ def load_job(
 def run(args: argparse.Namespace) -> int:
     from trainer import Trainer
 
-    job = load_job(
-        args.config, args.overrides, note=lambda line: sys.stderr.write(f"agentloop train: {line}\n")
-    )
+    def note(line: str) -> None:
+        sys.stderr.write(f"agentloop train: {line}\n")
+
+    job = load_job(args.config, args.overrides, note=note)
     result = Trainer(job.config).fit(job.agent, job.train, job.val)
     sys.stdout.write(f"trained {result.steps} steps; run folder: {result.run_dir}\n")
     return 0

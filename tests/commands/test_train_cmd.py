@@ -7,6 +7,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -174,7 +175,7 @@ def test_unknown_key(
 def test_bad_model_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    doc = {"agent": "model_path_agent:agent", "train_data": "train.jsonl"}
+    doc: dict[str, Any] = {"agent": "model_path_agent:agent", "train_data": "train.jsonl"}
     doc["actor_rollout_ref"] = {"model": {"path": "./models/mine"}}
     _job(tmp_path / "job", doc, "model_path_agent")
     monkeypatch.chdir(tmp_path)
