@@ -40,7 +40,16 @@ from agentloop.logging import get_logger
 from agentloop.store.base import Store
 from agentloop.types import AttemptedRollout, AttemptStatus, ErrorInfo, Reward, Span
 
-log = get_logger("agentloop.runner")
+
+class _Log:
+    """``get_logger("agentloop.runner")`` on each call: a logger bound at import would keep the
+    structlog configuration of import time and ignore a later ``configure_logging`` (levels, stream)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(get_logger("agentloop.runner"), name)
+
+
+log = _Log()
 
 __all__ = ["Runner", "RunnerStats"]
 

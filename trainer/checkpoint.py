@@ -1,22 +1,46 @@
-"""Checkpoints that a crash cannot tear, and the data cursor they record.
+"""Checkpoints that a crash cannot tear, the data cursor they record, the run folder's identity, and
+the trained model as a Hugging Face folder.
 
-Layout under ``<run_dir>/checkpoints``::
+A run folder (``trainer.default_local_dir``, default ``runs/<project>/<experiment>``)::
 
-    global_step_4/actor.pt          model + optimizer + actor step (written by the worker)
-    global_step_4/trainer_state.json  step, data cursor (epoch, position, seed)
-    latest                          the step of the last *complete* checkpoint
+    run.json                        this run: its identity (config + data), status, step, outputs
+    config.json  metrics.jsonl  reward_curve.png  store.db
+    checkpoints/global_step_4/model.safetensors    the policy's weights (LoRA: base + adapter, peft names)
+    checkpoints/global_step_4/optimizer.pt         optimizer state, actor step, LoRA rank
+    checkpoints/global_step_4/trainer_state.json   step, data cursor (epoch, position, seed)
+    checkpoints/latest              the step of the last *complete* checkpoint
+    final_model/                    the trained weights: safetensors + config + tokenizer + chat template
+    final_adapter/                  LoRA runs: the peft adapter (final_model/ holds it merged)
 
-``latest`` is replaced atomically after both files are on disk, so a process killed while saving
-leaves the previous checkpoint as the latest one.
+``latest`` is replaced atomically after the step's files are on disk, so a process killed while saving
+leaves the previous checkpoint as the latest one. Checkpoints of older versions (one ``actor.pt``)
+still load.
+
+One run, one folder (``plan_run``): a new run never appends to another run's files. With
+``trainer.resume=auto`` a folder whose run has this config and data is continued from its latest
+checkpoint, or, when it finished, returned as it is; any other run's folder is left alone and the run
+goes to the first free sibling (``<name>-2``, ``<name>-3``, ...). The log says which.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"  # in a checkpoint step folder
+OPTIMIZER_FILE = "optimizer.pt"
+LEGACY_FILE = "actor.pt"  # model + optimizer in one torch.save (checkpoints before issue 15)
+RUN_FILE = "run.json"
+FINAL_MODEL = "final_model"
+FINAL_ADAPTER = "final_adapter"
 
 
 class DataCursor:
@@ -78,11 +102,186 @@ class CheckpointManager:
 
     def load_path(self, path: Path) -> tuple[Path, dict[str, Any]]:
         state_file = path / "trainer_state.json"
-        if not state_file.exists() or not (path / "actor.pt").exists():
+        weights = (path / WEIGHTS_FILE).exists() and (path / OPTIMIZER_FILE).exists()
+        if not state_file.exists() or not (weights or (path / LEGACY_FILE).exists()):
             raise FileNotFoundError(
-                f"{path} is not a complete checkpoint (needs actor.pt and trainer_state.json)"
+                f"{path} is not a complete checkpoint (needs {WEIGHTS_FILE}, {OPTIMIZER_FILE} and "
+                "trainer_state.json)"
             )
         return path, json.loads(state_file.read_text())
+
+
+# ---------------------------------------------------------------- the policy's files
+
+
+def save_policy(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, lora_rank: int, path: Path
+) -> None:
+    """A checkpoint's weights (safetensors; tied tensors stored once) and optimizer state."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(path / WEIGHTS_FILE))
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "step": step, "lora_rank": lora_rank}, path / OPTIMIZER_FILE
+    )
+
+
+def load_policy_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, lora_rank: int, path: Path, device: torch.device
+) -> int | dict[str, Any]:
+    """Load a checkpoint written by ``save_policy`` into ``model`` and ``optimizer``; returns the actor
+    step. An older checkpoint (``actor.pt``) is returned as its state dict for ``Actor.load_state``."""
+    if not (path / WEIGHTS_FILE).exists():
+        legacy: dict[str, Any] = torch.load(path / LEGACY_FILE, map_location=device, weights_only=True)
+        return legacy
+    from safetensors.torch import load_model
+
+    state = torch.load(path / OPTIMIZER_FILE, map_location=device, weights_only=True)
+    saved = int(state.get("lora_rank", 0))
+    if saved != lora_rank:
+        raise ValueError(
+            f"the checkpoint was written with actor_rollout_ref.model.lora_rank={saved}, this run has "
+            f"{lora_rank}; resume with the same lora_rank, or start afresh with trainer.resume=disable"
+        )
+    load_model(model, str(path / WEIGHTS_FILE), device=str(device))
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def export_hf_model(weights: dict[str, torch.Tensor], model_path: str | Path, out_dir: Path) -> Path:
+    """Write ``weights`` (the base model's names, LoRA merged) as a Hugging Face folder that
+    ``AutoModelForCausalLM.from_pretrained`` and ``agentloop serve --model`` load: safetensors, the
+    config and generation config of ``model_path``, its tokenizer and chat template."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config = AutoConfig.from_pretrained(str(model_path))
+    dtype = next(iter(weights.values())).dtype
+    with torch.device("meta"):  # a skeleton without memory; the trained tensors are assigned into it
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    result = model.load_state_dict(weights, strict=False, assign=True)
+    if result.missing_keys:
+        raise ValueError(f"the trained weights lack {result.missing_keys[:5]} of the model in {model_path}")
+    model.tie_weights()
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(str(tmp))  # + chat_template.jinja
+    if (Path(model_path) / "generation_config.json").exists():
+        shutil.copy(Path(model_path) / "generation_config.json", tmp / "generation_config.json")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)  # a crash leaves the old folder or none, never half of one
+    return out_dir
+
+
+# ---------------------------------------------------------------- one run, one folder
+
+_NOT_IDENTITY = {  # keys that do not change what a run computes: a re-run may differ in them
+    "trainer": {"resume", "logger", "default_local_dir", "save_freq", "test_freq", "val_before_train"}
+    | {"ray_address", "timeouts"},
+    "placement": None,  # None: the whole section
+}
+
+
+def run_identity(config: dict[str, Any], *datasets: Any) -> str:
+    """A digest of what a run computes: its config (less logging, placement and checkpoint cadence)
+    and its data. Two runs with one identity produce the same model."""
+    kept = {k: v for k, v in config.items() if k not in _NOT_IDENTITY or _NOT_IDENTITY[k] is not None}
+    for section, keys in _NOT_IDENTITY.items():
+        if keys is not None and isinstance(kept.get(section), dict):
+            kept[section] = {k: v for k, v in kept[section].items() if k not in keys}
+    rollout = kept.get("actor_rollout_ref", {}).get("rollout", {})
+    if isinstance(rollout, dict):
+        rollout = {k: v for k, v in rollout.items() if k != "concurrency"}
+        kept["actor_rollout_ref"] = {**kept["actor_rollout_ref"], "rollout": rollout}
+    text = json.dumps([kept, list(datasets)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class RunPlan:
+    """Where a run writes and what it does there."""
+
+    run_dir: Path
+    action: Literal["new", "resume", "finished"]
+    checkpoint: tuple[Path, dict[str, Any]] | None = None  # resume: the step folder and its state
+    note: str = ""  # why this folder (for the log)
+    record: dict[str, Any] | None = None  # finished: the run's run.json
+
+    @property
+    def step(self) -> int:
+        return int(self.checkpoint[1]["step"]) if self.checkpoint else 0
+
+
+def read_run(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        record: dict[str, Any] = json.loads((run_dir / RUN_FILE).read_text())
+        return record
+    except (OSError, ValueError):
+        return None
+
+
+def write_run(run_dir: Path, record: dict[str, Any]) -> None:
+    _atomic_write(run_dir / RUN_FILE, json.dumps(record, indent=2, default=str))
+
+
+def _holds_run(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def _same_run(path: Path, identity: str, config: dict[str, Any]) -> bool:
+    record = read_run(path)
+    if record is not None:
+        return bool(record.get("identity") == identity)
+    try:  # a folder from before run.json: its config.json is all there is (its data is not known)
+        old = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return run_identity(old) == run_identity(config)
+
+
+def plan_run(run_dir: Path, resume: str, identity: str, config: dict[str, Any]) -> RunPlan:
+    """Decide the folder of a run (module docstring): resume, return a finished run, or start anew in
+    ``run_dir`` or its first free sibling."""
+    if resume not in ("auto", "disable"):  # an explicit checkpoint: continue from it, in run_dir
+        found = CheckpointManager(run_dir).load_path(Path(resume))
+        return RunPlan(run_dir, "resume", found, note=f"trainer.resume names {resume}")
+    why = ""
+    for i in range(1, 10_000):
+        path = run_dir if i == 1 else run_dir.with_name(f"{run_dir.name}-{i}")
+        if not _holds_run(path):
+            note = f"{run_dir} {why}" if why else ""
+            return RunPlan(path, "new", note=note)
+        if resume == "auto" and _same_run(path, identity, config):
+            record = read_run(path)
+            if record is not None and record.get("status") == "finished":
+                return RunPlan(path, "finished", record=record, note="this config's run finished here")
+            latest = CheckpointManager(path / "checkpoints").latest()
+            if latest is not None:
+                return RunPlan(path, "resume", latest, note="this config's run stopped here")
+            why = why or "holds this config's run, stopped before its first checkpoint"
+        elif not why:
+            why = "holds another run" if resume == "auto" else "holds a run (trainer.resume=disable)"
+    raise FileExistsError(f"no free run folder next to {run_dir}")
+
+
+def keep_metrics_until(path: Path, step: int) -> int:
+    """Drop the lines of a metrics.jsonl past ``step`` (a resumed run writes them again); returns how
+    many were dropped. A torn last line goes too."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if int(row.get("step", 0)) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    _atomic_write(path, "".join(k + "\n" for k in kept))
+    return dropped
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -17,15 +17,19 @@ in a Ray actor (a GPU of its own when there is one), so the update never blocks 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import shutil
+import signal
+import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -33,16 +37,17 @@ import torch
 
 from agentloop.adapter import triplets_for_rollouts
 from agentloop.agent import Agent
-from agentloop.errors import AgentLoopError, EmptyBatchError
+from agentloop.errors import AgentLoopError, EmptyBatchError, TrainerTimeoutError
 from agentloop.resources import Resources
 from agentloop.runner import Runner, _as_agent
 from agentloop.store.base import Store
 from agentloop.types import Reward, RolloutConfig, RolloutStatus, Triplet
+from trainer import checkpoint as ck
 from trainer.actor import Actor, resolve_device
 from trainer.batch import build_batch
-from trainer.checkpoint import CheckpointManager, DataCursor
+from trainer.checkpoint import CheckpointManager, DataCursor, RunPlan
 from trainer.config import TrainerConfig, engine_kwargs
-from trainer.metrics import MetricsLogger, plot_curves
+from trainer.metrics import MetricsLogger, plot_curves, read_metrics
 from trainer.placement import place, serve_store
 
 log = structlog.get_logger("agentloop.trainer")
@@ -63,6 +68,9 @@ class TrainerWorker:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.actor.named_weights()
 
+    def ready(self) -> bool:
+        return True  # the model is loaded once __init__ has run
+
     def save(self, path: str) -> None:
         torch.save(self.actor.state(), path)
 
@@ -70,15 +78,43 @@ class TrainerWorker:
         self.actor.load_state(torch.load(path, map_location=self.actor.device, weights_only=True))
         return self.actor.step
 
+    def save_checkpoint(self, path: str) -> None:
+        """Weights (safetensors) and optimizer state into a checkpoint's step folder."""
+        rank = self.actor.config.actor_rollout_ref.model.lora_rank
+        ck.save_policy(self.actor.model, self.actor.optimizer, self.actor.step, rank, Path(path))
+
+    def load_checkpoint(self, path: str) -> int:
+        rank = self.actor.config.actor_rollout_ref.model.lora_rank
+        got = ck.load_policy_state(
+            self.actor.model, self.actor.optimizer, rank, Path(path), self.actor.device
+        )
+        if isinstance(got, dict):  # an older checkpoint: one actor.pt
+            self.actor.load_state(got)
+        else:
+            self.actor.step = got
+        return self.actor.step
+
+    def save_model(self, model_path: str, out_dir: str, adapter_dir: str | None) -> None:
+        """The trained policy as a Hugging Face folder (LoRA merged); with LoRA also the peft adapter."""
+        ck.export_hf_model(self.actor.named_weights(), model_path, Path(out_dir))
+        if adapter_dir is not None:
+            peft_model: Any = self.actor.model
+            peft_model.save_pretrained(adapter_dir)  # peft: adapter_config.json + adapter_model.safetensors
+
 
 @dataclass
 class FitResult:
     """What ``Trainer.fit`` returns."""
 
-    run_dir: Path
-    steps: int
-    history: list[dict[str, float]] = field(default_factory=list)
+    run_dir: Path  # everything the run wrote: metrics.jsonl, checkpoints/, final_model/, store.db
+    steps: int  # the step the run ended at (counting steps of the run it resumed)
+    history: list[dict[str, float]] = field(default_factory=list)  # one row per step this call trained
     val_history: list[dict[str, float]] = field(default_factory=list)
+    model_dir: Path | None = None  # the trained model, a Hugging Face folder (AutoModelForCausalLM, serve)
+    adapter_dir: Path | None = None  # LoRA runs: the peft adapter (model_dir holds it merged)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last step's metrics + last validation
+    resumed_from: int | None = None  # the checkpoint step this call continued from
+    already_finished: bool = False  # the run had finished before: nothing was trained, its result returned
 
 
 @dataclass
@@ -107,10 +143,15 @@ class Trainer:
         store: Store | None = None,
         engine: Any = None,
     ) -> FitResult:
-        """Train ``agent``'s model on ``train_dataset`` (a list of JSON tasks); validate on ``val_dataset``.
+        """Train ``agent``'s model on ``train_dataset`` (a list of JSON tasks); validate on ``val_dataset``
+        before the first step and after the last (greedy, ``rollout.val_kwargs``).
 
-        ``store`` and ``engine`` default to a SQLite store in the run folder and the engine that
-        ``actor_rollout_ref.model.path`` resolves to.
+        Returns the run folder, the metrics and ``model_dir``: the trained model as a Hugging Face folder
+        (``<run folder>/final_model``). The run folder follows the one-run-one-folder rule of
+        trainer/checkpoint.py: a finished run of this config and data is returned at once, a stopped one
+        resumes from its checkpoint, and a folder holding another run is left alone. ``store`` and
+        ``engine`` default to a SQLite store in the run folder and the engine that
+        ``actor_rollout_ref.model.path`` resolves to. Ctrl-C or SIGTERM stops with one line (exit 130/143).
         """
         agent = _as_agent(agent)
         train = _check_dataset(train_dataset, "train_dataset")
@@ -118,35 +159,96 @@ class Trainer:
         bs = self.config.data.train_batch_size
         if len(train) < bs:
             raise ValueError(f"train_dataset has {len(train)} tasks, fewer than data.train_batch_size ({bs})")
-        return anyio.run(self._fit, agent, train, val, store, engine)
+        _quiet_defaults(self.config)
+        cfg = self.config
+        dump = cfg.model_dump(mode="json")
+        identity = ck.run_identity(dump, train, val)
+        plan = ck.plan_run(cfg.trainer.run_dir, cfg.trainer.resume, identity, dump)
+        if plan.action == "finished":
+            log.warning("run already finished; returning its result", run_dir=str(plan.run_dir))
+            return _finished_result(plan)
+        created = not plan.run_dir.exists()
+        where = {"run_dir": str(plan.run_dir)}
+        if plan.action == "resume":
+            where["resume_from_step"] = str(plan.step)
+        if plan.note:
+            where["why"] = plan.note
+        log.warning("writing run", **where)  # once per fit: where the outputs go
+        state = _FitState(plan=plan, identity=identity)
+        try:
+            with _clean_stop(state):
+                try:
+                    return anyio.run(self._fit, agent, train, val, store, engine, state)
+                except BaseExceptionGroup as group:  # the loop's task group: raise the one error itself
+                    leaf = _single_error(group)
+                    if leaf is None:
+                        raise
+                    raise leaf from None
+        except BaseException:
+            if not state.started and created:  # a failed start leaves no folder behind
+                shutil.rmtree(plan.run_dir, ignore_errors=True)
+            raise
 
     # ------------------------------------------------------------ the loop
 
     async def _fit(
-        self, agent: Agent, train: list[Any], val: list[Any] | None, store: Store | None, engine: Any
+        self,
+        agent: Agent,
+        train: list[Any],
+        val: list[Any] | None,
+        store: Store | None,
+        engine: Any,
+        state: _FitState,
     ) -> FitResult:
         from agentloop.engine.models import load_engine, resolve_model
         from agentloop.proxy import Proxy
         from agentloop.store.sqlite import SQLiteStore
 
         cfg = self.config
-        run_dir = cfg.trainer.run_dir
+        limits = cfg.trainer.timeouts
+        plan = state.plan
+        run_dir = plan.run_dir
+        model_path = resolve_model(
+            cfg.actor_rollout_ref.model.path
+        )  # before the folder: a bad path leaves none
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-        model_path = resolve_model(cfg.actor_rollout_ref.model.path)
+        record: dict[str, Any] = {"identity": state.identity, "status": "running", "step": plan.step}
+        ck.write_run(run_dir, record)
         device = str(resolve_device(cfg.trainer.device))
         own_store = store is None
         store = store or SQLiteStore(run_dir / "store.db")
         layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
-        engine = (
-            engine
-            or layout.engine
-            or load_engine(str(model_path), device=device, **engine_kwargs(cfg.actor_rollout_ref.rollout))
-        )
+        if engine is None and layout.engine is None:
+            kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
+            engine = await _deadline(
+                anyio.to_thread.run_sync(
+                    lambda: load_engine(str(model_path), device=device, **kwargs), abandon_on_cancel=True
+                ),
+                limits.engine_s,
+                f"the inference engine to load {model_path}",
+                "engine_s",
+            )
+        engine = engine or layout.engine
         worker = layout.worker or _start_worker(cfg, str(model_path), device)
+        if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
+            signal.signal(signal.SIGTERM, state.handler)
+        if hasattr(worker, "ready"):
+            await _deadline(
+                worker.ready.remote(), limits.engine_s, f"the trainer worker to load {model_path}", "engine_s"
+            )
         ckpt = CheckpointManager(run_dir / "checkpoints")
         cursor = DataCursor(len(train), cfg.data.train_batch_size, cfg.trainer.seed)
         total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * cursor.batches_per_epoch
+        record["total_steps"] = total_steps
+        if plan.action == "resume":
+            dropped = ck.keep_metrics_until(run_dir / "metrics.jsonl", plan.step)
+            log.warning(
+                "resuming",
+                step=plan.step,
+                checkpoint=str(plan.checkpoint[0]) if plan.checkpoint else None,
+                metrics_lines_dropped=dropped,
+            )
         metrics_log = MetricsLogger.create(
             cfg.trainer.logger,
             run_dir,
@@ -154,7 +256,9 @@ class Trainer:
             cfg.trainer.experiment_name,
             cfg.model_dump(),
         )
-        result = FitResult(run_dir=run_dir, steps=0)
+        result = FitResult(
+            run_dir=run_dir, steps=0, resumed_from=plan.step if plan.action == "resume" else None
+        )
         proxy = Proxy(
             engine,
             store,
@@ -164,56 +268,83 @@ class Trainer:
         )
         store_server = await serve_store(cfg, store)  # None unless placement.store_server (remote runners)
         try:
-            await proxy.start()
-            step = await self._resume(ckpt, worker, engine, cursor, store)
-            sampling = {
-                "temperature": cfg.actor_rollout_ref.rollout.temperature,
-                "top_p": cfg.actor_rollout_ref.rollout.top_p,
-            }
+            await _deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
+            step = await self._resume(ckpt, worker, engine, cursor, store, plan)
+            rollout_cfg = cfg.actor_rollout_ref.rollout
+            sampling = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p}
             sampling["max_tokens"] = cfg.data.max_response_length
             resources = Resources(items={LLM_RESOURCE: proxy.as_resource("agentloop", sampling)})
+            val_sampling = {**rollout_cfg.val_kwargs.sampling(), "max_tokens": cfg.data.max_response_length}
+            val_resources = Resources(items={LLM_RESOURCE: proxy.as_resource("agentloop", val_sampling)})
             await store.add_resources(resources)
-            runner = Runner(agent, store, concurrency=cfg.actor_rollout_ref.rollout.concurrency)
+            runner = Runner(agent, store, concurrency=rollout_cfg.concurrency)
+            runner_done = anyio.Event()
+
+            async def run_runner() -> None:
+                try:
+                    await runner.run()
+                finally:
+                    runner_done.set()
+
+            state.started = True
             async with anyio.create_task_group() as tg:
                 if cfg.placement.local_runner:
-                    tg.start_soon(runner.run)
+                    tg.start_soon(run_runner)
+                else:
+                    runner_done.set()
+                validate = functools.partial(
+                    self._validate, store, val or [], metrics_log, resources, val_resources
+                )
                 if val and cfg.trainer.val_before_train and step == 0:
-                    result.val_history.append(await self._validate(store, val, step, metrics_log))
+                    result.val_history.append(await validate(step))
                 pending: deque[_Pending] = deque()
                 progress = _progress(total_steps, step)
+                state.step = step
                 while step < total_steps:
-                    while len(pending) <= cfg.actor_rollout_ref.rollout.max_staleness and (
-                        step + len(pending) < total_steps
-                    ):
+                    while len(pending) <= rollout_cfg.max_staleness and (step + len(pending) < total_steps):
                         pending.append(await self._enqueue(store, train, cursor, step + len(pending)))
                     batch_info = pending.popleft()
                     metrics = await self._train_step(store, worker, engine, resources, batch_info, cfg)
                     step += 1
+                    state.step = step
                     metrics["step"] = step
-                    if (
-                        val
-                        and cfg.trainer.test_freq > 0
-                        and (step % cfg.trainer.test_freq == 0 or step == total_steps)
-                    ):
-                        val_metrics = await self._validate(store, val, step, metrics_log)
+                    last = step == total_steps
+                    if val and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+                        if last:  # async mode: batches for steps that will not run
+                            for p in pending:
+                                for rid in p.rollout_ids:
+                                    await _cancel_quietly(store, rid)
+                            pending.clear()
+                        for p in pending:  # in flight on the training weights: let them finish first
+                            await _wait_all(store, p.rollout_ids, limits.rollouts_s, f"step {p.step + 1}")
+                        val_metrics = await validate(step)
                         result.val_history.append(val_metrics)
                         metrics.update(val_metrics)
                     metrics_log.log(step, metrics)
                     result.history.append(metrics)
                     progress.update(1)
                     progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-                    if cfg.trainer.save_freq > 0 and (
-                        step % cfg.trainer.save_freq == 0 or step == total_steps
-                    ):
+                    if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
                         # async mode has batches enqueued but not trained: resume re-draws them
                         data_state = pending[0].cursor_before if pending else cursor.state()
                         await self._checkpoint(ckpt, worker, step, data_state)
+                        record["step"] = step
+                        ck.write_run(run_dir, record)
                 progress.close()
                 for p in pending:  # async mode may have enqueued beyond the last step
                     for rid in p.rollout_ids:
                         await _cancel_quietly(store, rid)
                 runner.stop()
+                with anyio.move_on_after(limits.runner_s):
+                    await runner_done.wait()
+                if not runner_done.is_set():
+                    raise TrainerTimeoutError(
+                        f"gave up waiting {limits.runner_s:g} s for the local runner to stop (an agent that "
+                        "ignores cancellation?); raise trainer.timeouts.runner_s if it is only slow"
+                    )
             result.steps = step
+            model_dir, adapter_dir = await self._save_model(worker, str(model_path), run_dir)
+            result.model_dir, result.adapter_dir = model_dir, adapter_dir
         finally:
             metrics_log.close()
             await proxy.stop()
@@ -231,7 +362,36 @@ class Trainer:
                 run_dir / "reward_curve.png",
                 keys=("reward/mean", "val/reward_mean"),
             )
+        result.metrics = _final_metrics(result.history, result.val_history)
+        record.update(
+            status="finished",
+            step=result.steps,
+            model_dir=ck.FINAL_MODEL,
+            adapter_dir=ck.FINAL_ADAPTER if adapter_dir is not None else None,
+            metrics=result.metrics,
+        )
+        ck.write_run(run_dir, record)
+        log.info("run finished", run_dir=str(run_dir), steps=result.steps, model_dir=str(model_dir))
         return result
+
+    async def _save_model(self, worker: Any, model_path: str, run_dir: Path) -> tuple[Path, Path | None]:
+        """``final_model/`` (and ``final_adapter/`` for LoRA) from the trained weights."""
+        limits = self.config.trainer.timeouts
+        model_dir = run_dir / ck.FINAL_MODEL
+        lora = self.config.actor_rollout_ref.model.lora_rank > 0
+        adapter_dir = run_dir / ck.FINAL_ADAPTER if lora else None
+        if hasattr(worker, "save_model"):
+            call = worker.save_model.remote(
+                model_path, str(model_dir), str(adapter_dir) if adapter_dir else None
+            )
+            await _deadline(call, limits.save_s, f"the final model to be written to {model_dir}", "save_s")
+        else:  # data-parallel ranks: the merged weights through the driver, no adapter folder
+            weights = await _deadline(
+                worker.named_weights.remote(), limits.save_s, "the trained weights", "save_s"
+            )
+            await anyio.to_thread.run_sync(ck.export_hf_model, weights, model_path, model_dir)
+            adapter_dir = None
+        return model_dir, adapter_dir
 
     async def _enqueue(self, store: Store, train: list[Any], cursor: DataCursor, step: int) -> _Pending:
         n = self.config.actor_rollout_ref.rollout.n
@@ -260,8 +420,9 @@ class Trainer:
         pending: _Pending,
         cfg: TrainerConfig,
     ) -> dict[str, float]:
+        limits = cfg.trainer.timeouts
         t_wait = time.perf_counter()
-        finished = await _wait_all(store, pending.rollout_ids)
+        finished = await _wait_all(store, pending.rollout_ids, limits.rollouts_s, f"step {pending.step + 1}")
         rollout_s = time.perf_counter() - pending.enqueued_at
         wait_s = time.perf_counter() - t_wait
         adapted = await triplets_for_rollouts(store, pending.rollout_ids, cfg.adapter.credit_assignment)
@@ -289,21 +450,46 @@ class Trainer:
         versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]
         if versions:
             metrics["rollout/staleness_max"] = float(engine.weights_version - min(versions))
+        failed = int(metrics["rollout/failed"])
+        errors = await failure_summary(store, pending.rollout_ids) if failed else ""
+        if failed:
+            log.warning(
+                "rollouts failed", step=pending.step + 1, failed=failed, of=len(finished), errors=errors
+            )
         if len(batch) == 0:
             log.warning(
-                "trainer.empty_batch", step=pending.step, **{k: v for k, v in batch_stats.items() if v}
+                "trainer.empty_batch", step=pending.step + 1, **{k: v for k, v in batch_stats.items() if v}
             )
             if not triplets:
-                raise EmptyBatchError(
-                    f"step {pending.step}: no triplets from {len(pending.rollout_ids)} rollouts "
-                    f"({metrics['rollout/failed']:.0f} failed); does the agent call the LLM through llm.base_url?"
-                )
+                n = len(pending.rollout_ids)
+                if failed == n:
+                    why = f"all {n} rollouts failed; their attempts' errors: {errors}"
+                elif failed:
+                    why = (
+                        f"{failed} of {n} rollouts failed ({errors}); the rest made no LLM call through "
+                        "llm.base_url"
+                    )
+                else:
+                    why = f"none of the {n} rollouts made an LLM call through llm.base_url (the proxy records the tokens)"
+                raise EmptyBatchError(f"step {pending.step + 1}: no training samples: {why}")
             return metrics
         t_update = time.perf_counter()
-        metrics.update(await worker.update.remote(batch))
+        metrics.update(
+            await _deadline(
+                worker.update.remote(batch),
+                limits.update_s,
+                f"the policy update of step {pending.step + 1}",
+                "update_s",
+            )
+        )
         metrics["timing/update_wall_s"] = time.perf_counter() - t_update
         t_sync = time.perf_counter()
-        version, sync_metrics = await self._sync_weights(worker, engine)
+        version, sync_metrics = await _deadline(
+            self._sync_weights(worker, engine),
+            limits.weight_sync_s,
+            "the new weights to reach the engine",
+            "weight_sync_s",
+        )
         metrics.update(sync_metrics)
         await store.add_resources(Resources(items=resources.items))
         metrics["timing/sync_s"] = time.perf_counter() - t_sync
@@ -326,11 +512,33 @@ class Trainer:
         return int(await engine.update_weights(await worker.named_weights.remote())), {}
 
     async def _validate(
-        self, store: Store, val: list[Any], step: int, metrics_log: MetricsLogger
+        self,
+        store: Store,
+        val: list[Any],
+        metrics_log: MetricsLogger,
+        resources: Resources,
+        val_resources: Resources,
+        step: int,
     ) -> dict[str, float]:
+        """Every validation task ``val_kwargs.n`` times with the validation sampling (greedy by default):
+        its resources are published for the run and the training ones restored afterwards. Only
+        validation rollouts run meanwhile (the loop lets in-flight training rollouts finish first)."""
         t0 = time.perf_counter()
-        ids = [(await store.enqueue_rollout(task, "val", metadata={"step": step})).rollout_id for task in val]
-        finished = await _wait_all(store, ids)
+        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
+        await store.add_resources(Resources(items=val_resources.items))
+        try:
+            ids = [
+                (
+                    await store.enqueue_rollout(task, "val", metadata={"step": step, "sample_index": i})
+                ).rollout_id
+                for task in val
+                for i in range(n)
+            ]
+            finished = await _wait_all(
+                store, ids, self.config.trainer.timeouts.rollouts_s, f"validation at step {step}"
+            )
+        finally:
+            await store.add_resources(Resources(items=resources.items))
         rewards = []
         for rollout in finished:
             if rollout.status is RolloutStatus.SUCCEEDED:
@@ -338,10 +546,20 @@ class Trainer:
                 rewards.append(sum(s.payload.value for s in spans if isinstance(s.payload, Reward)))
             else:
                 rewards.append(0.0)
+        failed = sum(r.status is not RolloutStatus.SUCCEEDED for r in finished)
+        if failed:
+            log.warning(
+                "validation rollouts failed",
+                step=step,
+                failed=failed,
+                of=len(finished),
+                errors=await failure_summary(store, ids),
+            )
         mean = sum(rewards) / max(len(rewards), 1)
         metrics = {
             "val/reward_mean": mean,
             "val/success_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            "val/failed": float(failed),
             "timing/val_s": time.perf_counter() - t0,
             "val/step": float(step),
         }
@@ -356,27 +574,44 @@ class Trainer:
         self, ckpt: CheckpointManager, worker: Any, step: int, data_state: dict[str, int]
     ) -> None:
         path = ckpt.begin(step)
-        await worker.save.remote(str(path / "actor.pt"))
+        limit = self.config.trainer.timeouts.save_s
+        if hasattr(worker, "save_checkpoint"):  # safetensors weights beside the optimizer state
+            call = worker.save_checkpoint.remote(str(path))
+        else:  # data-parallel ranks write one actor.pt (trainer/dp.py)
+            call = worker.save.remote(str(path / ck.LEGACY_FILE))
+        await _deadline(call, limit, f"checkpoint {path} to be written", "save_s")
         ckpt.commit(step, {"step": step, "cursor": data_state})
 
     async def _resume(
-        self, ckpt: CheckpointManager, worker: Any, engine: Any, cursor: DataCursor, store: Store
+        self,
+        ckpt: CheckpointManager,
+        worker: Any,
+        engine: Any,
+        cursor: DataCursor,
+        store: Store,
+        plan: RunPlan,
     ) -> int:
         # Rollouts a killed run left queued or running are cancelled: the resumed run re-enqueues its batch.
         stale = await store.list_rollouts(status=["queued", "requeued", "running"])
         for rollout in stale:
             await _cancel_quietly(store, rollout.rollout_id)
-        mode = self.config.trainer.resume
-        if mode == "disable":
+        if plan.checkpoint is None:
             return 0
-        found = ckpt.latest() if mode == "auto" else ckpt.load_path(Path(mode))
-        if found is None:
-            return 0
-        path, state = found
-        await worker.load.remote(str(path / "actor.pt"))
-        await self._sync_weights(worker, engine)
+        path, state = plan.checkpoint
+        limits = self.config.trainer.timeouts
+        if hasattr(worker, "load_checkpoint"):
+            call = worker.load_checkpoint.remote(str(path))
+        else:
+            call = worker.load.remote(str(path / ck.LEGACY_FILE))
+        await _deadline(call, limits.engine_s, f"checkpoint {path} to load", "engine_s")
+        await _deadline(
+            self._sync_weights(worker, engine),
+            limits.weight_sync_s,
+            "the checkpoint's weights to reach the engine",
+            "weight_sync_s",
+        )
         cursor.load_state(state["cursor"])
-        log.info("resumed", step=state["step"], checkpoint=str(path), cancelled_stale_rollouts=len(stale))
+        log.warning("resumed", step=state["step"], checkpoint=str(path), cancelled_stale_rollouts=len(stale))
         return int(state["step"])
 
 
@@ -399,17 +634,60 @@ def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
     return remote_cls.remote(config, model_path, device)
 
 
-async def _wait_all(store: Store, rollout_ids: list[str], poll_s: float = 5.0) -> list[Any]:
-    """Wait until every rollout is terminal (the runner's watchdog and retries bound the wait)."""
+T = TypeVar("T")
+
+
+async def _deadline(call: Awaitable[T], seconds: float, what: str, key: str) -> T:
+    """``await call``, or a TrainerTimeoutError naming ``what`` and the ``trainer.timeouts`` key."""
+    try:
+        with anyio.fail_after(seconds):
+            return await call
+    except TimeoutError:
+        raise TrainerTimeoutError(
+            f"gave up waiting {seconds:g} s for {what}; raise trainer.timeouts.{key} if it is only slow"
+        ) from None
+
+
+async def _wait_all(
+    store: Store, rollout_ids: list[str], idle_s: float, what: str, poll_s: float = 5.0
+) -> list[Any]:
+    """Wait until every rollout is terminal (the runner's watchdog and retries bound each attempt);
+    a TrainerTimeoutError when none of them finishes for ``idle_s`` (no runner, or one that hangs)."""
     remaining = set(rollout_ids)
     done: dict[str, Any] = {}
+    last_progress = time.monotonic()
     while remaining:
-        for rollout in await store.wait_for_rollouts(sorted(remaining), timeout=poll_s):
+        wait = max(0.01, min(poll_s, idle_s - (time.monotonic() - last_progress)))
+        for rollout in await store.wait_for_rollouts(sorted(remaining), timeout=wait):
             done[rollout.rollout_id] = rollout
             remaining.discard(rollout.rollout_id)
+            last_progress = time.monotonic()
         if remaining:
             await store.check_timeouts()
+            if time.monotonic() - last_progress >= idle_s:
+                raise TrainerTimeoutError(
+                    f"gave up waiting for the rollouts of {what}: {len(done)} of {len(rollout_ids)} finished, "
+                    f"none in the last {idle_s:g} s; is a runner running (placement.local_runner, "
+                    "`agentloop runner`)? raise trainer.timeouts.rollouts_s if they are only slow"
+                )
     return [done[r] for r in rollout_ids]
+
+
+async def failure_summary(store: Store, rollout_ids: list[str], limit: int = 5) -> str:
+    """The distinct errors of the rollouts' failed attempts with their counts, most frequent first:
+    ``"12 x AgentError: the agent returned 'abc', not a reward; 3 x Timeout: ..."``."""
+    counts: Counter[str] = Counter()
+    for rid in rollout_ids:
+        for attempt in await store.list_attempts(rid):
+            if attempt.error is not None:
+                first = (attempt.error.message or "").strip().splitlines()
+                text = f"{attempt.error.type}: {first[0][:300]}" if first else attempt.error.type
+                counts[text] += 1
+    if not counts:
+        return "no attempt recorded an error"
+    items = [f"{n} x {text}" for text, n in counts.most_common(limit)]
+    more = len(counts) - limit
+    return "; ".join(items) + (f"; and {more} other errors" if more > 0 else "")
 
 
 async def _cancel_quietly(store: Store, rollout_id: str) -> None:
@@ -461,10 +739,140 @@ def _check_dataset(data: Sequence[Any] | None, name: str) -> list[Any]:
     return list(data)
 
 
+@dataclass
+class _FitState:
+    """What ``fit`` and its signal handling need to know about the run in progress."""
+
+    plan: RunPlan
+    identity: str
+    started: bool = False  # the training loop began (a failure before leaves no folder behind)
+    step: int = 0
+    signum: int | None = None
+    handler: Any = None  # the signal handler (reinstalled after ray.init, which sets its own for SIGTERM)
+
+
+class _Stopped(Exception):
+    """Raised by fit's signal handler: Ctrl-C or SIGTERM asked the run to stop."""
+
+
+def _clean_stop(state: _FitState) -> Any:
+    """While fit runs in the main thread: the first SIGINT/SIGTERM stops the run cleanly (its
+    ``finally`` blocks close the proxy, store and Ray) and fit prints one line and exits 130/143
+    instead of a stack dump; a second signal ends the process at once."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def installed() -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, _: Any) -> None:
+            if state.signum is not None:
+                os._exit(128 + signum)
+            state.signum = signum
+            raise _Stopped
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        state.handler = handler
+        try:
+            yield
+        except (_Stopped, KeyboardInterrupt) as exc:
+            _exit_stopped(state, exc)
+        except BaseExceptionGroup as group:
+            if not group.subgroup((_Stopped, KeyboardInterrupt)):
+                raise
+            _exit_stopped(state, group)
+        except SystemExit as exc:
+            if exc.code != signal.SIGTERM:  # Ray's own SIGTERM handler: sys.exit(15)
+                raise
+            state.signum = signal.SIGTERM
+            _exit_stopped(state, exc)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    return installed()
+
+
+def _exit_stopped(state: _FitState, exc: BaseException) -> None:
+    import sys
+
+    signum = state.signum or signal.SIGINT
+    name = signal.Signals(signum).name
+    latest = (
+        CheckpointManager(state.plan.run_dir / "checkpoints").latest()
+        if state.plan.run_dir.exists()
+        else None
+    )
+    resume = (
+        f"checkpoint of step {latest[1]['step']} kept: run again to resume"
+        if latest
+        else "no checkpoint to resume from"
+    )
+    sys.stderr.write(
+        f"\ntraining stopped by {name} at step {state.step}; run folder {state.plan.run_dir} ({resume})\n"
+    )
+    sys.stderr.flush()
+    raise SystemExit(128 + signum) from None
+
+
+def _single_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The one error inside nested task-group wrappers, or None when there are several."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _quiet_defaults(config: TrainerConfig) -> None:
+    """A quiet console unless the user configured otherwise: agentloop's logging at INFO (per-rollout
+    lines are debug) and no token-auth notice from a local Ray (its mode is set explicitly, as Ray's
+    own default: token)."""
+    from agentloop import logging as al_logging
+
+    if getattr(al_logging, "_configured", None) is None:
+        al_logging.configure_logging()
+    if config.trainer.ray_address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def _finished_result(plan: RunPlan) -> FitResult:
+    """The result of a run that finished before, read from its folder."""
+    record = plan.record or {}
+    rows = read_metrics(plan.run_dir / "metrics.jsonl")
+    history = [r for r in rows if r.get("step", 0) >= 1]
+    val_history = [
+        {k: v for k, v in r.items() if k.startswith("val/") or k == "timing/val_s"}
+        for r in rows
+        if "val/reward_mean" in r
+    ]
+    adapter = record.get("adapter_dir")
+    return FitResult(
+        run_dir=plan.run_dir,
+        steps=int(record.get("step", 0)),
+        history=history,
+        val_history=val_history,
+        model_dir=plan.run_dir / record.get("model_dir", ck.FINAL_MODEL),
+        adapter_dir=plan.run_dir / adapter if adapter else None,
+        metrics=dict(record.get("metrics") or {}),
+        already_finished=True,
+    )
+
+
+def _final_metrics(history: list[dict[str, float]], val_history: list[dict[str, float]]) -> dict[str, float]:
+    out = dict(history[-1]) if history else {}
+    if val_history:
+        out.update(val_history[-1])
+    return out
+
+
 def _progress(total: int, initial: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
 
 
-__all__ = ["FitResult", "Trainer", "TrainerWorker"]
+__all__ = ["FitResult", "Trainer", "TrainerWorker", "failure_summary"]
