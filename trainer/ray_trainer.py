@@ -200,6 +200,23 @@ class Trainer:
         engine: Any,
         state: _FitState,
     ) -> FitResult:
+        """The run inside a cancel scope that a SIGINT/SIGTERM cancels (cleanup runs shielded)."""
+        import asyncio
+
+        with anyio.CancelScope() as scope:
+            state.loop, state.scope = asyncio.get_running_loop(), scope
+            return await self._run(agent, train, val, store, engine, state)
+        raise _Stopped  # only a signal cancels the scope
+
+    async def _run(
+        self,
+        agent: Agent,
+        train: list[Any],
+        val: list[Any] | None,
+        store: Store | None,
+        engine: Any,
+        state: _FitState,
+    ) -> FitResult:
         from agentloop.engine.models import load_engine, resolve_model
         from agentloop.proxy import Proxy
         from agentloop.store.sqlite import SQLiteStore
@@ -347,15 +364,16 @@ class Trainer:
             result.model_dir, result.adapter_dir = model_dir, adapter_dir
         finally:
             metrics_log.close()
-            await proxy.stop()
-            if store_server is not None:
-                await store_server.stop()
-            if self._weight_sync is not None:
-                await self._weight_sync.close()
-                self._weight_sync = None
-            await layout.aclose()
-            if own_store:
-                await store.close()
+            with anyio.move_on_after(60, shield=True):  # also when a signal cancelled the run
+                await proxy.stop()
+                if store_server is not None:
+                    await store_server.stop()
+                if self._weight_sync is not None:
+                    await self._weight_sync.close()
+                    self._weight_sync = None
+                await layout.aclose()
+                if own_store:
+                    await store.close()
         if (run_dir / "metrics.jsonl").exists():
             plot_curves(
                 run_dir / "metrics.jsonl",
@@ -749,6 +767,8 @@ class _FitState:
     step: int = 0
     signum: int | None = None
     handler: Any = None  # the signal handler (reinstalled after ray.init, which sets its own for SIGTERM)
+    loop: Any = None  # the event loop of the run and its outermost cancel scope (a signal cancels it)
+    scope: Any = None
 
 
 class _Stopped(Exception):
@@ -771,6 +791,9 @@ def _clean_stop(state: _FitState) -> Any:
             if state.signum is not None:
                 os._exit(128 + signum)
             state.signum = signum
+            if state.scope is not None:  # the loop runs: cancel the run there (finally blocks clean up)
+                state.loop.call_soon_threadsafe(state.scope.cancel)
+                return
             raise _Stopped
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}

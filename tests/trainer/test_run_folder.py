@@ -231,3 +231,44 @@ def test_waiting_for_rollouts_has_a_deadline(tmp_path: Path, tiny_model_dir: Pat
     cfg["placement"] = {"local_runner": False}  # and no remote runner: nothing takes the rollouts
     with pytest.raises(TrainerTimeoutError, match=r"rollouts of step 1: 0 of 4 finished.*rollouts_s"):
         Trainer(cfg).fit(short_agent, TASKS)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_with_one_line_and_no_ray_notice(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """issue 15 item 9: stack dumps on SIGTERM and Ray's token-auth notice on a user's console."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer.resume_job", str(tiny_model_dir), str(run_dir), "200"],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    try:
+        while not latest.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # Ray's helpers of the job
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    assert "Token authentication" not in err + out
+    stopped = [line for line in err.splitlines() if line.startswith("training stopped by SIGTERM")]
+    assert len(stopped) == 1 and "run again to resume" in stopped[0], err[-2000:]
