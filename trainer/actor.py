@@ -93,6 +93,9 @@ class Actor:
             arr.actor.shared_prompt_forward
             and self.fused_head
             and not arr.model.enable_gradient_checkpointing  # HF turns the KV cache off under it
+            # compiled layers recompile for each layer's cache state (dynamo's limit is 8): on an H100
+            # the shared forward then ran at 0.78-0.88x the plain one (results/shared_prompt_gpu.json)
+            and not self.compiled
             and _shared_prompt_is_exact(self.model, self.device)
         )
         needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward

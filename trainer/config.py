@@ -227,7 +227,8 @@ class ActorConfig(_Section):
     shared_prompt_forward: bool = Field(
         default=True,
         description="Run each distinct prompt of a micro-batch once (a GRPO group's attempts share it); "
-        "exact, checked once per model, off where it does not hold; one device only (not FSDP).",
+        "exact, checked once per model, off where it does not hold; one device, no torch.compile "
+        "(compiled layers recompile per cache state), no gradient checkpointing, not under FSDP.",
     )
     use_engine_logprobs: bool = Field(default=False, description="Use the engine's logprobs as old logprobs.")
     engine_logprob_gap_limit: float = Field(

@@ -226,8 +226,8 @@ def fit_and_save(
     train: list[dict],
     val: list[dict],
 ) -> tuple[Any, float, float]:
-    """Load ``--model`` into an engine, train ``agent`` with the config ``make_config`` builds, save the
-    trained weights to ``run_dir/final_model`` and stop the engine and Ray.
+    """Load ``--model`` into an engine, train ``agent`` with the config ``make_config`` builds (fit writes
+    the trained model to ``run_dir/final_model``) and stop the engine and Ray.
 
     Returns the FitResult, the seconds loading took and the seconds training took."""
     import anyio
@@ -241,9 +241,6 @@ def fit_and_save(
     t_loaded = time.perf_counter()
     result = Trainer(make_config(args, run_dir, model_path)).fit(agent, train, val, engine=engine)
     t_trained = time.perf_counter()
-    final_dir = run_dir / "final_model"
-    engine.model.save_pretrained(final_dir, safe_serialization=True)  # the engine holds the synced weights
-    engine.tokenizer.save_pretrained(final_dir)
     anyio.run(engine.stop)
     _shutdown_ray()
     return result, t_loaded - t_start, t_trained - t_loaded
@@ -261,6 +258,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"only {len(train)} training questions for --batch-size {args.batch_size}")
     SETTINGS.max_tokens, SETTINGS.format_bonus = args.max_tokens, args.format_bonus
     result, load_s, fit_s = fit_and_save(args, run_dir, grpo_config, arithmetic_agent, train, val)
+    run_dir = Path(result.run_dir)  # fit keeps one run per folder: the folder it used
 
     before, after = result.val_history[0], result.val_history[-1]
     summary: dict[str, Any] = {

@@ -349,7 +349,7 @@ def score(answer: str | None, gold: int, made_call: bool, call_bonus: float = 0.
 
 # the measured CPU recipe (see the module docstring)
 DEFAULTS: dict[str, Any] = {
-    "steps": 12,
+    "steps": 24,
     "batch_size": 4,
     "n": 8,
     "lr": 1e-5,
@@ -559,6 +559,7 @@ def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
     settings = AgentSettings(max_turns=args.max_turns, max_tokens=args.max_tokens, call_bonus=args.call_bonus)
     agent = CalculatorAgent(settings)
     result, load_s, fit_s = fit_and_save(args, run_dir, trainer_config, agent, train, val)
+    run_dir = Path(result.run_dir)  # fit keeps one run per folder: the folder it used
 
     by_step = validation_metrics(run_dir / "store.db")
     before, after = by_step[min(by_step)], by_step[max(by_step)]
