@@ -22,6 +22,7 @@ from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
+from structlog._config import BoundLoggerLazyProxy  # what structlog.get_logger returns
 
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 _LEVELS["WARN"] = logging.WARNING
@@ -120,7 +121,11 @@ def silence() -> None:
 
 
 def get_logger(name: str, **initial: Any) -> Any:
-    """A structlog logger that tags every event with ``logger=name`` (plus any ``initial`` fields)."""
+    """A structlog logger that tags every event with ``logger=name`` (plus any ``initial`` fields).
+
+    Lazy: a module-level logger follows every later :func:`configure_logging` (``.bind()`` on
+    structlog's proxy would freeze the configuration in force at import)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"logger name must be a non-empty string, got {name!r}")
-    return structlog.get_logger().bind(logger=name, **initial)
+    # structlog.get_logger(**initial) would be lazy too, but its own parameter is named ``logger``
+    return BoundLoggerLazyProxy(None, initial_values={"logger": name, **initial}, logger_factory_args=())

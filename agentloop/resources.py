@@ -42,6 +42,11 @@ class ProxyLLM(_Resource):
     model: str
     api_key: str = "EMPTY"
     sampling: dict[str, Any] = Field(default_factory=dict)
+    enforce_sampling: bool = Field(
+        default=False,
+        description="The proxy applies this sampling's temperature, top_p and top_k even when a request "
+        "sets its own (the trainer's validation: greedy whatever the agent asks).",
+    )
 
     @field_validator("url_template")
     @classmethod

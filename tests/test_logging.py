@@ -121,3 +121,17 @@ def test_silence_drops_everything_until_configured_again() -> None:
     configure_logging("INFO", json=True, stream=out)  # the same arguments configure again after silence
     get_logger("x").info("shown")
     assert [json.loads(line)["event"] for line in out.getvalue().splitlines()] == ["shown"]
+
+
+def test_a_logger_made_before_configuring_follows_the_configuration() -> None:
+    """Module-level loggers are made at import, before any entry point configures logging."""
+    early = get_logger("agentloop.early", component="x")
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("INFO", stream=first)
+    early.info("one")
+    configure_logging("WARNING", stream=second)
+    early.info("hidden")
+    early.warning("two")
+    assert json.loads(first.getvalue())["event"] == "one"
+    record = json.loads(second.getvalue())
+    assert record["event"] == "two" and record["logger"] == "agentloop.early" and record["component"] == "x"

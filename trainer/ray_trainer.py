@@ -292,7 +292,9 @@ class Trainer:
             sampling["max_tokens"] = cfg.data.max_response_length
             resources = Resources(items={LLM_RESOURCE: proxy.as_resource("agentloop", sampling)})
             val_sampling = {**rollout_cfg.val_kwargs.sampling(), "max_tokens": cfg.data.max_response_length}
-            val_resources = Resources(items={LLM_RESOURCE: proxy.as_resource("agentloop", val_sampling)})
+            val_resources = Resources(
+                items={LLM_RESOURCE: proxy.as_resource("agentloop", val_sampling, enforce_sampling=True)}
+            )
             await store.add_resources(resources)
             runner = Runner(agent, store, concurrency=rollout_cfg.concurrency)
             runner_done = anyio.Event()

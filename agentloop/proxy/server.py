@@ -227,13 +227,22 @@ class Proxy:
         """Base URL for apps outside training (calls recorded under the X-Session-Id header)."""
         return f"{self.url}/v1"
 
-    def as_resource(self, model: str | None = None, sampling: dict[str, Any] | None = None) -> ProxyLLM:
-        """A ProxyLLM resource pointing at this proxy (add it to the store's resources)."""
+    def as_resource(
+        self,
+        model: str | None = None,
+        sampling: dict[str, Any] | None = None,
+        *,
+        enforce_sampling: bool = False,
+    ) -> ProxyLLM:
+        """A ProxyLLM resource pointing at this proxy (add it to the store's resources).
+
+        ``enforce_sampling``: ``sampling``'s temperature, top_p and top_k win over a request's own."""
         return ProxyLLM(
             url_template=self.url_template,
             model=model or self.service.model_name,
             api_key=self.api_key or "EMPTY",
             sampling=dict(sampling or {}),
+            enforce_sampling=enforce_sampling,
         )
 
     # ------------------------------------------------------------ lifecycle

@@ -44,6 +44,8 @@ from agentloop.types import LLMCall, Span
 log = structlog.get_logger("agentloop.proxy")
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop")
+_ENFORCEABLE = ("temperature", "top_p", "top_k")  # what an enforce_sampling resource fixes
+_ENFORCED = "__enforced__"  # marks the LLM defaults of a resource with enforce_sampling
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,10 @@ class ProxyService:
             llms = [v for v in resources.items.values() if hasattr(v, "sampling")]
             mine = [v for v in llms if isinstance(v, ProxyLLM) and v.url_template == self.url_template]
             chosen = mine[0] if mine else (llms[0] if len(llms) == 1 else None)
-            self._llm_defaults[version] = dict(chosen.sampling) if chosen is not None else {}
+            defaults = dict(chosen.sampling) if chosen is not None else {}
+            if getattr(chosen, "enforce_sampling", False):
+                defaults[_ENFORCED] = True
+            self._llm_defaults[version] = defaults
         return self._llm_defaults[version]
 
     async def record(self, target: Target, fields: dict[str, Any]) -> None:
@@ -210,9 +215,10 @@ class ProxyService:
         self, req: ChatCompletionRequest | CompletionRequest, llm: dict[str, Any], n_prompt: int
     ) -> SamplingParams:
         merged = {k: v for k, v in {**self.default_sampling, **llm}.items() if k in _SAMPLING_KEYS}
+        enforced = {k for k in _ENFORCEABLE if k in llm} if llm.get(_ENFORCED) else set()
         for key in ("temperature", "top_p", "top_k", "seed"):
             value = getattr(req, key)
-            if value is not None:
+            if value is not None and key not in enforced:
                 merged[key] = value
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or merged.get("max_tokens")
         room = self.engine.max_context - n_prompt

@@ -184,3 +184,30 @@ async def test_sessions_record_calls_and_take_a_reward(tokenizer: Any, oai: Any)
     assert two.prompt_ids[: len(one.prompt_ids) + len(one.response_ids)] == one.prompt_ids + one.response_ids
     assert two.ledger_break is None
     assert got.json()["calls"][1]["prompt_ids"] == two.prompt_ids
+
+
+@pytest.mark.parametrize("enforce", [False, True])
+async def test_an_enforced_resource_sampling_wins_over_the_request(
+    tokenizer: Any, oai: Any, enforce: bool
+) -> None:
+    """The trainer's validation resource (enforce_sampling) is greedy whatever temperature the agent sends;
+    a plain resource's sampling is only a default the request overrides."""
+    from agentloop.resources import Resources
+
+    engine, store = EchoEngine(tokenizer), MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        resource = proxy.as_resource("m", sampling, enforce_sampling=enforce)
+        await store.add_resources(Resources(items={"llm": resource}))
+        att = await new_attempt(store)
+        client = oai(attempt_url(proxy, att))
+        with anyio.fail_after(20):
+            await client.chat.completions.create(
+                model="m", messages=MESSAGES, seed=4, temperature=0.9, top_p=0.5, max_tokens=8
+            )
+    used = engine.calls[0].sampling
+    assert used.seed == 4  # never enforced
+    if enforce:
+        assert (used.temperature, used.top_p, used.top_k) == (0.0, 1.0, 0)
+    else:
+        assert (used.temperature, used.top_p) == (0.9, 0.5)
