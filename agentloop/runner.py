@@ -136,6 +136,7 @@ class Runner:
         self._thread_limiter: anyio.CapacityLimiter | None = None
         self._errors_seen: set[tuple[str, str]] = set()  # (type, first line): warned once per run
         self.stats = RunnerStats()
+        self.stop_signal: int | None = None  # the SIGINT/SIGTERM that stopped the last run, if one did
 
     # ------------------------------------------------------------ control
 
@@ -189,7 +190,7 @@ class Runner:
             self.stats = RunnerStats()
             log.debug("runner_stopped_before_start", worker_id=self.worker_id)
             return self.stats
-        self._stopping, self._cancel_running = False, False
+        self._stopping, self._cancel_running, self.stop_signal = False, False, None
         self._stop_event = anyio.Event()
         self._loop_thread = threading.get_ident()
         self._loop_token = anyio.lowlevel.current_token()
@@ -250,6 +251,7 @@ class Runner:
             task_status.started()
             async for signum in signals:
                 log.warning("runner_signal", worker_id=self.worker_id, signal=signal.Signals(signum).name)
+                self.stop_signal = int(signum)
                 self._stop(cancel_running=True)
 
     # ------------------------------------------------------------ one attempt

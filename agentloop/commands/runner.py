@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -124,4 +125,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     stats = runner.run_sync(max_rollouts=args.max_rollouts)
     sys.stdout.write(f"agentloop runner {runner.worker_id}: {vars(stats)}\n")
+    if runner.stop_signal is not None:  # stopped by Ctrl-C / SIGTERM: one line, the shell's exit code
+        name = signal.Signals(runner.stop_signal).name
+        sys.stderr.write(
+            f"agentloop runner: stopped by {name} (its unfinished attempts were reported as stopped)\n"
+        )
+        return 128 + runner.stop_signal
     return 0

@@ -76,3 +76,30 @@ async def test_killed_runner_loses_no_rollout() -> None:
     assert done and done[0].status is RolloutStatus.SUCCEEDED
     attempts = await store.list_attempts(r.rollout_id)
     assert [a.status.value for a in attempts] == ["unresponsive", "succeeded"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_stops_the_runner_with_one_line_and_its_exit_code(signum: signal.Signals) -> None:
+    store = MemoryStore()
+    async with StoreServer(store) as server:
+        r = await store.enqueue_rollout({"value": 1.0}, config=RolloutConfig(max_attempts=1))
+        proc = _runner(server.url)
+        try:
+            with anyio.fail_after(40):
+                while (await store.get_rollout(r.rollout_id)).status is not RolloutStatus.RUNNING:
+                    assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+                    await anyio.sleep(0.1)
+                proc.send_signal(signum)
+                _, err = await anyio.to_thread.run_sync(proc.communicate)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 128 + signum, err.decode()[-2000:]
+        last = err.decode().strip().splitlines()[-1]
+        assert (
+            last
+            == f"agentloop runner: stopped by {signum.name} (its unfinished attempts were reported as stopped)"
+        )
+        assert "Traceback" not in err.decode()
+        assert (await store.get_rollout(r.rollout_id)).status is RolloutStatus.FAILED  # reported, not lost
