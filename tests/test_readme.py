@@ -180,3 +180,28 @@ async def test_the_serve_sections_curl_calls_work(tiny_model_dir: Path, tmp_path
     session = answers[-1]  # GET /v1/sessions/chat-1
     assert session["session_id"] == "chat-1" and len(session["calls"]) == 1
     assert session["calls"][0]["prompt_ids"] and [r["value"] for r in session["rewards"]] == [1.0]
+
+
+YAML_BLOCKS = re.findall(r"^```yaml\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("job", YAML_BLOCKS, ids=[f"yaml{i}" for i in range(len(YAML_BLOCKS))])
+def test_the_job_file_loads_as_written(job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's job file, beside the files it names, loads with `agentloop train`'s loader from
+    another working folder (its paths are relative to the file)."""
+    from agentloop.commands.train import load_job
+
+    folder = tmp_path / "capitals"
+    folder.mkdir()
+    (folder / "job.yaml").write_text(job)
+    (folder / "agent.py").write_text(BLOCKS[0].split("\n\n\ntasks = ")[0])  # the openai agent, no training
+    (folder / "tasks.jsonl").write_text(
+        "\n".join(json.dumps({"question": "1 + 1?", "answer": "2"}) for _ in range(8))
+    )
+    monkeypatch.chdir(tmp_path)
+    loaded = load_job(Path("capitals/job.yaml"))
+    assert len(loaded.train) == 8 and loaded.val is None
+    import agentloop as al
+
+    assert isinstance(loaded.agent, al.Agent)
+    assert loaded.config.trainer.total_training_steps == 20 and loaded.config.data.train_batch_size == 8
