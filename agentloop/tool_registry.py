@@ -94,7 +94,10 @@ def _tool_from_entry(entry: Any, where: str) -> BaseTool:
     obj = _import_object(str(entry["class"]), where)
     try:
         if isinstance(obj, FunctionTool):
-            merged = {"name": obj.name, "description": obj.description, "timeout_s": obj.timeout_s, **config}
+            merged = {
+                "name": obj.name, "description": obj.description, "timeout_s": obj.timeout_s,
+                "run_in": obj.run_in, **config,
+            }  # fmt: skip
             tool: BaseTool = FunctionTool(obj.fn, **merged)
         elif isinstance(obj, type) and issubclass(obj, BaseTool):
             tool = obj(**config)

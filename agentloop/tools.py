@@ -15,11 +15,28 @@ create with release, and release runs even when execute raises or the caller is 
 
 ``execute_tool_call`` turns every failure (unknown tool, bad arguments, an exception or a
 timeout inside the tool) into a ToolResult whose text the model can read.
+
+Where a sync function tool runs (``function_tool(run_in=...)``); model output is hostile input:
+
+- ``"thread"`` (default): a worker thread. Fine for I/O and for Python code, which gives the GIL
+  back every few milliseconds. At the deadline the call is *abandoned*, not stopped: the thread
+  runs on until the function returns, and a C-level computation that holds the GIL (``10**10**8``,
+  a regex backtracking) stalls the event loop while it runs. Bound the work in the tool itself
+  (as ``examples/calc_x`` bounds operand sizes before computing) or use a process.
+- ``"process"``: an anyio worker process (``anyio.to_process``), *killed* (SIGKILL) at the deadline,
+  so nothing the tool computes can stall the loop or outlive its deadline. Traps: the function
+  must be importable by module and name (defined at module level), its arguments and result
+  picklable; the first call pays a worker start (a fresh interpreter importing the tool's module,
+  counted in the call's deadline), later calls reuse the idle worker (~1 ms); at most
+  ``os.cpu_count()`` calls run at once, the others wait (also counted); like multiprocessing's
+  spawn, a worker loads the parent's ``__main__`` file as ``__mp_main__``, so a script that
+  starts training must do so under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import re
@@ -27,9 +44,10 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import anyio
+import anyio.to_process
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
@@ -60,6 +78,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 60.0  # a tool call that takes longer is reported to the model as timed out
+RunIn = Literal["thread", "process"]  # where a sync function tool runs (see the module docstring)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what the OpenAI API accepts as a function name
 _IMAGE = re.compile(r"^(https?://|data:image/)|^[A-Za-z0-9+/\s]+={0,2}$")
 
@@ -255,11 +274,40 @@ def to_tool_result(value: Any, tool_name: str) -> ToolResult:
     return ToolResult(response=_to_response(value[0], tool_name), reward=reward, metrics=metrics)
 
 
+def _run_by_name(module: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """In a worker process: import the tool's function by name and call it (a FunctionTool is unwrapped)."""
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return (obj.fn if isinstance(obj, FunctionTool) else obj)(*args, **kwargs)
+
+
+def _check_run_in(fn: Callable[..., Any], run_in: Any) -> None:
+    if run_in not in ("thread", "process"):
+        raise ToolDefinitionError(
+            f"function_tool {fn.__name__!r}: run_in must be 'thread' or 'process', got {run_in!r}"
+        )
+    if run_in == "thread":
+        return
+    if inspect.iscoroutinefunction(fn):
+        raise ToolDefinitionError(
+            f"function_tool {fn.__name__!r}: run_in='process' is for sync functions; an async tool runs "
+            "in the event loop (make it sync, or keep its CPU work bounded)"
+        )
+    if "<locals>" in fn.__qualname__ or not inspect.isfunction(fn):
+        raise ToolDefinitionError(
+            f"function_tool {fn.__qualname__!r}: run_in='process' needs a function defined at module level "
+            f"(a worker process imports it as {fn.__module__}.{fn.__qualname__}); move it out of the "
+            "function or class that defines it"
+        )
+
+
 class FunctionTool(BaseTool):
     """A tool made from a typed function by `@function_tool`; still callable as the function."""
 
     fn: Callable[..., Any]  # the decorated function, unchanged
     spec: SignatureSpec
+    run_in: RunIn  # where a sync function runs: a thread (abandoned at the deadline) or a killed process
 
     def __init__(
         self,
@@ -268,6 +316,7 @@ class FunctionTool(BaseTool):
         name: str | None = None,
         description: str | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        run_in: RunIn = "thread",
     ) -> None:
         if isinstance(fn, FunctionTool):
             fn = fn.fn
@@ -275,9 +324,11 @@ class FunctionTool(BaseTool):
             raise ToolDefinitionError(f"function_tool expects a function, got {type(fn).__name__}: {fn!r}")
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             raise ToolDefinitionError(f"function_tool {fn.__name__!r}: generators cannot be tools")
+        _check_run_in(fn, run_in)
         self.fn = fn
         self.spec = signature_spec(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
+        self.run_in = run_in
         functools.update_wrapper(self, fn)  # __name__, __doc__, __wrapped__, __module__
         super().__init__(
             name=name or fn.__name__,
@@ -304,6 +355,11 @@ class FunctionTool(BaseTool):
         call = functools.partial(self.fn, *positional, **args)
         if self.is_async:
             value = await call()
+        elif self.run_in == "process":  # the caller's deadline cancels this: the worker is killed
+            value = await anyio.to_process.run_sync(
+                _run_by_name, self.fn.__module__, self.fn.__qualname__, tuple(positional), args,
+                cancellable=True,
+            )  # fmt: skip
         else:  # a hung sync tool is abandoned (not killed) when the caller's timeout fires
             value = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         return to_tool_result(value, self.name)
@@ -313,7 +369,11 @@ class FunctionTool(BaseTool):
 def function_tool(fn: Callable[..., Any], /) -> FunctionTool: ...
 @overload
 def function_tool(
-    *, name: str | None = None, description: str | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    run_in: RunIn = "thread",
 ) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 def function_tool(
     fn: Callable[..., Any] | None = None,
@@ -322,11 +382,16 @@ def function_tool(
     name: str | None = None,
     description: str | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    run_in: RunIn = "thread",
 ) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
-    """Make a tool of a typed function: ``@function_tool`` or ``@function_tool(name=..., description=...)``."""
+    """Make a tool of a typed function: ``@function_tool`` or ``@function_tool(name=..., run_in="process")``.
+
+    ``run_in="process"`` runs a sync function in a worker process that is killed at the deadline
+    (for CPU-bound work on model input); the default thread is abandoned, not stopped (module docstring).
+    """
     if fn is not None:
-        return FunctionTool(fn, name=name, description=description, timeout_s=timeout_s)
-    return lambda f: FunctionTool(f, name=name, description=description, timeout_s=timeout_s)
+        return FunctionTool(fn, name=name, description=description, timeout_s=timeout_s, run_in=run_in)
+    return lambda f: FunctionTool(f, name=name, description=description, timeout_s=timeout_s, run_in=run_in)
 
 
 _REGISTRY_NAMES = ("ToolRegistry", "RegistrySession", "execute_tool_call")

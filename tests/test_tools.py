@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +358,92 @@ def test_base_tool_subclasses_are_checked() -> None:
         Counter(timeout_s=None).timeout_s is None
         and Counter(name="c2").openai_schema()["function"]["name"] == "c2"
     )
+
+
+# ---------------------------------------------------------------- deadlines that hold (issue 16)
+
+
+def big_power(exponent: int) -> dict[str, int]:
+    """``10 ** exponent`` in one C-level pow, which holds the GIL from start to end (10**10**8: minutes)."""
+    if exponent < 0:
+        raise ValueError(f"exponent must be >= 0, got {exponent}")
+    return {"bits": (10**exponent).bit_length(), "pid": os.getpid()}
+
+
+async def _call_while_ticking(
+    registry: ToolRegistry, name: str, args: dict[str, Any], timeout_s: float
+) -> tuple[ToolResult, float, float]:
+    """The call's result, its wall time, and the longest gap of a coroutine ticking every 5 ms meanwhile."""
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        start = time.monotonic()
+        result = await execute_tool_call(registry, name, args, timeout_s=timeout_s)
+        elapsed = time.monotonic() - start
+        await anyio.sleep(0.05)  # a stall right after the call shows up too
+        tg.cancel_scope.cancel()
+    return result, elapsed, max(gaps)
+
+
+@pytest.mark.timeout(120)
+async def test_a_process_tool_past_its_deadline_is_killed_and_the_loop_keeps_ticking() -> None:
+    """issue 16: a sync tool in a thread cannot be stopped, and a GIL-holding one stalls the loop;
+    run_in="process" kills the worker at the deadline and the event loop never waits on it."""
+    tool = FunctionTool(big_power, run_in="process")
+    registry = ToolRegistry([tool])
+    warm = await execute_tool_call(registry, "big_power", {"exponent": 10}, timeout_s=60)  # starts the worker
+    assert not warm.is_error, warm
+    pid = json.loads(warm.response.text or "")["pid"]
+    assert pid != os.getpid() and json.loads(warm.response.text or "")["bits"] == 34
+
+    result, elapsed, gap = await _call_while_ticking(
+        registry, "big_power", {"exponent": 10**8}, timeout_s=1.0
+    )
+    assert result.metrics == {"error": "timeout"}, result
+    assert result.response.text == "Error: tool 'big_power' did not finish within 1 s"
+    assert 1.0 <= elapsed < 2.0, elapsed  # ends at the deadline (slack for a loaded 2-core machine)
+    assert gap < 0.5, gap  # the loop kept ticking (a thread running this pow: no tick for minutes)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the worker was killed and reaped, not left computing
+    again = await execute_tool_call(registry, "big_power", {"exponent": 3}, timeout_s=60)
+    assert (
+        json.loads(again.response.text or "")["bits"] == 10
+        and json.loads(again.response.text or "")["pid"] != pid
+    )
+
+
+async def test_process_tools_report_exceptions_and_check_their_definition(tmp_path: Path) -> None:
+    registry = ToolRegistry([FunctionTool(big_power, run_in="process")])
+    failed = await execute_tool_call(registry, "big_power", {"exponent": -1}, timeout_s=60)
+    assert failed.metrics == {"error": "tool_exception"} and "ValueError: exponent must be >= 0" in (
+        failed.response.text or ""
+    )
+
+    def local(x: int) -> int:
+        return x
+
+    async def coro(x: int) -> int:
+        return x
+
+    with pytest.raises(ToolDefinitionError, match="needs a function defined at module level"):
+        function_tool(run_in="process")(local)
+    with pytest.raises(ToolDefinitionError, match="run_in='process' is for sync functions"):
+        FunctionTool(coro, run_in="process")
+    with pytest.raises(ToolDefinitionError, match="run_in must be 'thread' or 'process', got 'fork'"):
+        FunctionTool(big_power, run_in="fork")  # type: ignore[arg-type]
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "tools:\n  - class: tests.tool_fixtures.add\n    config: {run_in: process, timeout_s: 30}\n"
+    )
+    loaded = ToolRegistry.from_yaml(path)
+    assert isinstance(loaded.get("add"), FunctionTool) and loaded.get("add").run_in == "process"  # type: ignore[attr-defined]
+    assert (await execute_tool_call(loaded, "add", {"a": 2, "b": 3})).response.text == "5"

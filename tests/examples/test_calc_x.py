@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from agentloop.store.memory import MemoryStore
 from agentloop.store.sqlite import SQLiteStore
+from agentloop.tools import ToolRegistry, execute_tool_call
 from examples._harness import run_rollouts
 from examples.calc_x import run
 from examples.calc_x.agent import calculator, exact_match, extract_answer, make_agent
@@ -43,6 +45,69 @@ def test_calculator_and_reward() -> None:
         and extract_answer(None) is None
     )
     assert exact_match({"answer": "42"}, "Answer: 42") == 1.0 and exact_match({"answer": "42"}, "43") == 0.0
+
+
+HOSTILE = [
+    "(((10**64)**64)**64)**64",  # 13 s of CPU in one GIL-holding pow on the old code; one more level: hours
+    "((10**64)**64)**64",
+    "9**9**9",
+    "10**10**10",
+    "2**332 * 2**332 * 2**332",
+    "(10**99) * (10**99) * (10**99)",
+    "1" * 400,
+    "10**-400",
+    "1e308 * 10",
+    "(-8) ** 0.5",
+    "1.0000001 ** 100000000",
+    "1 + " * 200 + "1",
+]
+
+
+@pytest.mark.parametrize("expression", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_expressions_are_refused_before_any_long_computation(expression: str) -> None:
+    """issue 16: operand sizes are bounded *before* computing, so no expression costs more than microseconds."""
+    start = time.process_time()
+    with pytest.raises(ValueError, match=r"digits|too large|not a real|finite|1e100|characters"):
+        calculator(expression)
+    assert time.process_time() - start < 0.05, expression
+
+
+def test_the_bounds_leave_room_for_every_word_problem() -> None:
+    assert calculator("2**332") == str(2**332) and calculator("10**99") == "1" + "0" * 99
+    assert (
+        calculator("12345678 * 87654321") == "1082152022374638" and calculator("1.5 ** 10") == "57.6650390625"
+    )
+    assert (
+        calculator("(-2) ** 3") == "-8"
+        and calculator("2 ** -2") == "0.25"
+        and calculator("1 ** 10**99") == "1"
+    )
+
+
+async def test_the_tower_through_the_agent_tool_path_answers_in_milliseconds() -> None:
+    """The tool as the ToolAgent calls it (a worker thread with a 2 s deadline): an error the model can
+    read, at once, while the event loop keeps ticking (the old code stalled the loop for 13 s)."""
+    registry = ToolRegistry([calculator])
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        start = time.monotonic()
+        result = await execute_tool_call(registry, "calculator", {"expression": HOSTILE[0]}, timeout_s=2.0)
+        elapsed = time.monotonic() - start
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert result.is_error and result.metrics["error"] == "tool_exception", result
+    assert "more than 100 digits" in (result.response.text or "")
+    assert elapsed < 1.0 and max(gaps) < 0.5, (elapsed, max(gaps))
 
 
 async def test_scripted_calculator_run_scores_and_masks(tiny_model_dir: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from examples.sql_agent import run
 from examples.sql_agent.agent import SQLAgent, agent_query, execute, make_tools, same_result
 from examples.sql_agent.make_db import build_database
 from examples.sql_agent.questions import QUESTIONS, make_tasks
+from examples.sql_agent.safe_sql import QueryLimitError
 from tests.examples.checks import check_exact_tokens
 from tests.integrations.scripted import scripted_engine, tool_call_text
 
@@ -40,7 +42,7 @@ def test_database_is_deterministic_and_gold_queries_run(db: Path, tmp_path: Path
     assert hashlib.sha256(_dump(db).encode()).digest() == hashlib.sha256(_dump(again).encode()).digest()
     for q in QUESTIONS:
         assert execute(db, q["gold_sql"]), q["question"]  # every gold query has an answer
-    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+    with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
         execute(db, "DELETE FROM employees")
 
 
@@ -96,3 +98,103 @@ def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> Non
             await store.close()
 
     assert anyio.run(check)["calls"] == summary["llm_calls"] >= 2
+
+
+# ---------------------------------------------------------------- hostile SQL (issue 16)
+
+HOSTILE_SQL = [
+    "VACUUM INTO '{out}'",  # created a copy of the database anywhere on the old code
+    "ATTACH 'file:{out}?mode=rwc' AS x",  # created an empty file anywhere on the old code
+    "ATTACH '{out}' AS x",
+    "PRAGMA journal_mode = WAL",
+    "PRAGMA user_version = 7",
+    "PRAGMA writable_schema = ON",
+    "DELETE FROM employees",
+    "UPDATE employees SET salary = 0",
+    "INSERT INTO departments VALUES (99, 'x', 'y')",
+    "CREATE TABLE t (x)",
+    "CREATE TEMP TABLE t (x)",
+    "DROP TABLE employees",
+    "WITH x AS (SELECT 1) DELETE FROM employees",
+    "BEGIN IMMEDIATE",
+    "SELECT length(randomblob(200000000))",  # 200 MB allocated on the old code
+]
+
+
+@pytest.mark.parametrize("statement", HOSTILE_SQL)
+def test_the_models_sql_can_only_read(db: Path, tmp_path: Path, statement: str) -> None:
+    before = _dump(db)
+    sql = statement.format(out=tmp_path / "out.db")
+    with pytest.raises(sqlite3.Error):
+        execute(db, sql)
+    tools = {t.name: t for t in make_tools(db)}
+    assert tools["run_query"].invoke({"query": sql}).startswith("Error: ")
+    assert list(tmp_path.iterdir()) == []  # no file was created
+    assert _dump(db) == before
+
+
+FOREVER = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+def test_a_query_without_an_end_is_stopped_at_its_deadline(db: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(QueryLimitError, match=r"ran past its 0\.5 s deadline and was stopped"):
+        execute(db, FOREVER, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 1.5
+    run_query = {t.name: t for t in make_tools(db, timeout_s=0.5)}["run_query"]
+    start = time.monotonic()
+    assert run_query.invoke({"query": FOREVER}).startswith(
+        "Error: QueryLimitError: the query ran past its 0.5 s"
+    )
+    assert 0.5 <= time.monotonic() - start < 1.5
+
+
+def test_runaway_results_are_never_materialised(db: Path) -> None:
+    cross = (
+        "SELECT a.id, b.id, c.id, d.id FROM employees a, employees b, employees c, employees d"  # 2.56 M rows
+    )
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c"
+    run_query = {t.name: t for t in make_tools(db)}["run_query"]
+    for sql in (cross, endless):
+        start = time.monotonic()
+        with pytest.raises(QueryLimitError, match="returns more than 10000 rows"):
+            execute(db, sql)
+        text = run_query.invoke({"query": sql})
+        assert time.monotonic() - start < 1.0, sql  # fetchall() built every row of the cross join
+        assert text.count("\n") == 20 and text.endswith("... more rows (first 20 shown)"), text
+    assert not same_result(db, cross, "SELECT 1")
+
+
+async def test_the_reward_reruns_the_models_sql_off_the_event_loop(db: Path) -> None:
+    agent = SQLAgent(db, query_timeout_s=1.0)
+    slow = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 200000000) SELECT count(*) FROM c"
+
+    def state(query: str) -> dict[str, Any]:
+        return {
+            "messages": [
+                AIMessage("", tool_calls=[{"name": "run_query", "args": {"query": query}, "id": "a"}])
+            ]
+        }
+
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    task = {"question": "How many departments are there?", "gold_sql": "SELECT count(*) FROM departments"}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        start = time.monotonic()
+        reward = await agent.reward(task, state(slow))
+        elapsed = time.monotonic() - start
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert reward == 0.0
+    assert 1.0 <= elapsed < 2.0, elapsed  # the model's query stopped at its deadline
+    assert max(gaps) < 0.5, max(gaps)  # and the loop kept ticking meanwhile
+    assert await agent.reward(task, state("SELECT count(id) FROM departments")) == 1.0
