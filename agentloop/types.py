@@ -6,16 +6,20 @@ Lifecycles are ordered enums and the legal transitions live in :mod:`agentloop.s
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from agentloop.resources import Resources
 
 JSON = Any  # a JSON-serialisable value
+# deepest nesting of one JSON field: real messages, tool schemas and metadata stay far below; the JSON
+# parsers that read stored spans back stop at 200 levels (pydantic) and 255 (orjson) for a whole document
+MAX_JSON_DEPTH = 100
 
 
 def new_rollout_id() -> str:
@@ -28,8 +32,36 @@ def new_attempt_id() -> str:
     return "at-" + secrets.token_hex(16)
 
 
+def check_json(field: str, value: Any) -> Any:
+    """``value`` unchanged, or ValueError naming ``field``: a float that is NaN or infinite (JSON has no
+    such numbers: stored as null, they broke every later read), or nesting deeper than MAX_JSON_DEPTH.
+
+    Iterative, so hostile nesting cannot exhaust the Python stack."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise ValueError(f"{field} must hold finite numbers only, got {item} (NaN/Infinity)")
+        elif isinstance(item, dict | list | tuple):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(
+                    f"{field} is nested deeper than {MAX_JSON_DEPTH} levels; flatten it or store it as a string"
+                )
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return value
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: NaN/Infinity in any float field (rewards, log-probs, times) is a ValidationError
+    # naming the field, never a value stored as null that breaks every later read
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _json_field(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A field validator for JSON (Any) fields: check_json under the field's name."""
+    return check_json(info.field_name or "value", value)
 
 
 # ---------------------------------------------------------------- lifecycles
@@ -131,6 +163,8 @@ class Rollout(_Model):
     num_attempts: int = 0
     metadata: dict[str, JSON] = Field(default_factory=dict)
 
+    check_json_fields = field_validator("input", "metadata")(_json_field)
+
 
 class AttemptedRollout(Rollout):
     """What a worker gets from ``dequeue_rollout``: the rollout, its new attempt and the resources."""
@@ -169,6 +203,8 @@ class LLMCall(_Model):
     )
     tool_call_parse_error: bool = False
 
+    check_json_fields = field_validator("messages", "tools", "response_message", "sampling")(_json_field)
+
     @model_validator(mode="after")
     def _logprobs_match(self) -> LLMCall:
         if self.response_logprobs is not None and len(self.response_logprobs) != len(self.response_ids):
@@ -197,6 +233,8 @@ class ToolCall(_Model):
     error: str | None = None
     latency_s: float | None = None
 
+    check_json_fields = field_validator("arguments", "result")(_json_field)
+
 
 class Log(_Model):
     """A free-form event."""
@@ -205,6 +243,8 @@ class Log(_Model):
     message: str
     level: str = "info"
     fields: dict[str, JSON] = Field(default_factory=dict)
+
+    check_json_fields = field_validator("fields")(_json_field)
 
 
 SpanPayload = Annotated[LLMCall | Reward | ToolCall | Log, Field(discriminator="kind")]
@@ -243,6 +283,8 @@ class Triplet(_Model):
     )
     reward: float | None = None
     metadata: dict[str, JSON] = Field(default_factory=dict)
+
+    check_json_fields = field_validator("metadata")(_json_field)
 
     @model_validator(mode="after")
     def _lengths_match(self) -> Triplet:

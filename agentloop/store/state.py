@@ -36,6 +36,7 @@ from agentloop.types import (
     RolloutConfig,
     RolloutStatus,
     Span,
+    check_json,
 )
 
 Clock = Callable[[], float]  # returns seconds since the epoch, like time.time
@@ -82,7 +83,12 @@ def require_timeout(value: Any) -> float:
 
 
 def require_json(field: str, value: Any) -> None:
-    """Reject values that cannot travel as JSON (every backend stores JSON, never pickle)."""
+    """Reject values that cannot travel as JSON (every backend stores JSON, never pickle): NaN and
+    Infinity, nesting deeper than MAX_JSON_DEPTH (checked first, so deep input never recurses)."""
+    try:
+        check_json(field, value)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
