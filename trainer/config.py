@@ -163,6 +163,12 @@ class RolloutConfig(_Section):
         default=0.5, gt=0, le=1, description="vLLM only: share of GPU memory its engine may take."
     )
     concurrency: int = Field(default=16, ge=1, description="Agent rollouts a runner runs at once.")
+    # a hung agent (a tool that never answers, a graph that loops) is cancelled and retried, never waited on
+    agent_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Wall time one agent attempt may take; then it times out and is retried.",
+    )
     val_kwargs: ValKwargsConfig = Field(
         default_factory=ValKwargsConfig, description="Validation sampling (greedy by default, as verl)."
     )

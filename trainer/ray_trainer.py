@@ -416,7 +416,7 @@ class Trainer:
     async def _enqueue(self, store: Store, train: list[Any], cursor: DataCursor, step: int) -> _Pending:
         n = self.config.actor_rollout_ref.rollout.n
         ids = []
-        config = RolloutConfig(max_attempts=2, unresponsive_s=300.0)
+        config = rollout_config(self.config)
         cursor_before = cursor.state()
         for index, task in cursor.next_batch(train):
             for sample in range(n):
@@ -549,7 +549,12 @@ class Trainer:
         try:
             ids = [
                 (
-                    await store.enqueue_rollout(task, "val", metadata={"step": step, "sample_index": i})
+                    await store.enqueue_rollout(
+                        task,
+                        "val",
+                        config=rollout_config(self.config),
+                        metadata={"step": step, "sample_index": i},
+                    )
                 ).rollout_id
                 for task in val
                 for i in range(n)
@@ -655,6 +660,15 @@ def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
 
 
 T = TypeVar("T")
+
+
+def rollout_config(config: TrainerConfig) -> RolloutConfig:
+    """What every training and validation rollout gets: an attempt that runs over
+    ``rollout.agent_timeout_s`` is cancelled (status timeout) and retried once; a runner that goes
+    silent for 300 s leaves its attempt to the unresponsive watchdog."""
+    return RolloutConfig(
+        max_attempts=2, unresponsive_s=300.0, timeout_s=config.actor_rollout_ref.rollout.agent_timeout_s
+    )
 
 
 async def _deadline(call: Awaitable[T], seconds: float, what: str, key: str) -> T:

@@ -254,3 +254,18 @@ def test_every_wait_has_a_configurable_deadline() -> None:
     assert cfg.trainer.timeouts.rollouts_s == 5
     with pytest.raises(ConfigError, match=r"trainer.timeouts.rollouts_s: Input should be greater than 0"):
         TrainerConfig().with_overrides(["trainer.timeouts.rollouts_s=0"])
+
+
+def test_agent_rollouts_have_a_deadline_that_every_rollout_gets() -> None:
+    """issue 16: training rollouts had no timeout_s, so one hung agent held the step forever."""
+    from trainer.ray_trainer import rollout_config
+
+    cfg = TrainerConfig()
+    assert cfg.actor_rollout_ref.rollout.agent_timeout_s == 600.0
+    assert rollout_config(cfg).timeout_s == 600.0 and rollout_config(cfg).max_attempts == 2
+    cfg = cfg.with_overrides(["actor_rollout_ref.rollout.agent_timeout_s=30"])
+    assert rollout_config(cfg).timeout_s == 30.0
+    with pytest.raises(
+        ConfigError, match=r"actor_rollout_ref.rollout.agent_timeout_s: Input should be greater than 0"
+    ):
+        TrainerConfig().with_overrides(["actor_rollout_ref.rollout.agent_timeout_s=0"])
