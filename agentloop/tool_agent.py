@@ -13,7 +13,9 @@ answer, ids) are left for the reward function.
 
 Rewards: ``reward_fn(task, answer)`` or ``reward_fn(task, answer, messages)`` (sync or async) scores
 the final answer (``None`` when the loop ended without one: max turns, context full); the rollout
-returns it. A tool that gives a reward (``ToolResult.reward``) has it emitted as its own Reward span
+returns it. A sync reward function runs in a worker thread (it may re-run model output: code, SQL),
+so a slow one never stalls the event loop the other rollouts share; the attempt's ``timeout_s``
+bounds it. A tool that gives a reward (``ToolResult.reward``) has it emitted as its own Reward span
 named ``tool:<name>`` right after the call, so with the adapter's default ``identical`` strategy the
 attempt's reward is ``reward_fn`` + the sum of tool rewards, and ``per_call`` credits each to the turn
 that made the call.
@@ -26,6 +28,7 @@ mask 0 when the trainer merges the turns of one attempt into one sample (``train
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import anyio
 import openai
 
-from agentloop.agent import Agent, AttemptContext, check_reward, emit_reward
+from agentloop.agent import Agent, AttemptContext, check_reward, emit_reward, run_in_daemon_thread
 from agentloop.context import current_rollout
 from agentloop.errors import AgentError, RolloutContextError
 from agentloop.logging import get_logger
@@ -342,10 +345,22 @@ class ToolAgent(Agent):
 
     async def _score(self, task: Any, answer: str | None, messages: list[dict[str, Any]]) -> float | None:
         args = (task, answer, messages) if self._reward_arity == 3 else (task, answer)
-        value = self.reward_fn(*args)
-        if inspect.isawaitable(value):
-            value = await value
+        if _is_async(self.reward_fn):
+            value = await self.reward_fn(*args)
+        else:  # off the event loop, in the attempt's context (emit_reward works in it)
+            ctx = current_rollout.get()
+            limiter = ctx.thread_limiter if isinstance(ctx, AttemptContext) else None
+            value = await run_in_daemon_thread(
+                functools.partial(self.reward_fn, *args), limiter, name="agentloop reward_fn"
+            )
+            if inspect.isawaitable(value):  # a sync callable that returned a coroutine
+                value = await value
         return check_reward(value, self.reward_fn)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _decoded(arguments: str) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import anyio
 import pytest
 
 from agentloop.adapter import triplets_for_rollouts
+from agentloop.agent import emit_reward
 from agentloop.engine.models import load_engine
 from agentloop.errors import ToolDefinitionError
 from agentloop.proxy.server import Proxy
@@ -271,3 +273,42 @@ async def test_tiny_model_end_to_end_tokens_exact(tiny_model_dir: Path) -> None:
         assert json.dumps(call.tools or []).count('"add"') == 1
     for sample in merge_trajectory(result.triplets):
         assert sample.response_mask is not None and sum(sample.response_mask) >= 1
+
+
+async def test_a_slow_sync_reward_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
+    """issue 16: a sync reward_fn (one that re-runs model output: code, SQL) ran on the event loop,
+    stalling every other rollout, proxy request and heartbeat for as long as it took."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def slow_reward(task: Any, answer: str | None) -> float:
+        time.sleep(1.0)  # blocks its thread, holding no lock the loop needs
+        emit_reward(0.25, name="inside")  # the attempt's context reaches the worker thread
+        return 1.0
+
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        store, ids = await run_agent(
+            ToolAgent([add], slow_reward), scripted_engine(tok, ["It is 2."]), ["a", "b"]
+        )
+        tg.cancel_scope.cancel()
+    assert max(gaps) < 0.5, max(gaps)  # two 1 s rewards ran while the loop kept ticking
+    for rid in ids:
+        assert (await store.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
+        rewards = {
+            s.payload.name: s.payload.value
+            for s in await store.query_spans(rid)
+            if isinstance(s.payload, Reward)
+        }
+        assert rewards == {"inside": 0.25, "final": 1.0}, rewards
