@@ -96,7 +96,7 @@ def _tool_from_entry(entry: Any, where: str) -> BaseTool:
         if isinstance(obj, FunctionTool):
             merged = {
                 "name": obj.name, "description": obj.description, "timeout_s": obj.timeout_s,
-                "run_in": obj.run_in, **config,
+                "run_in": obj.run_in, "max_memory_mb": obj.max_memory_mb, **config,
             }  # fmt: skip
             tool: BaseTool = FunctionTool(obj.fn, **merged)
         elif isinstance(obj, type) and issubclass(obj, BaseTool):

@@ -31,6 +31,8 @@ Where a sync function tool runs (``function_tool(run_in=...)``); model output is
   ``os.cpu_count()`` calls run at once, the others wait (also counted); like multiprocessing's
   spawn, a worker loads the parent's ``__main__`` file as ``__mp_main__``, so a script that
   starts training must do so under ``if __name__ == "__main__":``.
+  ``max_memory_mb`` caps what one call may allocate on top of the worker's own size (RLIMIT_AS,
+  Linux): past it the call fails with MemoryError and the worker lives on.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -274,12 +277,34 @@ def to_tool_result(value: Any, tool_name: str) -> ToolResult:
     return ToolResult(response=_to_response(value[0], tool_name), reward=reward, metrics=metrics)
 
 
-def _run_by_name(module: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """In a worker process: import the tool's function by name and call it (a FunctionTool is unwrapped)."""
+def _run_by_name(
+    module: str,
+    qualname: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    max_memory_mb: int | None = None,
+) -> Any:
+    """In a worker process: import the tool's function by name and call it (a FunctionTool is unwrapped),
+    with its address space capped at its current size + ``max_memory_mb`` for the call's duration."""
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return (obj.fn if isinstance(obj, FunctionTool) else obj)(*args, **kwargs)
+    fn = obj.fn if isinstance(obj, FunctionTool) else obj
+    if max_memory_mb is None or not os.path.exists("/proc/self/statm"):
+        return fn(*args, **kwargs)
+    import resource
+
+    with open("/proc/self/statm") as f:  # first field: the virtual size in pages
+        size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + max_memory_mb * 1024 * 1024
+    resource.setrlimit(
+        resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard)
+    )
+    try:
+        return fn(*args, **kwargs)
+    finally:  # the next call (maybe another tool's) gets the worker's own limit back
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _check_run_in(fn: Callable[..., Any], run_in: Any) -> None:
@@ -308,6 +333,7 @@ class FunctionTool(BaseTool):
     fn: Callable[..., Any]  # the decorated function, unchanged
     spec: SignatureSpec
     run_in: RunIn  # where a sync function runs: a thread (abandoned at the deadline) or a killed process
+    max_memory_mb: int | None  # run_in="process": what one call may allocate (None: no cap)
 
     def __init__(
         self,
@@ -317,6 +343,7 @@ class FunctionTool(BaseTool):
         description: str | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         run_in: RunIn = "thread",
+        max_memory_mb: int | None = None,
     ) -> None:
         if isinstance(fn, FunctionTool):
             fn = fn.fn
@@ -329,6 +356,17 @@ class FunctionTool(BaseTool):
         self.spec = signature_spec(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
         self.run_in = run_in
+        if max_memory_mb is not None and (
+            run_in != "process"
+            or isinstance(max_memory_mb, bool)
+            or not isinstance(max_memory_mb, int)
+            or max_memory_mb < 1
+        ):
+            raise ToolDefinitionError(
+                f"function_tool {fn.__name__!r}: max_memory_mb must be an int >= 1 with run_in='process' "
+                f"(a thread shares the process's memory), got {max_memory_mb!r} with run_in={run_in!r}"
+            )
+        self.max_memory_mb = max_memory_mb
         functools.update_wrapper(self, fn)  # __name__, __doc__, __wrapped__, __module__
         super().__init__(
             name=name or fn.__name__,
@@ -357,7 +395,7 @@ class FunctionTool(BaseTool):
             value = await call()
         elif self.run_in == "process":  # the caller's deadline cancels this: the worker is killed
             value = await anyio.to_process.run_sync(
-                _run_by_name, self.fn.__module__, self.fn.__qualname__, tuple(positional), args,
+                _run_by_name, self.fn.__module__, self.fn.__qualname__, tuple(positional), args, self.max_memory_mb,
                 cancellable=True,
             )  # fmt: skip
         else:  # a hung sync tool is abandoned (not killed) when the caller's timeout fires
@@ -374,6 +412,7 @@ def function_tool(
     description: str | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     run_in: RunIn = "thread",
+    max_memory_mb: int | None = None,
 ) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 def function_tool(
     fn: Callable[..., Any] | None = None,
@@ -383,15 +422,19 @@ def function_tool(
     description: str | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     run_in: RunIn = "thread",
+    max_memory_mb: int | None = None,
 ) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
     """Make a tool of a typed function: ``@function_tool`` or ``@function_tool(name=..., run_in="process")``.
 
     ``run_in="process"`` runs a sync function in a worker process that is killed at the deadline
-    (for CPU-bound work on model input); the default thread is abandoned, not stopped (module docstring).
+    (for CPU-bound work on model input), ``max_memory_mb`` caps what a call there may allocate; the
+    default thread is abandoned, not stopped (module docstring).
     """
+    kwargs: dict[str, Any] = {"name": name, "description": description, "timeout_s": timeout_s}
+    kwargs.update(run_in=run_in, max_memory_mb=max_memory_mb)
     if fn is not None:
-        return FunctionTool(fn, name=name, description=description, timeout_s=timeout_s, run_in=run_in)
-    return lambda f: FunctionTool(f, name=name, description=description, timeout_s=timeout_s, run_in=run_in)
+        return FunctionTool(fn, **kwargs)
+    return lambda f: FunctionTool(f, **kwargs)
 
 
 _REGISTRY_NAMES = ("ToolRegistry", "RegistrySession", "execute_tool_call")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -447,3 +448,23 @@ async def test_process_tools_report_exceptions_and_check_their_definition(tmp_pa
     loaded = ToolRegistry.from_yaml(path)
     assert isinstance(loaded.get("add"), FunctionTool) and loaded.get("add").run_in == "process"  # type: ignore[attr-defined]
     assert (await execute_tool_call(loaded, "add", {"a": 2, "b": 3})).response.text == "5"
+
+
+def allocate(megabytes: int) -> int:
+    """Allocates ``megabytes`` MiB and returns how many bytes it got."""
+    return len(bytearray(megabytes * 1024 * 1024))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="max_memory_mb is RLIMIT_AS, enforced on Linux")
+async def test_a_process_tool_over_its_memory_cap_fails_and_its_worker_lives_on() -> None:
+    registry = ToolRegistry([FunctionTool(allocate, run_in="process", max_memory_mb=200)])
+    small = await execute_tool_call(registry, "allocate", {"megabytes": 50}, timeout_s=60)
+    assert small.response.text == str(50 * 1024 * 1024), small
+    big = await execute_tool_call(registry, "allocate", {"megabytes": 1000}, timeout_s=60)
+    assert big.metrics == {"error": "tool_exception"} and "raised MemoryError" in (big.response.text or ""), (
+        big
+    )
+    again = await execute_tool_call(registry, "allocate", {"megabytes": 150}, timeout_s=60)
+    assert again.response.text == str(150 * 1024 * 1024), again  # the cap is per call, the worker lived on
+    with pytest.raises(ToolDefinitionError, match="max_memory_mb must be an int >= 1 with run_in='process'"):
+        FunctionTool(allocate, max_memory_mb=100)
