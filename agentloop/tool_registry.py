@@ -218,11 +218,21 @@ async def _safe_call(
     try:
         with anyio.move_on_after(limit) as scope:
             return await tool.execute(await instance(tool), args)
-        return _error("timeout", f"tool {name!r} did not finish within {limit:g} s", name)
+        return _timeout(tool, limit)
     except Exception as exc:
         if not scope.cancelled_caught:
             return _error("tool_exception", f"tool {name!r} raised {type(exc).__name__}: {exc}", name)
-        return _error("timeout", f"tool {name!r} did not finish within {limit:g} s", name)
+        return _timeout(tool, limit)
+
+
+def _timeout(tool: BaseTool, limit: float | None) -> ToolResult:
+    if isinstance(tool, FunctionTool) and not tool.is_async and tool.run_in == "thread":
+        log.warning(  # the thread cannot be stopped: say so once per timeout, for whoever reads the logs
+            "tool thread abandoned",
+            tool=tool.name,
+            hint="it runs on until the function returns; function_tool(run_in='process') stops it at the deadline",
+        )
+    return _error("timeout", f"tool {tool.name!r} did not finish within {limit:g} s", tool.name)
 
 
 async def execute_tool_call(

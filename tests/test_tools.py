@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog.testing
 from pydantic import BaseModel, ValidationError
 
 from agentloop.errors import ToolArgumentError, ToolDefinitionError, ToolNotFoundError
@@ -300,8 +301,10 @@ async def test_execute_tool_call_turns_failures_into_text() -> None:
         bad_args = await execute_tool_call(registry, "add", '{"a": "one"}')
         raised = await execute_tool_call(registry, "exploding", {"step": 1})
         slow = await execute_tool_call(registry, "hang", None)
-        slow_sync = await execute_tool_call(registry, "hang_sync", None, timeout_s=0.05)
+        with structlog.testing.capture_logs() as logs:
+            slow_sync = await execute_tool_call(registry, "hang_sync", None, timeout_s=0.05)
     release.set()
+    assert [e["tool"] for e in logs if e["event"] == "tool thread abandoned"] == ["hang_sync"]
     assert unknown == ToolResult(
         response=ToolResponse(text="Error: unknown tool 'sub'; available: add, exploding, hang, hang_sync"),
         metrics={"error": "unknown_tool"},
