@@ -66,10 +66,10 @@ HOSTILE = [
 @pytest.mark.parametrize("expression", HOSTILE, ids=range(len(HOSTILE)))
 def test_hostile_expressions_are_refused_before_any_long_computation(expression: str) -> None:
     """issue 16: operand sizes are bounded *before* computing, so no expression costs more than microseconds."""
-    start = time.process_time()
+    start = time.thread_time()
     with pytest.raises(ValueError, match=r"digits|too large|not a real|finite|1e100|characters"):
         calculator(expression)
-    assert time.process_time() - start < 0.05, expression
+    assert time.thread_time() - start < 0.05, expression
 
 
 def test_the_bounds_leave_room_for_every_word_problem() -> None:
