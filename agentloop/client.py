@@ -2,6 +2,10 @@
 
 Inside a rollout (an ``@al.rollout`` function or ``al.Agent`` run by ``al.Runner``) the client points
 at the attempt's proxy URL, so agent code needs no URL handling; outside one, pass the LLM.
+
+Both set ``max_retries=0`` (openai's default is 2): the proxy records every call it answers, so a
+retry of a call that timed out on the client's side would add a second training sample for one
+turn. Pass ``max_retries=`` to choose otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def _resolve(llm: LLM | ProxyLLM | None, what: str) -> LLM:
 def openai_client(llm: LLM | ProxyLLM | None = None, **kwargs: Any) -> openai.OpenAI:
     """A sync ``openai.OpenAI`` for this attempt (or ``llm``); ``kwargs`` go to the client (timeout, ...)."""
     resolved = _resolve(llm, "al.openai_client()")
+    kwargs.setdefault("max_retries", 0)  # a retry would record a second sample (module docstring)
     return openai.OpenAI(base_url=resolved.base_url, api_key=resolved.api_key, **kwargs)
 
 
@@ -49,4 +54,5 @@ def async_openai_client(llm: LLM | ProxyLLM | None = None, **kwargs: Any) -> ope
     Use it as ``async with al.async_openai_client() as client:``: a client left open holds its
     connection (a socket on each side) until garbage collection."""
     resolved = _resolve(llm, "al.async_openai_client()")
+    kwargs.setdefault("max_retries", 0)  # a retry would record a second sample (module docstring)
     return openai.AsyncOpenAI(base_url=resolved.base_url, api_key=resolved.api_key, **kwargs)

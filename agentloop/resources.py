@@ -19,7 +19,11 @@ class LLM(_Resource):
     resource_type: Literal["llm"] = "llm"
     base_url: str = Field(description="OpenAI-compatible base URL, ending in /v1.")
     model: str = Field(description="Model name sent in requests.")
-    api_key: str = Field("EMPTY", description="Bearer token; the proxy accepts anything unless it has a key.")
+    api_key: str = Field(
+        default="EMPTY",
+        repr=False,
+        description="Bearer token; the proxy accepts anything unless it has a key.",
+    )
     sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
 
 
@@ -40,7 +44,11 @@ class ProxyLLM(_Resource):
     resource_type: Literal["proxy_llm"] = "proxy_llm"
     url_template: str = Field(description="URL with the placeholders {rollout_id} and {attempt_id}.")
     model: str
-    api_key: str = "EMPTY"
+    api_key: str = Field(
+        default="EMPTY",
+        repr=False,  # kept out of logs that print the resource; the trainer's proxy sets a key per run
+        description="Bearer token of the proxy, handed to the agent as llm.api_key.",
+    )
     sampling: dict[str, Any] = Field(default_factory=dict)
     enforce_sampling: bool = Field(
         default=False,

@@ -21,6 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentloop.errors import ConfigError
+from agentloop.http_limits import is_loopback
+from agentloop.keys import KeyRef
 from trainer.algorithms import GROUP_ESTIMATORS, known_adv_estimators, known_policy_losses
 from trainer.rollout_correction import RolloutCorrectionConfig
 
@@ -383,13 +385,26 @@ class PlacementConfig(_Section):
         default="127.0.0.1", description="Bind address of the store server (0.0.0.0: all)."
     )
     store_port: int = Field(default=0, ge=0, le=65535, description="Port of the store server; 0 picks one.")
-    store_api_key: str | None = Field(default=None, description="Bearer token the store server requires.")
+    store_api_key: KeyRef = Field(
+        default=None,
+        description="Bearer token the store server requires: env:NAME, file:PATH or the key (kept secret).",
+    )
     proxy_host: str = Field(
         default="127.0.0.1", description="Bind address of the proxy (remote runners need 0.0.0.0)."
     )
     local_runner: bool = Field(
         default=True, description="Run agents in the trainer process too; False: remote runners only."
     )
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self) -> PlacementConfig:
+        if self.store_server and self.store_api_key is None and not is_loopback(self.store_host):
+            raise ValueError(
+                f"placement.store_host={self.store_host!r} is not a loopback address and "
+                "placement.store_api_key is not set; set it (env:NAME or file:PATH) so only your runners "
+                "can use the store"
+            )
+        return self
 
 
 # ---------------------------------------------------------------- the whole config

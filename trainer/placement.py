@@ -189,7 +189,8 @@ async def serve_store(config: TrainerConfig, store: Any) -> Any:
     from agentloop.store.http import StoreServer
 
     p = config.placement
-    server = StoreServer(store, host=p.store_host, port=p.store_port, api_key=p.store_api_key)
+    key = p.store_api_key.get_secret_value() if p.store_api_key is not None else None  # SecretStr
+    server = StoreServer(store, host=p.store_host, port=p.store_port, api_key=key)
     await server.start()
     log.info("store.served", url=server.url, hint=f"agentloop runner --store {server.url} --agent module:obj")
     return server

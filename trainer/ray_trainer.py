@@ -217,6 +217,8 @@ class Trainer:
         engine: Any,
         state: _FitState,
     ) -> FitResult:
+        from secrets import token_urlsafe
+
         from agentloop.engine.models import load_engine, resolve_model
         from agentloop.proxy import Proxy
         from agentloop.store.sqlite import SQLiteStore
@@ -271,7 +273,7 @@ class Trainer:
             run_dir,
             cfg.trainer.project_name,
             cfg.trainer.experiment_name,
-            cfg.model_dump(),
+            cfg.model_dump(mode="json"),  # keys (SecretStr) as ********** for W&B
         )
         result = FitResult(
             run_dir=run_dir, steps=0, resumed_from=plan.step if plan.action == "resume" else None
@@ -280,6 +282,9 @@ class Trainer:
             engine,
             store,
             host=cfg.placement.proxy_host,
+            # a key per run: agents get it as llm.api_key (ProxyLLM.api_key, remote runners through the
+            # store's resources); no one else who can reach the port gets generations
+            api_key=token_urlsafe(32),
             max_body_bytes=32 * 1024 * 1024,
             default_max_tokens=cfg.data.max_response_length,
         )

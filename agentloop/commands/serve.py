@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import anyio
+from pydantic import SecretStr
 
 from agentloop.cli import UsageError
+
+KEY_ENV = "AGENTLOOP_PROXY_API_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -17,7 +21,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"file holding the key every request must carry (Authorization: Bearer KEY); or set ${KEY_ENV}. "
+        "Required when --host is not loopback",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="env:NAME, file:PATH, or the key itself (then visible to every user in `ps`: prefer "
+        f"--api-key-file or ${KEY_ENV})",
+    )
     p.add_argument(
         "--store", type=Path, default=Path("agentloop-serve.db"), help="SQLite file for the recorded calls"
     )
@@ -31,10 +47,10 @@ async def serve(args: argparse.Namespace) -> None:
 
     engine = load_engine(args.model, device=args.device)
     store = SQLiteStore(args.store)
-    proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.api_key)
+    proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.key)
     await proxy.start()
     sys.stdout.write(
-        f"agentloop proxy serving {args.model}\n"
+        f"agentloop proxy serving {args.model}; key {args.key_source}\n"
         f"  OpenAI base URL (apps):   {proxy.session_base_url}\n"
         f"  per-attempt template:     {proxy.url_template}\n"
         f"  recorded calls:           {args.store}\nCtrl-C to stop.\n"
@@ -53,11 +69,38 @@ def run(args: argparse.Namespace) -> int:
     """Serve until stopped: Ctrl-C or SIGTERM ends ``serve`` (the proxy, engine and store close in its
     ``finally``) and the CLI prints the one line that says so."""
     from agentloop.errors import ModelResolutionError
+    from agentloop.http_limits import is_loopback
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    args.key, args.key_source = read_serve_key(args)
+    if args.key is None and not is_loopback(args.host):
+        raise UsageError(
+            f"--host {args.host} is not a loopback address, so a key is required: pass --api-key-file PATH "
+            f"or set ${KEY_ENV} (or serve on 127.0.0.1)"
+        )
     try:
         anyio.run(serve, args)
     except ModelResolutionError as exc:
         raise UsageError(f"--model: {exc}") from None
     return 0
+
+
+def read_serve_key(args: argparse.Namespace) -> tuple[SecretStr | None, str]:
+    """The key from --api-key-file, --api-key or $AGENTLOOP_PROXY_API_KEY (in that order), and where it
+    came from (for the banner; the key itself is never printed)."""
+    from agentloop.keys import read_key
+
+    if args.api_key_file is not None and args.api_key:
+        raise UsageError("give --api-key-file or --api-key, not both")
+    try:
+        if args.api_key_file is not None:
+            key = read_key(f"file:{args.api_key_file}", "--api-key-file")
+            return key, f"required (from {args.api_key_file})"
+        if args.api_key:
+            return read_key(args.api_key, "--api-key"), "required (from --api-key)"
+        if os.environ.get(KEY_ENV):
+            return read_key(f"env:{KEY_ENV}", KEY_ENV), f"required (from ${KEY_ENV})"
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return None, "not required (loopback only)"

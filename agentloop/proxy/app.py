@@ -7,11 +7,14 @@ Sessions only: ``POST /v1/sessions/{id}/reward`` (``{"value": 1.0}`` or ``{"rewa
 (every session held: id, number of calls, rewards). ``GET /health``.
 
 Every error answers with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
-400 bad input (``context_length_exceeded`` included), 401 missing/wrong bearer token, 404 unknown
+400 bad input (``context_length_exceeded`` included), 401 missing/wrong bearer token (and the
+connection is closed: a client without the key holds no socket), 404 unknown
 rollout/attempt/session/route (``model_not_found``: a session request naming a model not served),
 408 body not sent in time, 409 stale attempt, 413 body too large, 503 engine or store failure (or
 engine timeout).
-An unexpected exception is logged and answered 503, never 500.
+An unexpected exception is logged and answered 503, never 500. The HTTP server in front of the app
+(agentloop/http_limits.py) answers in plain text 408 for headers or a body not sent in time, 431 for
+headers over the size limit, and 503 when every connection slot is answering a request.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from agentloop.proxy import responses
 from agentloop.proxy.schemas import (
@@ -51,6 +56,8 @@ _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "inv
 
 
 def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
+    if exc.status == 401:  # then the connection closes: a client without the key holds no socket
+        headers = {**(headers or {}), "Connection": "close"}
     return Response(
         orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json", headers=headers
     )
@@ -60,17 +67,48 @@ def _json(body: bytes, headers: dict[str, str] | None = None) -> Response:
     return Response(body, media_type="application/json", headers=headers)
 
 
-def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int) -> FastAPI:
+class BearerAuth:
+    """Checks ``Authorization: Bearer <key>`` in constant time. Holds the key where a traceback that
+    prints local variables cannot show it (its repr names no key)."""
+
+    __slots__ = ("_expected",)
+
+    def __init__(self, key: SecretStr | str | None) -> None:
+        secret = key.get_secret_value() if isinstance(key, SecretStr) else key
+        self._expected = f"Bearer {secret}".encode() if secret else None
+
+    @property
+    def required(self) -> bool:
+        return self._expected is not None
+
+    def allows(self, request: Request) -> bool:
+        if self._expected is None:
+            return True
+        return hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected)
+
+    def __repr__(self) -> str:
+        return f"BearerAuth(required={self.required})"
+
+
+def _unauthorized() -> ProxyError:
+    return ProxyError(401, "missing or wrong bearer token (Authorization: Bearer <api_key>)",
+                      "authentication_error", code="invalid_api_key")  # fmt: skip
+
+
+def build_app(
+    service: ProxyService,
+    *,
+    api_key: SecretStr | str | None,
+    max_body_bytes: int,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     """The proxy's ASGI app around ``service``."""
     app = FastAPI(title="agentloop proxy", docs_url=None, redoc_url=None, openapi_url=None)
-    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+    auth = BearerAuth(api_key)
 
     async def read_json(request: Request) -> Any:
-        if expected_auth is not None:
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected_auth):
-                raise ProxyError(401, "missing or wrong bearer token (Authorization: Bearer <api_key>)",
-                                 "authentication_error", code="invalid_api_key")  # fmt: skip
+        if not auth.allows(request):
+            raise _unauthorized()
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise ProxyError(
@@ -78,9 +116,7 @@ def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int
             )
         chunks, size = [], 0
         try:
-            with anyio.fail_after(
-                BODY_TIMEOUT_S
-            ):  # a client that stalls mid-body does not hold a request open
+            with anyio.fail_after(body_timeout_s):  # also the server's body deadline (http_limits)
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > max_body_bytes:
@@ -92,7 +128,11 @@ def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int
                     chunks.append(chunk)
         except TimeoutError:
             raise ProxyError(
-                408, f"the body did not arrive within {BODY_TIMEOUT_S}s", code="request_timeout"
+                408, f"the body did not arrive within {body_timeout_s:g}s", code="request_timeout"
+            ) from None
+        except ClientDisconnect:  # gone (or cut off by the server's body deadline): nobody to answer
+            raise ProxyError(
+                408, "the client disconnected before its body arrived", code="request_timeout"
             ) from None
         try:
             return orjson.loads(b"".join(chunks))
@@ -156,12 +196,8 @@ def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int
         return _json(responses.completion_json(gen, service.tokenizer, lps, ids), headers)
 
     async def models(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        if expected_auth is not None and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), expected_auth
-        ):
-            raise ProxyError(
-                401, "missing or wrong bearer token", "authentication_error", code="invalid_api_key"
-            )
+        if not auth.allows(request):
+            raise _unauthorized()
         if target.session_id is None:
             await service.check_live(target)
         card = {"id": service.model_name, "object": "model", "created": int(time.time()), "owned_by": "agentloop",
@@ -192,20 +228,16 @@ def build_app(service: ProxyService, *, api_key: str | None, max_body_bytes: int
 
     async def get_session(request: Request) -> Response:
         session_id = request.path_params["session_id"]
-        if expected_auth is not None and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), expected_auth
-        ):
-            return error_response(ProxyError(401, "missing or wrong bearer token", "authentication_error"))
+        if not auth.allows(request):
+            return error_response(_unauthorized())
         rec = service.sessions.get(session_id)
         if rec is None:
             return error_response(ProxyError(404, f"session {session_id!r} not found", "not_found_error"))
         return _json(orjson.dumps(rec.to_json()))
 
     async def list_sessions(request: Request) -> Response:
-        if expected_auth is not None and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), expected_auth
-        ):
-            return error_response(ProxyError(401, "missing or wrong bearer token", "authentication_error"))
+        if not auth.allows(request):
+            return error_response(_unauthorized())
         data = [rec.summary() for rec in service.sessions.records()]
         return _json(orjson.dumps({"object": "list", "data": data}))
 

@@ -27,9 +27,11 @@ import anyio
 import structlog
 import uvicorn
 from anyio.abc import TaskStatus
+from pydantic import SecretStr
 
 from agentloop.engine.base import InferenceEngine
 from agentloop.errors import NotFoundError
+from agentloop.http_limits import HttpLimits, check_bind, limited_protocol, open_connections
 from agentloop.proxy.app import build_app
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
@@ -112,9 +114,13 @@ class Proxy:
     Args:
         engine: serves token ids; its tokenizer and chat template are used for prompts.
         store: where each call of a rollout attempt is recorded as an LLMCall span.
-        host, port: bind address; port 0 picks a free port (see ``.port`` after start).
-        api_key: when set, requests must carry ``Authorization: Bearer <api_key>`` (else 401).
+        host, port: bind address; port 0 picks a free port (see ``.port`` after start). An address
+            other than loopback needs ``api_key`` (else ValueError).
+        api_key: when set, requests must carry ``Authorization: Bearer <api_key>`` (else 401); kept
+            as a SecretStr (``.api_key``), handed to agents through ``as_resource()``.
         max_body_bytes: larger request bodies get 413.
+        limits: connection limit, header and body deadlines, header size (``HttpLimits()``: defaults
+            that hold against idle, slow and oversized clients; see agentloop/http_limits.py).
         model_name: the name ``/models`` reports and responses carry when a request names none; by
             default the model folder's name (``served_model_name``). On the session routes (``/v1``)
             a request must name this model, ``agentloop`` (the old name) or none, else 404
@@ -135,9 +141,10 @@ class Proxy:
         store: Store,
         host: str = "127.0.0.1",
         port: int = 0,
-        api_key: str | None = None,
+        api_key: str | SecretStr | None = None,
         *,
         max_body_bytes: int = 8 * 1024 * 1024,
+        limits: HttpLimits | None = None,
         model_name: str | None = None,
         session_log: str | Path | Literal["auto"] | None = "auto",
         chat_template: str | None = None,
@@ -163,7 +170,13 @@ class Proxy:
                 raise TypeError(
                     f"engine must implement InferenceEngine (missing {name!r}); got {type(engine).__name__}"
                 )
-        self.engine, self.store, self.host, self.api_key = engine, store, host, api_key
+        key = api_key if isinstance(api_key, SecretStr) or api_key is None else SecretStr(api_key)
+        if key is not None and not key.get_secret_value():
+            key = None
+        check_bind(host, key, "the proxy", "pass api_key=")
+        self.engine, self.store, self.host = engine, store, host
+        self._api_key = key
+        self.limits = limits or HttpLimits()
         self.ledger_sweep_s = ledger_sweep_s  # how often the ledgers of finished attempts are released
         name = model_name or served_model_name(engine)
         if session_log == "auto":
@@ -187,7 +200,13 @@ class Proxy:
             default_max_tokens=default_max_tokens,
             default_sampling=default_sampling or {},
         )
-        self.app = build_app(self.service, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.app = build_app(
+            self.service,
+            api_key=key,
+            max_body_bytes=max_body_bytes,
+            body_timeout_s=self.limits.body_timeout_s,
+        )
+        self._protocol = limited_protocol(self.limits)
         self.state = ProxyState.CREATED
         self._requested_port = port
         self._port: int | None = None
@@ -195,6 +214,16 @@ class Proxy:
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ addresses
+
+    @property
+    def api_key(self) -> SecretStr | None:
+        """The bearer key requests must carry (None: none required, loopback only)."""
+        return self._api_key
+
+    @property
+    def open_connections(self) -> int:
+        """Connections the server holds open now (at most ``limits.max_connections``)."""
+        return open_connections(self._protocol)
 
     @property
     def port(self) -> int:
@@ -240,7 +269,7 @@ class Proxy:
         return ProxyLLM(
             url_template=self.url_template,
             model=model or self.service.model_name,
-            api_key=self.api_key or "EMPTY",
+            api_key=self._api_key.get_secret_value() if self._api_key is not None else "EMPTY",
             sampling=dict(sampling or {}),
             enforce_sampling=enforce_sampling,
         )
@@ -264,8 +293,8 @@ class Proxy:
         self._port = sock.getsockname()[1]
         self.service.url_template = self.url_template
         config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
-            backlog=4096, timeout_graceful_shutdown=5,
+            self.app, http=self._protocol, log_config=None, access_log=False, lifespan="off",
+            timeout_keep_alive=30, backlog=4096, timeout_graceful_shutdown=5,
         )  # fmt: skip
         self._server = server = _EmbeddedServer(config)
         self.state = ProxyState.RUNNING
