@@ -13,7 +13,10 @@ A run folder (``trainer.default_local_dir``, default ``runs/<project>/<experimen
     final_adapter/                  LoRA runs: the peft adapter (final_model/ holds it merged)
 
 ``latest`` is replaced atomically after the step's files are on disk, so a process killed while saving
-leaves the previous checkpoint as the latest one. Checkpoints of older versions (one ``actor.pt``)
+leaves the previous checkpoint as the latest one. "On disk" means fsynced: every file of the step
+folder and the folder itself are fsynced before ``latest`` names the step, and the folder holding
+``latest`` after its rename, so a power loss cannot leave ``latest`` pointing at weights the disk never
+got (``commit``; the writers fsync their own files too). Checkpoints of older versions (one ``actor.pt``)
 still load.
 
 One run, one folder (``plan_run``): a new run never appends to another run's files. With
@@ -90,7 +93,11 @@ class CheckpointManager:
         return path
 
     def commit(self, step: int, state: dict[str, Any]) -> None:
+        """Publish step ``step``: its files (whoever wrote them) and folder fsynced, then its
+        trainer_state.json, then ``latest`` (each written atomically and fsynced with its folder)."""
         path = self.root / f"global_step_{step}"
+        fsync_tree(path)
+        fsync_dir(self.root)  # the step folder's own entry
         _atomic_write(path / "trainer_state.json", json.dumps(state))
         _atomic_write(self.root / "latest", str(step))
 
@@ -124,6 +131,8 @@ def save_policy(
     torch.save(
         {"optimizer": optimizer.state_dict(), "step": step, "lora_rank": lora_rank}, path / OPTIMIZER_FILE
     )
+    for name in (WEIGHTS_FILE, OPTIMIZER_FILE):  # on disk before the trainer publishes the step
+        fsync_file(path / name)
 
 
 def load_policy_state(
@@ -168,8 +177,10 @@ def export_hf_model(weights: dict[str, torch.Tensor], model_path: str | Path, ou
     AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(str(tmp))  # + chat_template.jinja
     if (Path(model_path) / "generation_config.json").exists():
         shutil.copy(Path(model_path) / "generation_config.json", tmp / "generation_config.json")
+    fsync_tree(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)  # a crash leaves the old folder or none, never half of one
+    fsync_dir(out_dir.parent)
     return out_dir
 
 
@@ -284,10 +295,41 @@ def keep_metrics_until(path: Path, step: int) -> int:
     return dropped
 
 
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data to the disk (any process's writes to it: the page cache is shared)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a file created or renamed in it survives a power loss)."""
+    if os.name != "nt":  # Windows cannot open a folder to fsync it (NTFS journals its entries)
+        fsync_file(path)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path``, then every folder, deepest first, ``path`` last."""
+    folders = [path]
+    for sub in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if sub.is_symlink():
+            continue
+        if sub.is_file():
+            fsync_file(sub)
+        elif sub.is_dir():
+            folders.insert(-1, sub)
+    for folder in folders:
+        fsync_dir(folder)
+
+
 def _atomic_write(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file fsynced, renamed over it, the folder fsynced."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -8,13 +8,20 @@ In the trajectory, the prompt is dim, tokens the model produced (trained, mask 1
 tokens it did not produce (tool output, later user turns: mask 0) are yellow. For a training rollout
 each call's advantage is shown as the trainer computed it (``trainer.sample_advantages`` over the
 attempts at the same task in the same step, with the run's config).
+
+Read-only: the store is opened with SQLite's ``mode=ro`` (``ReadOnlyStore``), so inspecting a run,
+even one still being written, never changes its files. Model text is hostile input: control
+characters and terminal escape sequences in it (and in ids, names and inputs read from the files) are
+printed escaped (``\x1b``), never sent to the terminal as they are (``printable``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,17 @@ from agentloop.proxy.sessions import SESSION_LOG_SUFFIX, SessionRecord, read_ses
 from agentloop.types import LLMCall, Reward, Rollout, Span, Triplet
 
 DIM, GREEN, YELLOW, BOLD, RESET = "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[1m", "\x1b[0m"
+
+# C0 controls but newline and tab, DEL, C1 controls (U+0080-U+009F: 8-bit CSI and friends), and the
+# bidirectional overrides that make text display in another order than it reads ("trojan source").
+_UNPRINTABLE = [c for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)]
+_UNPRINTABLE += [0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+_ESCAPED = str.maketrans({c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNPRINTABLE})
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters and escape sequences written as ``\\x1b`` / ``\\u202e``."""
+    return text.translate(_ESCAPED)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -102,10 +120,50 @@ def _reward(spans: list[Any]) -> float | None:
     return sum(values) if values else None
 
 
-async def collect(db: Path) -> list[tuple[Rollout, float | None, int]]:
-    from agentloop.store.sqlite import SQLiteStore
+class ReadOnlyStore:
+    """The reads ``inspect`` makes, on a read-only connection to the file ``SQLiteStore`` writes
+    (``mode=ro``: opening a ``SQLiteStore`` sets the journal mode and creates its tables, both writes).
+    Reads the tables ``agentloop/store/sqlite.py`` defines: rollouts (with their latest attempt) and spans.
+    """
 
-    store = SQLiteStore(db)
+    def __init__(self, path: Path) -> None:
+        uri = "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro"
+        try:
+            self._conn = sqlite3.connect(uri, uri=True)
+            self._conn.execute("SELECT 1 FROM rollouts LIMIT 1")
+        except sqlite3.Error as exc:
+            raise InspectError(f"{path} cannot be read as an agentloop store: {exc}") from None
+
+    async def list_rollouts(self) -> list[Rollout]:
+        rows = self._conn.execute("SELECT data FROM rollouts ORDER BY seq")
+        return [Rollout.model_validate_json(r[0]) for r in rows]
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        row = self._conn.execute("SELECT data FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
+        if row is None:
+            raise InspectError(f"no rollout {printable(rollout_id)!r} in the store")
+        return Rollout.model_validate_json(row[0])
+
+    async def query_spans(self, rollout_id: str, attempt_id: str = "latest") -> list[Span]:
+        """The spans of the rollout's latest attempt (``attempt_id`` other than "latest": that one)."""
+        if attempt_id == "latest":
+            row = self._conn.execute(
+                "SELECT latest_attempt_id FROM rollouts WHERE rollout_id=?", (rollout_id,)
+            ).fetchone()
+            if row is None or row[0] is None:
+                return []
+            attempt_id = row[0]
+        rows = self._conn.execute(
+            "SELECT data FROM spans WHERE attempt_id=? ORDER BY sequence_id", (attempt_id,)
+        )
+        return [Span.model_validate_json(r[0]) for r in rows]
+
+    async def close(self) -> None:
+        self._conn.close()
+
+
+async def collect(db: Path) -> list[tuple[Rollout, float | None, int]]:
+    store = ReadOnlyStore(db)
     try:
         rows = []
         for rollout in await store.list_rollouts():
@@ -123,13 +181,12 @@ async def trajectory(
     """The rollout's calls merged for display, the rollout, and each call's advantage (None when the
     trainer would not train on it, or the rollout is not a training rollout)."""
     from agentloop.adapter import spans_to_triplets, triplets_for_rollouts
-    from agentloop.store.sqlite import SQLiteStore
     from agentloop.types import RolloutStatus
     from trainer import TrainerConfig, sample_advantages  # the CLI is where agentloop reaches the trainer
     from trainer.batch import merge_trajectory
 
     config = _config(run_dir)
-    store = SQLiteStore(db if db is not None else run_dir / "store.db")
+    store = ReadOnlyStore(db if db is not None else run_dir / "store.db")
     try:
         rollout = await store.get_rollout(rollout_id)
         spans = await store.query_spans(rollout_id)
@@ -143,7 +200,7 @@ async def trajectory(
                 if r.mode == "train" and (r.metadata.get("step"), r.metadata.get("data_index")) == key
             ]
             cfg = TrainerConfig.from_dict(config)
-            adapted = await triplets_for_rollouts(store, group, cfg.adapter.credit_assignment)
+            adapted = await triplets_for_rollouts(store, group, cfg.adapter.credit_assignment)  # type: ignore[arg-type]
             if not cfg.algorithm.use_kl_in_reward:
                 by_call = dict(
                     zip(
@@ -164,7 +221,8 @@ async def trajectory(
 
 
 def render(tokenizer: Any, triplet: Triplet, color: bool) -> str:
-    """Prompt dim; response tokens green where mask 1 (model) and yellow where mask 0 (not trained)."""
+    """Prompt dim; response tokens green where mask 1 (model) and yellow where mask 0 (not trained);
+    the text is ``printable``."""
     out = [_paint(tokenizer.decode(triplet.prompt_ids), DIM, "prompt", color)]
     mask = triplet.response_mask or []
     start = 0
@@ -179,6 +237,7 @@ def render(tokenizer: Any, triplet: Triplet, color: bool) -> str:
 
 
 def _paint(text: str, code: str, tag: str, color: bool) -> str:
+    text = printable(text)
     return f"{code}{text}{RESET}" if color else f"[{tag}]{text}[/{tag}]"
 
 
@@ -203,27 +262,29 @@ def _run(args: argparse.Namespace) -> int:
         for rollout, reward, calls in rows[-args.limit :]:
             shown = json.dumps(rollout.input)[:60]
             r = "-" if reward is None else f"{reward:.3f}"
+            rid = printable(rollout.rollout_id[:13])
             w(
-                f"{rollout.rollout_id[:13]:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
+                f"{rid:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
             )
     session_rewards = {rec.session_id: _session_reward(rec) for rec in sessions}
     if log is not None:
-        model = server.get("model", "?")
-        w(f"{len(sessions)} app sessions in {log} (served model {model})\n")
+        served = printable(str(server.get("model", "?")))
+        w(f"{len(sessions)} app sessions in {log} (served model {served})\n")
         w(f"{'session':<22} {'calls':>5} {'reward':>7}  first message\n")
         for rec in sessions[-args.limit :]:
             reward = session_rewards[rec.session_id]
             r = "-" if reward is None else f"{reward:.3f}"
-            first = json.dumps(
-                rec.calls[0].messages[-1].get("content") if rec.calls and rec.calls[0].messages else ""
+            head = rec.calls[:1]
+            first = json.dumps(head[0].messages[-1].get("content") if head and head[0].messages else "")
+            w(
+                f"{printable(rec.session_id[:21]):<22} {len(rec.call_json):>5} {r:>7}  {printable(first[:60])}\n"
             )
-            w(f"{rec.session_id[:21]:<22} {len(rec.calls):>5} {r:>7}  {first[:60]}\n")
     chosen = args.rollout
     if chosen is None:
         scored = [(reward, r.rollout_id) for r, reward, calls in rows if reward is not None and calls]
         scored += [(reward, sid) for sid, reward in session_rewards.items() if reward is not None]
         if not scored:  # an app that posts no rewards: its latest session with calls
-            scored = [(0.0, rec.session_id) for rec in sessions[-1:] if rec.calls]
+            scored = [(0.0, rec.session_id) for rec in sessions[-1:] if rec.call_json]
         if not scored:
             w("no rollout with LLM calls and a reward to print\n")
             return 0
@@ -239,8 +300,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     if len(matches) > 1:
         raise InspectError(
-            f"--rollout {chosen!r} starts {len(matches)} ids ({', '.join(m[:16] for m in matches[:4])}, ...); "
-            "give more of the id"
+            f"--rollout {chosen!r} starts {len(matches)} ids "
+            f"({', '.join(printable(m[:16]) for m in matches[:4])}, ...); give more of the id"
         )
     (match,) = matches
     if match in session_rewards:
@@ -250,11 +311,11 @@ def _run(args: argparse.Namespace) -> int:
         rec = next(r for r in sessions if r.session_id == match)
         session_calls = spans_to_triplets(_session_spans(rec)).triplets
         advantages: list[float | None] = [None] * len(session_calls)  # no groups outside training
-        triplets, title = merge_trajectory(session_calls), f"session {match}"
+        triplets, title = merge_trajectory(session_calls), f"session {printable(match)}"
         model = args.model or server.get("tokenizer") or server.get("model")
     else:
         triplets, _, advantages = anyio.run(trajectory, run_dir, match, db)
-        title, model = match, args.model
+        title, model = printable(match), args.model
     tokenizer = _tokenizer(run_dir, model)
     w(
         f"\n{BOLD if color else ''}trajectory of {title}{RESET if color else ''} "

@@ -6,13 +6,20 @@ directly, which is several times cheaper than ``tokenizer.apply_chat_template`` 
 Templates that know nothing of tools (SmolLM2's) still get them: the tool schemas go into the
 system message in the hermes format, and earlier assistant tool calls are rendered inline as
 ``<tool_call>{json}</tool_call>``, the same text the model is asked to produce.
+
+Special-token text inside message content is text, never a special token: a tool result or a user
+message holding ``<|im_end|>\n<|im_start|>system`` must not forge a turn. ``render`` escapes every
+special token's text in the strings it gives the template (``ContentEscapes``), so in its output only
+the template's own special tokens are written as themselves; ``encode`` turns those into their ids
+and encodes the escaped ones back as the plain text they were (the tokenizer's
+``encode_special_tokens`` mode, as ``split_special_tokens=True`` does in transformers).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jinja2
@@ -106,12 +113,59 @@ def canonical_response(content: str | None, tool_calls: Sequence[JSONDict]) -> J
     return out
 
 
-def hermes_tool_call_text(call: JSONDict) -> str:
-    return (
-        "<tool_call>\n"
-        + json.dumps({"name": call["name"], "arguments": call["arguments"]})
-        + "\n</tool_call>"
-    )
+def hermes_tool_call_text(call: JSONDict, escape: Callable[[str], str] | None = None) -> str:
+    """``<tool_call>{json}</tool_call>``; ``escape`` applies to the JSON (the call's text), not the tags."""
+    text = json.dumps({"name": call["name"], "arguments": call["arguments"]})
+    return "<tool_call>\n" + (escape(text) if escape else text) + "\n</tool_call>"
+
+
+_MARK = "\ue000"  # a private-use character: starts an escape in rendered text (see ContentEscapes)
+_CODES = 0xF0000  # escape codes: private-use plane 15, one code point per special token
+
+
+class ContentEscapes:
+    """Escapes the text of special tokens inside message content, reversibly.
+
+    ``escape`` writes special token number ``k`` as ``_MARK + chr(_CODES + k)`` and a literal
+    ``_MARK`` as two of them, so the template never sees a special token's text in content (and a
+    string that already holds escape codes cannot pass for an escaped token: it is escaped too).
+    ``unescape`` gives the original text back. Only tokens marked special are escaped: non-special
+    added tokens (``<think>``, ``<tool_call>`` in some vocabularies) are text the model writes, and
+    templates look for them in content.
+    """
+
+    def __init__(self, specials: Sequence[str]) -> None:
+        self.specials = sorted(set(specials), key=len, reverse=True)[:0xFFFD]  # longest first
+        self._code = {t: _MARK + chr(_CODES + i) for i, t in enumerate(self.specials)}
+        self._code[_MARK] = _MARK + _MARK
+        self._text = {code[1]: t for t, code in self._code.items()}
+        self._find = re.compile("|".join(re.escape(t) for t in [_MARK, *self.specials]))
+        self._escaped = re.compile(re.escape(_MARK) + "(.)", re.DOTALL)
+
+    def escape(self, text: str) -> str:
+        return self._find.sub(lambda m: self._code[m.group(0)], text)
+
+    def unescape(self, text: str) -> str:
+        return self._escaped.sub(lambda m: self._text.get(m.group(1), m.group(0)), text)
+
+    def escape_all(self, value: Any) -> Any:
+        """Every string inside ``value`` (dicts, lists; keys are left alone) escaped."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, dict):
+            return {k: self.escape_all(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.escape_all(v) for v in value]
+        return value
+
+
+def special_token_texts(tokenizer: Any) -> list[str]:
+    """The text of every added token the tokenizer marks special (``<|im_start|>``, ``<|im_end|>``...)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = [t.content for t in decoder.values() if getattr(t, "special", False) and t.content]
+    for value in (getattr(tokenizer, "special_tokens_map", None) or {}).values():
+        texts += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str) and v]
+    return sorted(set(texts))
 
 
 class ChatTemplate:
@@ -139,20 +193,28 @@ class ChatTemplate:
         self.stop_texts = [tokenizer.convert_ids_to_tokens(i) for i in self.stop_token_ids]
         self._pieces = PieceEncoder.for_tokenizer(tokenizer)
         self._anchor = _anchor_token(tokenizer)
+        specials = special_token_texts(tokenizer)
+        self.escapes = ContentEscapes(specials) if specials else None
 
     def _for_template(self, messages: Sequence[JSONDict], tools: list[JSONDict] | None) -> list[JSONDict]:
+        """The messages as the template takes them. Every string that came from the request is
+        escaped (content is text: its special-token text must not become ids); the markup the proxy
+        adds itself (hermes tags and tool block) is not."""
+        escape = self.escapes.escape if self.escapes is not None else None
         out = []
-        for m in messages:
-            m = dict(m)
+        for original in messages:
+            m = self.escapes.escape_all(dict(original)) if self.escapes is not None else dict(original)
             if "tool_calls" in m:
                 if self.supports_tool_calls:
                     m["tool_calls"] = [{"type": "function", "function": c} for c in m["tool_calls"]]
                 else:
-                    calls = "\n".join(hermes_tool_call_text(c) for c in m.pop("tool_calls"))
+                    m.pop("tool_calls")
+                    calls = "\n".join(hermes_tool_call_text(c, escape) for c in original["tool_calls"])
                     m["content"] = (m["content"] + "\n" if m["content"] else "") + calls
             out.append(m)
         if tools and not self.supports_tools:
-            block = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            lines = (json.dumps(t, ensure_ascii=False) for t in tools)
+            block = _HERMES_SYSTEM.format(tools="\n".join(escape(t) if escape else t for t in lines))
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
             else:
@@ -162,7 +224,12 @@ class ChatTemplate:
     def render(
         self, messages: Sequence[JSONDict], tools: list[JSONDict] | None, add_generation_prompt: bool
     ) -> str:
-        """The template text of ``messages``; a template error (roles must alternate...) is a 400."""
+        """The template text of ``messages``; a template error (roles must alternate...) is a 400.
+
+        Special-token text that came from the messages or tools is escaped in it (module docstring):
+        the text is for ``encode``; ``unescape`` gives the text a reader would see."""
+        if tools and self.supports_tools and self.escapes is not None:
+            tools = self.escapes.escape_all(tools)
         try:
             return self._template.render(
                 messages=self._for_template(messages, tools),
@@ -173,8 +240,13 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
 
+    def unescape(self, text: str) -> str:
+        """Rendered text as a reader sees it (escaped special-token text written out again)."""
+        return self.escapes.unescape(text) if self.escapes is not None else text
+
     def encode(self, text: str, *, follows_token: bool = False) -> list[int]:
-        """Token ids of template text; special-token text (``<|im_start|>``) becomes its single id.
+        """Token ids of template text; special-token text (``<|im_start|>``) becomes its single id,
+        and escaped special-token text (content, see ``render``) is encoded as plain text.
 
         ``follows_token``: ``text`` continues a prompt right after a token already in it (the
         ledger's delta after ``<|im_end|>``), so it is encoded as the tokenizer encodes text after an
@@ -182,12 +254,36 @@ class ChatTemplate:
         adds '▁' only at the start).
         """
         if self._pieces is not None:
-            return self._pieces.encode(text, follows_token=follows_token)
+            return self._pieces.encode(text, follows_token=follows_token, escapes=self.escapes)
+        if self.escapes is not None and _MARK in text:
+            return self._encode_escaped(text, follows_token)
+        return self._encode_plain(text, follows_token)
+
+    def _encode_plain(self, text: str, follows_token: bool) -> list[int]:
         if follows_token and self._anchor is not None and text:
             ids = list(self.tokenizer.encode(self._anchor[0] + text, add_special_tokens=False))
             if ids[:1] == [self._anchor[1]]:
                 return ids[1:]
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_escaped(self, text: str, follows_token: bool) -> list[int]:
+        """Tokenizers without a PieceEncoder: the text around each escaped special token is encoded as
+        usual, the token's text alone with ``split_special_tokens`` (merges across the seams are lost;
+        the text is the same)."""
+        assert self.escapes is not None
+        out: list[int] = []
+        parts = re.split("(" + re.escape(_MARK) + ".)", text, flags=re.DOTALL)
+        for i, part in enumerate(parts):
+            if not part:
+                continue
+            if i % 2:  # an escape code
+                literal = self.escapes.unescape(part)
+                if literal in self.escapes.specials:
+                    out += self.tokenizer.encode(literal, add_special_tokens=False, split_special_tokens=True)
+                    continue
+                part = literal
+            out += self._encode_plain(part, follows_token or bool(out))
+        return out
 
 
 class PieceEncoder:
@@ -207,6 +303,7 @@ class PieceEncoder:
 
     MAX_ENTRIES = 8192  # pieces cached; the cache is cleared when full
     MAX_PIECE_CHARS = 8192  # longer pieces are encoded but not cached
+    TEXT_ANCHOR = _MARK * 3 + "agentloop-anchor" + _MARK * 3  # see _text_backend
 
     def __init__(self, backend: Any, added: dict[str, int], anchor: str) -> None:
         self._backend = backend
@@ -217,6 +314,7 @@ class PieceEncoder:
         self._anchor, self._anchor_id = anchor, added[anchor]
         self._cache: dict[str, list[int]] = {}  # pieces that follow an added token
         self._first_cache: dict[str, list[int]] = {}  # pieces at the start of a text
+        self._text: tuple[Any, int] | None = None  # built on first use: see _text_backend
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> PieceEncoder | None:
@@ -235,8 +333,11 @@ class PieceEncoder:
                 return cls(backend, added, anchor)
         return None
 
-    def encode(self, text: str, follows_token: bool = False) -> list[int]:
-        """The ids of ``text``; ``follows_token``: it continues after a token (see ChatTemplate.encode)."""
+    def encode(
+        self, text: str, follows_token: bool = False, escapes: ContentEscapes | None = None
+    ) -> list[int]:
+        """The ids of ``text``; ``follows_token``: it continues after a token (see ChatTemplate.encode);
+        ``escapes``: pieces holding escaped special-token text are encoded as that plain text."""
         out: list[int] = []
         for i, piece in enumerate(self._split.split(text)):
             if not piece:
@@ -249,7 +350,10 @@ class PieceEncoder:
             cache = self._first_cache if at_start else self._cache
             ids = cache.get(piece)
             if ids is None:
-                ids = self._encode_piece(piece, at_start)
+                if escapes is not None and _MARK in piece:  # the escapes are a bijection: cacheable
+                    ids = self._encode_text(escapes.unescape(piece), at_start)
+                else:
+                    ids = self._encode_piece(piece, at_start)
                 if len(piece) <= self.MAX_PIECE_CHARS:
                     if len(cache) >= self.MAX_ENTRIES:
                         cache.clear()
@@ -263,6 +367,35 @@ class PieceEncoder:
         ids = self._backend.encode(self._anchor + piece, add_special_tokens=False).ids
         if ids[:1] != [self._anchor_id]:  # pragma: no cover - for_tokenizer picks an anchor no piece extends
             raise RuntimeError(f"added token {self._anchor!r} did not encode to its own id first: {ids[:3]}")
+        return list(ids[1:])
+
+    def _text_backend(self) -> tuple[Any, int]:
+        """A copy of the tokenizer that encodes special-token text as text (``encode_special_tokens``),
+        with one extra non-special added token, ``TEXT_ANCHOR``, that it still cuts out: text after it
+        encodes as text after a token (as ``_encode_piece`` does with the anchor)."""
+        if self._text is None:
+            from tokenizers import AddedToken, Tokenizer
+
+            backend = Tokenizer.from_str(self._backend.to_str())
+            backend.encode_special_tokens = True
+            backend.add_tokens([AddedToken(self.TEXT_ANCHOR, special=False, normalized=False)])
+            anchor_id = backend.token_to_id(self.TEXT_ANCHOR)
+            assert anchor_id is not None, "an added token has an id"
+            self._text = backend, anchor_id
+        return self._text
+
+    def _encode_text(self, text: str, at_start: bool) -> list[int]:
+        """``text`` (content holding special-token text) as plain text: no special token's id in it."""
+        backend, anchor_id = self._text_backend()
+        if self.TEXT_ANCHOR in text:
+            raise bad_request(
+                "message content holds the proxy's reserved anchor text (private-use characters)"
+            )
+        if at_start:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        ids = backend.encode(self.TEXT_ANCHOR + text, add_special_tokens=False).ids
+        if ids[:1] != [anchor_id]:  # pragma: no cover - an added token is cut out before anything else
+            raise RuntimeError(f"the text anchor did not encode to its own id first: {ids[:3]}")
         return list(ids[1:])
 
 

@@ -1,7 +1,8 @@
 """OpenAI request schemas and the OpenAI-style error the proxy answers with.
 
 Requests are validated strictly (``"1"`` is not a number); unknown top-level OpenAI fields that
-change nothing here (``user``, ``metadata``, penalties, ...) are accepted and ignored.
+change nothing here (``user``, ``metadata``, penalties, ...) are accepted and ignored. A body nested
+deeper than ``MAX_JSON_DEPTH`` is refused with a 400 before anything else reads it.
 """
 
 from __future__ import annotations
@@ -176,10 +177,35 @@ class RewardRequest(_Strict):
         return data
 
 
+# Deeper bodies get a 400. An OpenAI request is a few levels deep (a tool's JSON schema maybe 20);
+# messages keep their extra fields and are recorded as they came, and the recorders' JSON encoders
+# stop at 254 levels (orjson), so without this a 256-deep extra field lost the call with a 503.
+MAX_JSON_DEPTH = 64
+
+
+def json_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests dicts/lists more than ``limit`` levels (iterative: no recursion limit)."""
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
 def parse_model(cls: type[BaseModel], body: Any, what: str) -> Any:
     """Validate a JSON body against ``cls``; a failure is a 400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request(f"the {what} body must be a JSON object, got {type(body).__name__}")
+    if json_too_deep(body):
+        raise bad_request(
+            f"the {what} body nests JSON more than {MAX_JSON_DEPTH} levels deep; flatten it",
+            code="json_too_deep",
+        )
     try:
         return cls.model_validate(body)
     except ValidationError as exc:

@@ -4,18 +4,34 @@ Order for a chat request: the attempt is live (else 404/409) -> canonical messag
 ledger (delta or full render) -> context check -> ``engine.generate`` under a timeout ->
 decode, cut stop strings, parse tool calls -> one LLMCall span in the store (or the session) ->
 ledger entry. Every failure is a ``ProxyError`` with an HTTP status; nothing here hangs.
+
+A client retry is not a second training sample. Two mechanisms, both at the HTTP layer's choice:
+
+- ``request_key`` (the app passes the ``Idempotency-Key`` or ``X-Request-Id`` header): the first
+  request with a key generates and records once; a request with the same key on the same attempt or
+  session, while the first runs or up to ``RequestReplays.ttl_s`` after, gets the first one's answer
+  (same id, same tokens) and records nothing. The same key with a different request is a 409.
+  A keyed call runs to its end even when its client leaves: the retry collects the answer.
+- ``client_gone`` (the app passes ``request.is_disconnected``), for requests without a key: a client
+  that closed its connection (an openai client timing out does) aborts the generation, and a call
+  whose client left before its answer was ready is not recorded (and not added to the ledger), so
+  the retry that follows is the only sample. The narrow race left (the client leaves after the
+  check, while the answer is being written) is what ``request_key`` closes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import secrets
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+import orjson
 import structlog
 
 from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
@@ -42,6 +58,9 @@ from agentloop.store.base import Store
 from agentloop.types import LLMCall, Span
 
 log = structlog.get_logger("agentloop.proxy")
+T = TypeVar("T")
+ClientGone = Callable[[], Awaitable[bool]]  # true once the HTTP client has closed its connection
+DISCONNECT_POLL_S = 0.5  # how often a running generation asks whether its client is still there
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop")
 _ENFORCEABLE = ("temperature", "top_p", "top_k")  # what an enforce_sampling resource fixes
@@ -80,6 +99,94 @@ class Generation:
     def usage(self) -> JSONDict:
         n, m = len(self.prompt_ids), len(self.token_ids)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def client_gone_error() -> ProxyError:
+    # 499 (nginx's "client closed request"): nobody reads it; it ends the request without a record
+    return ProxyError(
+        499, "the client closed the connection before the answer was ready; the call was not recorded",
+        code="client_closed",
+    )  # fmt: skip
+
+
+@dataclass
+class _Replay:
+    fingerprint: bytes
+    done: anyio.Event
+    created: float
+    result: Generation | None = None
+
+
+class RequestReplays:
+    """The answers of calls made with an idempotency key, per attempt or session (module docstring).
+
+    Bounded: an answer is kept ``ttl_s`` seconds (a client retries within its own timeout, minutes),
+    and at most ``max_ids`` token ids over all answers are kept (oldest dropped first); a retry after
+    its answer was dropped is generated and recorded afresh.
+    """
+
+    def __init__(
+        self, ttl_s: float = 600.0, max_ids: int = 4_000_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s, self.max_ids, self.clock = ttl_s, max_ids, clock
+        self._entries: OrderedDict[tuple[str, str], _Replay] = OrderedDict()
+        self._ids = 0  # token ids held by finished entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.result is not None:
+            self._ids -= len(entry.result.prompt_ids) + len(entry.result.token_ids)
+
+    def _sweep(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if entry.created >= cutoff and self._ids <= self.max_ids:
+                break
+            self._drop(key)
+
+    async def run(
+        self, key: tuple[str, str], fingerprint: bytes, make: Callable[[], Awaitable[Generation]]
+    ) -> Generation:
+        """The answer already given under ``key``, the one being made (awaited), or ``make()``'s."""
+        self._sweep()
+        while (entry := self._entries.get(key)) is not None:
+            if entry.fingerprint != fingerprint:
+                raise ProxyError(
+                    409,
+                    f"the idempotency key {key[1]!r:.80} was used for a different request; "
+                    "use a new key for a new request",
+                    "conflict_error",
+                    code="idempotency_key_reused",
+                )
+            if entry.result is None:
+                await entry.done.wait()  # the first try is still running (bounded by the engine timeout)
+            if entry.result is not None:
+                log.info("replayed a retried request", key=key[0])
+                return entry.result
+            # the first try failed and was forgotten: this one runs (unless another waiter already does)
+        mine = _Replay(fingerprint, anyio.Event(), self.clock())
+        self._entries[key] = mine
+        try:
+            mine.result = await make()
+        except BaseException:
+            if self._entries.get(key) is mine:
+                del self._entries[key]
+            raise
+        finally:
+            mine.done.set()
+        if self._entries.get(key) is mine:
+            self._ids += len(mine.result.prompt_ids) + len(mine.result.token_ids)
+            self._sweep()
+        return mine.result
+
+
+def _fingerprint(*parts: Any) -> bytes:
+    """A digest of what a request asks for (a reused key must come with the same request)."""
+    return hashlib.blake2b(orjson.dumps(parts, default=str), digest_size=16).digest()
 
 
 def context_error(n_prompt: int, limit: int) -> ProxyError:
@@ -121,6 +228,9 @@ class ProxyService:
         # embedding matrices are often padded past the tokenizer (Qwen: +271 rows); beyond that, a mismatch
         self._id_bound = len(self.tokenizer) + 1024
         self._llm_defaults: dict[int, dict[str, Any]] = {}  # resources version -> the LLM's sampling
+        self.replays = RequestReplays()  # answers of requests that carried an idempotency key
+        # a session dropped from the table (TTL, caps, taken by a trainer) takes its token ledger along
+        sessions.on_drop = lambda session_id: ledger.forget(Target(session_id=session_id).key)
 
     # ------------------------------------------------------------ store access
 
@@ -200,7 +310,8 @@ class ProxyService:
         """Validate the call's fields once as an LLMCall and write it to the store (or the session)."""
         call = LLMCall(**fields)
         if target.session_id is not None:
-            self.sessions.add_call(target.session_id, call)
+            if not self.sessions.add_call(target.session_id, call):
+                log.warning("session call not recorded: over the session's byte cap", key=target.key)
             return
         assert target.rollout_id is not None and target.attempt_id is not None
         span = Span(
@@ -220,13 +331,18 @@ class ProxyService:
             value = getattr(req, key)
             if value is not None and key not in enforced:
                 merged[key] = value
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or merged.get("max_tokens")
+        requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        max_tokens = requested or merged.get("max_tokens") or self.default_max_tokens
+        # the resource's max_tokens is the training limit: a ceiling over the request's, not a default
+        ceiling = llm.get("max_tokens")
+        if isinstance(ceiling, int) and ceiling >= 1:
+            max_tokens = min(max_tokens, ceiling)
         room = self.engine.max_context - n_prompt
         if room < 1:
             raise context_error(n_prompt, self.engine.max_context)
         stop = req.stop_list or merged.get("stop") or []
         merged.update(
-            max_tokens=min(max_tokens or self.default_max_tokens, room),
+            max_tokens=min(max_tokens, room),
             stop=[stop] if isinstance(stop, str) else list(stop),
             stop_token_ids=list(self.template.stop_token_ids),
             logprobs=True,  # always: the trainer needs the behaviour logprobs
@@ -239,16 +355,25 @@ class ProxyService:
             ) from None
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, routing_key: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        routing_key: str | None = None,
+        client_gone: ClientGone | None = None,
     ) -> TokenOutput:
+        """One engine call under the engine timeout; aborted in the engine when it times out, is
+        cancelled, or (``client_gone``) its client leaves (then 499, see ``client_gone_error``)."""
         # "<routing key>/req-<random>": engine replica pools keep one attempt's calls on one replica
         request_id = (f"{routing_key}/" if routing_key else "") + "req-" + secrets.token_hex(8)
         try:
             with anyio.fail_after(self.engine_timeout_s):
-                out = await self.engine.generate(prompt_ids, sampling, request_id=request_id)
+                work = self.engine.generate(prompt_ids, sampling, request_id=request_id)
+                got = await (work if client_gone is None else _unless_gone(work, client_gone))
+        except anyio.get_cancelled_exc_class():
+            await self._abort(request_id)
+            raise
         except TimeoutError:
-            with anyio.move_on_after(5):
-                await self.engine.abort(request_id)
+            await self._abort(request_id)
             raise ProxyError(
                 503,
                 f"the engine did not answer within {self.engine_timeout_s}s",
@@ -271,6 +396,11 @@ class ProxyService:
             raise ProxyError(
                 503, f"the engine failed: {type(exc).__name__}", "service_unavailable", code="engine_error"
             ) from None
+        if got is None:
+            await self._abort(request_id)
+            log.info("client gone during generation; aborted, not recorded", key=routing_key)
+            raise client_gone_error()
+        out = got
         if out.finish_reason == "abort":
             raise ProxyError(
                 503, "the request was aborted by the engine", "service_unavailable", code="request_aborted"
@@ -288,6 +418,13 @@ class ProxyService:
             raise ProxyError(503, message, "service_unavailable", code="engine_error")
         return out
 
+    async def _abort(self, request_id: str) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            try:
+                await self.engine.abort(request_id)
+            except Exception as exc:  # the request is gone either way
+                log.debug("engine abort failed", error=repr(exc)[:200])
+
     def _text(self, out: TokenOutput, stop: list[str]) -> tuple[list[int], str]:
         ids = out.token_ids
         text_ids = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
@@ -300,7 +437,50 @@ class ProxyService:
 
     # ------------------------------------------------------------ the two endpoints
 
-    async def chat(self, target: Target, req: ChatCompletionRequest, raw_messages: list[Any]) -> Generation:
+    async def chat(
+        self,
+        target: Target,
+        req: ChatCompletionRequest,
+        raw_messages: list[Any],
+        *,
+        request_key: str | None = None,
+        client_gone: ClientGone | None = None,
+    ) -> Generation:
+        """A chat completion, recorded once (see the module docstring for ``request_key`` and
+        ``client_gone``)."""
+        if not request_key:
+            return await self._chat(target, req, raw_messages, client_gone)
+        fingerprint = _fingerprint(
+            "chat", raw_messages, req.tools and tool_dicts(req.tools), req.tool_choice,
+            *(getattr(req, k) for k in _REQUEST_KEYS), req.max_completion_tokens,
+        )  # fmt: skip
+        return await self.replays.run(
+            (target.key, request_key), fingerprint, lambda: self._chat(target, req, raw_messages, None)
+        )
+
+    async def complete(
+        self,
+        target: Target,
+        req: CompletionRequest,
+        *,
+        request_key: str | None = None,
+        client_gone: ClientGone | None = None,
+    ) -> Generation:
+        """A text completion, recorded once (as ``chat``)."""
+        if not request_key:
+            return await self._complete(target, req, client_gone)
+        fingerprint = _fingerprint("completion", req.prompt, *(getattr(req, k) for k in _REQUEST_KEYS))
+        return await self.replays.run(
+            (target.key, request_key), fingerprint, lambda: self._complete(target, req, None)
+        )
+
+    async def _chat(
+        self,
+        target: Target,
+        req: ChatCompletionRequest,
+        raw_messages: list[Any],
+        client_gone: ClientGone | None,
+    ) -> Generation:
         started = time.perf_counter()
         self.check_model(target, req.model)
         llm = await self.check_live(target)
@@ -317,7 +497,7 @@ class ProxyService:
         }
         if plan.ledger_break:
             log.info("ledger break", key=target.key, reason=plan.ledger_break)
-        out = await self._generate_or_record_error(target, call, req, llm, plan.prompt_ids)
+        out = await self._generate_or_record_error(target, call, req, llm, plan.prompt_ids, client_gone)
         text_ids, text = self._text(out, req.stop_list)
         content: str | None = text
         tool_calls: list[JSONDict] = []
@@ -339,6 +519,9 @@ class ProxyService:
             weights_version=out.weights_version,
             latency_s=time.perf_counter() - started,
         )
+        if client_gone is not None and await client_gone():
+            log.info("client gone before the answer; not recorded", key=target.key)
+            raise client_gone_error()
         await self.record(target, call)
         self.ledger.record(
             target.key, plan, messages, tools, out.token_ids, canonical_response(content, tool_calls)
@@ -348,13 +531,15 @@ class ProxyService:
             out.token_ids, out.logprobs, text_ids, content, tool_calls, finish,
         )  # fmt: skip
 
-    async def complete(self, target: Target, req: CompletionRequest) -> Generation:
+    async def _complete(
+        self, target: Target, req: CompletionRequest, client_gone: ClientGone | None
+    ) -> Generation:
         started = time.perf_counter()
         self.check_model(target, req.model)
         llm = await self.check_live(target)
         prompt_ids = self._prompt_ids(req.prompt)
         call: dict[str, Any] = {"prompt_ids": prompt_ids, "model": req.model}
-        out = await self._generate_or_record_error(target, call, req, llm, prompt_ids)
+        out = await self._generate_or_record_error(target, call, req, llm, prompt_ids, client_gone)
         text_ids, text = self._text(out, req.stop_list)
         call.update(
             response_ids=out.token_ids,
@@ -364,6 +549,9 @@ class ProxyService:
             weights_version=out.weights_version,
             latency_s=time.perf_counter() - started,
         )
+        if client_gone is not None and await client_gone():
+            log.info("client gone before the answer; not recorded", key=target.key)
+            raise client_gone_error()
         await self.record(target, call)
         return Generation(
             "cmpl-" + secrets.token_hex(12), int(time.time()), req.model or self.model_name, prompt_ids,
@@ -371,14 +559,22 @@ class ProxyService:
         )  # fmt: skip
 
     async def _generate_or_record_error(
-        self, target: Target, call: dict[str, Any], req: Any, llm: dict[str, Any], prompt_ids: list[int]
+        self,
+        target: Target,
+        call: dict[str, Any],
+        req: Any,
+        llm: dict[str, Any],
+        prompt_ids: list[int],
+        client_gone: ClientGone | None = None,
     ) -> TokenOutput:
         try:
             sampling = self.sampling(req, llm, len(prompt_ids))
             call["sampling"] = sampling.model_dump(mode="json")
-            return await self.generate(prompt_ids, sampling, routing_key=target.key)
+            return await self.generate(prompt_ids, sampling, routing_key=target.key, client_gone=client_gone)
         except ProxyError as exc:
-            if exc.code == "context_length_exceeded":  # recorded so the trainer can count and skip it
+            # an attempt's over-context call is recorded so the trainer can count and skip it; a
+            # session's is not kept (nothing trains on it, and its messages can be megabytes)
+            if exc.code == "context_length_exceeded" and target.session_id is None:
                 call["error"] = "context_length_exceeded"
                 try:
                     await self.record(target, call)
@@ -406,3 +602,24 @@ class ProxyService:
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
         return ids
+
+
+_REQUEST_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+
+
+async def _unless_gone(work: Awaitable[T], client_gone: ClientGone) -> T | None:
+    """``work``'s result, or None once ``client_gone()`` says the client left (``work`` is cancelled)."""
+    result: list[T] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while not await client_gone():
+                await anyio.sleep(DISCONNECT_POLL_S)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result.append(await work)
+        finally:
+            tg.cancel_scope.cancel()
+    return result[0] if result else None

@@ -168,3 +168,78 @@ def test_a_folder_without_a_store_names_what_to_give(
     (tmp_path / "b.db").touch()
     code, _, err = _inspect(str(tmp_path), capsys=capsys)
     assert code == 2 and "holds several stores (a.db, b.db); give one of them" in err
+
+
+# ---------------------------------------------------------------- issue 16: read-only, escaped
+
+HOSTILE = "4\x1b[2J\x1b]0;pwned\x07 done\r\u202eevil"
+
+
+@pytest.fixture
+def hostile_run(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A run folder whose one rollout's model output holds terminal escape sequences."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def fill() -> None:
+        store = SQLiteStore(tmp_path / "store.db")
+        try:
+            await store.enqueue_rollout({"question": "q\x1b[31m"}, mode="val")
+            att = await store.dequeue_rollout("w")
+            assert att is not None
+            response = [*tok.encode(HOSTILE, add_special_tokens=False), tok.eos_token_id]
+            call = LLMCall(prompt_ids=tok.encode("hi", add_special_tokens=False), response_ids=response,
+                           response_logprobs=[-0.5] * len(response))  # fmt: skip
+            await store.add_span(
+                Span(rollout_id=att.rollout_id, attempt_id=att.attempt.attempt_id, payload=call)
+            )
+            await store.add_span(
+                Span(rollout_id=att.rollout_id, attempt_id=att.attempt.attempt_id, payload=Reward(value=1.0))
+            )
+            await store.update_attempt(att.rollout_id, att.attempt.attempt_id, status=AttemptStatus.SUCCEEDED)
+        finally:
+            await store.close()
+
+    anyio.run(fill)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"actor_rollout_ref": {"model": {"path": str(tiny_model_dir)}}})
+    )
+    return tmp_path
+
+
+def test_model_text_is_printed_with_its_control_characters_escaped(
+    hostile_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _inspect(str(hostile_run), "--no-color", capsys=capsys)
+    assert code == 0, err
+    for raw in ("\x1b", "\x07", "\r", "\u202e"):
+        assert raw not in out
+    assert "[model]4\\x1b[2J\\x1b]0;pwned\\x07 done\\x0d\\u202eevil" in out
+    # tab and newline stay; an 8-bit CSI does not
+    assert inspect_cmd.printable("a\tb\nc\x9bd") == "a\tb\nc\\x9bd"
+
+
+def test_inspect_reads_a_store_that_a_running_trainer_holds_locked(
+    hostile_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """inspect opens the store read-only (mode=ro): it takes no write lock and writes nothing, so a store
+    another process is writing (here: a write transaction held open) is read at once."""
+    import sqlite3
+    import time
+
+    db = hostile_run / "store.db"
+    before = db.read_bytes()
+    writer = sqlite3.connect(db, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # as SQLiteStore's worker holds it while it writes
+    try:
+        started = time.monotonic()
+        code, out, err = _inspect(str(hostile_run), "--no-color", capsys=capsys)
+        took = time.monotonic() - started
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert code == 0, err
+    assert "1 rollouts in" in out and "-> reward 1.0" in out
+    assert took < 20  # read-write opening waits for the lock (busy_timeout 30 s) and then fails
+    assert db.read_bytes() == before

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
@@ -86,7 +86,7 @@ class EchoEngine:
         ids = list(self._tokenizer.encode(self.text_for(prompt_ids, sampling), add_special_tokens=False))
         if self.eos:
             ids.append(self._eos_id)
-        finish = "stop" if self.eos else "length"
+        finish: Literal["stop", "length"] = "stop" if self.eos else "length"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
         logprobs = [-0.25 * (1 + (t % 5)) for t in ids]

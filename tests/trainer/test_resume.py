@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.trainer.resume_job import TASKS, config, seeded_agent
 from trainer import Trainer
@@ -68,3 +71,43 @@ def test_async_checkpoint_records_the_first_untrained_batch(tmp_path: Path, tiny
     )
     batch = cfg["data"]["train_batch_size"]
     assert state["cursor"]["position"] == batch  # one batch trained; the second (enqueued) is not counted
+
+
+def test_commit_fsyncs_the_step_files_and_folders_before_latest_names_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss after ``latest`` is replaced must not find it naming weights the disk never got:
+    every file of the step folder (written by another process: the Ray worker) and the folders are
+    fsynced before the rename, and the folder holding ``latest`` after it. (os.fsync and os.replace are
+    wrapped to record the order; /proc names each fsynced descriptor's file.)"""
+    from trainer import checkpoint as ck
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc to name the fsynced files")
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        events.append(("replace", str(Path(dst).resolve())))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    root = (tmp_path / "checkpoints").resolve()
+    manager = ck.CheckpointManager(root)
+    step = manager.begin(4)
+    (step / ck.WEIGHTS_FILE).write_bytes(b"w" * 4096)  # as the worker's save_policy leaves them
+    (step / ck.OPTIMIZER_FILE).write_bytes(b"o" * 512)
+    manager.commit(4, {"step": 4, "cursor": {"epoch": 0, "position": 8, "seed": 0}})
+
+    published = events.index(("replace", str(root / "latest")))
+    synced_before = {path for kind, path in events[:published] if kind == "fsync"}
+    state = step / "trainer_state.json.tmp"  # fsynced under its temporary name, then renamed
+    needed = {str(step / ck.WEIGHTS_FILE), str(step / ck.OPTIMIZER_FILE), str(state), str(step), str(root)}
+    assert needed <= synced_before, needed - synced_before
+    assert ("fsync", str(root)) in events[published:]  # the rename itself is on disk
+    assert manager.latest() is not None and manager.latest()[1]["step"] == 4  # type: ignore[index]
