@@ -6,24 +6,35 @@ JSON only (never pickle). Every bad request gets a 4xx with ``{"error": {"messag
 code   type                  the client raises
 =====  ====================  =========================================
 400    invalid_json          InvalidRequestError
-401    unauthorized          StoreUnavailableError (wrong or no api_key)
+401    unauthorized          StoreUnavailableError (wrong or no key)
+403    forbidden             InvalidRequestError (a runner key used for an admin route or
+                             for an attempt another runner dequeued)
 404    not_found             NotFoundError
+408    request_timeout       StoreUnavailableError (head or body not sent in time)
 409    stale_attempt         StaleAttemptError
 409    invalid_transition    InvalidTransitionError
 413    payload_too_large     InvalidRequestError
-422    invalid_request       InvalidRequestError
+422    invalid_request       InvalidRequestError (NaN/Infinity, JSON nested too deep, ...)
+431    headers_too_large     StoreUnavailableError
+503    too_many_connections  StoreUnavailableError
 =====  ====================  =========================================
+
+Keys and roles. With no key the server is open (and binds only a loopback address). The **admin key**
+(``admin_key``, or ``api_key`` as before) may do everything: the trainer holds it. A **runner key**
+(``runner_keys={"name": key}``, or ``runner_key(admin_key, name)``, which a server with that admin key
+accepts without being told) may read, dequeue, and write spans and status only for attempts it
+dequeued (the attempt's worker_id is stored as ``name/<worker_id>``); it may not enqueue or cancel
+rollouts nor add resources. Violations are 403 with the rule in the message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import math
 import re
 import socket
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
@@ -42,8 +53,10 @@ from agentloop.errors import (
     StaleAttemptError,
     StoreUnavailableError,
 )
+from agentloop.http_limits import HttpLimits, is_loopback, limited_protocol, open_connections
 from agentloop.resources import Resources
 from agentloop.store import state
+from agentloop.store._keys import Key, Keys, Who, admin_key_of, owner_of, plain_key, runner_key
 from agentloop.store._wire import WireError, WirePool
 from agentloop.store.base import Store
 from agentloop.store.memory import (
@@ -78,11 +91,13 @@ _ERROR_CLASSES: dict[str, type[AgentLoopError]] = {
     "stale_attempt": StaleAttemptError,
     "invalid_transition": InvalidTransitionError,
     "unauthorized": StoreUnavailableError,
+    "forbidden": InvalidRequestError,
 }
+_OWNERS_CACHED = 65_536  # attempt -> dequeuing runner, kept in memory; older ones are read from the store
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class EnqueueBody(_Body):
@@ -152,11 +167,43 @@ def _validation_message(exc: ValidationError) -> tuple[int, str, str]:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 16 * 2**20) -> _Router:
+def create_app(
+    store: Store,
+    api_key: Key | None = None,
+    max_body_bytes: int = 16 * 2**20,
+    *,
+    admin_key: Key | None = None,
+    runner_keys: Mapping[str, Key] | None = None,
+) -> _Router:
     """The ASGI app serving ``store``: hand-routed (no dependency solving, no middleware); every route
-    answers JSON."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    answers JSON. ``api_key`` is the admin key (kept for callers from before roles)."""
+    keys = Keys(admin_key_of(api_key, admin_key), runner_keys)
+    owners: dict[str, str | None] = {}  # attempt_id -> runner that dequeued it (a bounded cache)
     routes: list[tuple[str, re.Pattern[str], Handler]] = []
+
+    def remember(attempt_id: str, owner: str | None) -> None:
+        if len(owners) >= _OWNERS_CACHED:
+            owners.pop(next(iter(owners)))
+        owners[attempt_id] = owner
+
+    async def require_owner(request: Request, rollout_id: str, attempt_id: str) -> None:
+        """A runner writes only into attempts it dequeued (the admin into any)."""
+        who: Who = request.scope["agentloop.who"]
+        if who.runner is None:
+            return
+        if attempt_id in owners:
+            owner = owners[attempt_id]
+        else:
+            owner = owner_of((await store.get_attempt(rollout_id, attempt_id)).worker_id)
+            remember(attempt_id, owner)
+        if owner != who.runner:
+            raise _HTTPError(
+                403,
+                "forbidden",
+                f"runner {who.runner!r} may write only to attempts it dequeued; attempt {attempt_id:.80} "
+                f"of rollout {rollout_id:.80} was dequeued by "
+                + (f"runner {owner!r}" if owner else "the admin or another worker"),
+            )
 
     async def body(request: Request, model: type[BaseModel]) -> Any:
         declared = request.headers.get("content-length")
@@ -172,15 +219,24 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
             chunks.append(chunk)
         return model.model_validate_json(b"".join(chunks) or b"null")
 
-    def route(method: str, path: str) -> Callable[[Handler], Handler]:
+    def route(method: str, path: str, admin: str | None = None) -> Callable[[Handler], Handler]:
+        """``admin``: what the route does, when only the admin key may do it."""
+
         def deco(fn: Handler) -> Handler:
             async def handler(request: Request) -> Response:
-                if expected is not None:
-                    got = request.headers.get("authorization", "").encode("utf-8", "replace")
-                    if not hmac.compare_digest(got, expected):
-                        return _error(
-                            401, "unauthorized", "missing or wrong bearer token (Authorization header)"
-                        )
+                raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
+                who = keys.who(raw)
+                if who is None:  # answered, then the connection is closed: no slot held without a key
+                    resp = _error(401, "unauthorized", "missing or wrong bearer token (Authorization header)")
+                    resp.headers["connection"] = "close"
+                    return resp
+                if admin is not None and who.runner is not None:
+                    return _error(
+                        403,
+                        "forbidden",
+                        f"runner {who.runner!r} may not {admin} ({method} {path} needs the admin key)",
+                    )
+                request.scope["agentloop.who"] = who
                 try:
                     return await fn(request)
                 except _HTTPError as exc:
@@ -211,7 +267,7 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
     async def health(request: Request) -> Response:
         return _json({"ok": True})
 
-    @route("POST", "/v1/rollouts")
+    @route("POST", "/v1/rollouts", admin="enqueue rollouts")
     async def enqueue(request: Request) -> Response:
         b = await body(request, EnqueueBody)
         return _json(await store.enqueue_rollout(b.input, mode=b.mode, config=b.config, metadata=b.metadata))
@@ -223,14 +279,20 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
 
     @route("POST", "/v1/dequeue")
     async def dequeue(request: Request) -> Response:
-        b = await body(request, DequeueBody)
-        return _json(await store.dequeue_rollout(b.worker_id))
+        b, who = await body(request, DequeueBody), request.scope["agentloop.who"]
+        worker_id = b.worker_id
+        if who.runner is not None:  # the attempt records which runner dequeued it (checked on writes)
+            worker_id = who.runner if not worker_id else f"{who.runner}/{worker_id}"
+        attempted = await store.dequeue_rollout(worker_id)
+        if attempted is not None and who.runner is not None:
+            remember(attempted.attempt.attempt_id, who.runner)
+        return _json(attempted)
 
     @route("GET", "/v1/rollouts/{rollout_id}")
     async def get_rollout(request: Request) -> Response:
         return _json(await store.get_rollout(request.path_params["rollout_id"]))
 
-    @route("POST", "/v1/rollouts/{rollout_id}/cancel")
+    @route("POST", "/v1/rollouts/{rollout_id}/cancel", admin="cancel rollouts")
     async def cancel(request: Request) -> Response:
         return _json(await store.cancel_rollout(request.path_params["rollout_id"]))
 
@@ -246,6 +308,7 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
     @route("POST", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
     async def update_attempt(request: Request) -> Response:
         b, p = await body(request, UpdateAttemptBody), request.path_params
+        await require_owner(request, p["rollout_id"], p["attempt_id"])
         attempt = await store.update_attempt(p["rollout_id"], p["attempt_id"], b.status, b.error, b.heartbeat)
         return _json(attempt)
 
@@ -256,7 +319,9 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
 
     @route("POST", "/v1/spans")
     async def add_span(request: Request) -> Response:
-        return _json(await store.add_span(await body(request, Span)))
+        span = await body(request, Span)
+        await require_owner(request, span.rollout_id, span.attempt_id)
+        return _json(await store.add_span(span))
 
     @route("POST", "/v1/wait")
     async def wait(request: Request) -> Response:
@@ -267,7 +332,7 @@ def create_app(store: Store, api_key: str | None = None, max_body_bytes: int = 1
     async def check_timeouts(request: Request) -> Response:
         return _json(await store.check_timeouts(), _attempts)
 
-    @route("POST", "/v1/resources")
+    @route("POST", "/v1/resources", admin="add or replace resources")
     async def add_resources(request: Request) -> Response:
         return _json({"version": await store.add_resources(await body(request, Resources))})
 
@@ -321,20 +386,41 @@ class _Server(uvicorn.Server):
 
 
 class StoreServer:
-    """Serve ``store`` over HTTP on ``host:port`` (port 0: a free port; ``.url`` tells the real one)."""
+    """Serve ``store`` over HTTP on ``host:port`` (port 0: a free port; ``.url`` tells the real one).
+
+    ``admin_key`` (or ``api_key``, the same key) and ``runner_keys`` set the roles (module docstring);
+    without any key the server binds only a loopback address. ``limits`` bound what a client may hold
+    before it sent a request (connections, header/body deadlines, header size; ``HttpLimits``, whose
+    defaults need no change)."""
 
     def __init__(
         self,
         store: Store,
         host: str = "127.0.0.1",
         port: int = 0,
-        api_key: str | None = None,
+        api_key: Key | None = None,
         max_body_bytes: int = 16 * 2**20,
+        *,
+        admin_key: Key | None = None,
+        runner_keys: Mapping[str, Key] | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise InvalidRequestError(f"port must be an int in 0..65535, got {port!r}")
+        if limits is not None and not isinstance(limits, HttpLimits):
+            raise InvalidRequestError(f"limits must be an HttpLimits, got {type(limits).__name__}")
         self.store, self.host, self.port = store, host, port
-        self.app = create_app(store, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.limits = limits or HttpLimits()
+        self._protocol = limited_protocol(self.limits)  # counts this server's connections
+        admin = admin_key_of(api_key, admin_key)
+        self._keys = Keys(admin, runner_keys)
+        if self._keys.open and not is_loopback(host):
+            raise InvalidRequestError(
+                f"refusing to serve the store on {host!r} without a key: anyone who reaches it could read "
+                "and rewrite every rollout; pass admin_key= (and runner_keys= for runners), or bind 127.0.0.1"
+            )
+        self._admin = self._keys.admin
+        self.app = create_app(store, max_body_bytes=max_body_bytes, admin_key=admin, runner_keys=runner_keys)
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
@@ -363,6 +449,8 @@ class StoreServer:
         # client is about to reuse
         config = uvicorn.Config(
             self.app,
+            http=self._protocol,
+            ws="none",
             log_level="warning",
             lifespan="off",
             access_log=False,
@@ -378,6 +466,17 @@ class StoreServer:
                 raise AgentLoopError(f"store server on {self.url} stopped during startup")
             await asyncio.sleep(0.005)
         log.info("store server started", url=self.url)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections the server holds open now (at most ``limits.max_connections``)."""
+        return open_connections(self._protocol)
+
+    def runner_key(self, name: str) -> str:
+        """A key for runner ``name`` that this server accepts (derived from its admin key)."""
+        if self._admin is None:
+            raise InvalidRequestError("runner keys are derived from the admin key; this server has none")
+        return runner_key(self._admin, name)
 
     async def stop(self) -> None:
         """Stop accepting, finish open requests (server-side waits end within a second) and return."""
@@ -408,7 +507,7 @@ class StoreClient:
     """The Store protocol over HTTP; raises the same exceptions as the in-process stores."""
 
     def __init__(
-        self, url: str, api_key: str | None = None, timeout: float = 30.0, max_connections: int = 256
+        self, url: str, api_key: Key | None = None, timeout: float = 30.0, max_connections: int = 256
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise InvalidRequestError(f"url must start with http:// or https://, got {url!r:.80}")
@@ -417,7 +516,8 @@ class StoreClient:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r:.80}")
         self.url = url.rstrip("/")
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        key = plain_key(api_key, "api_key")
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         self._timeout = float(timeout)
         # a lean keep-alive pool (see _wire): httpx's per-request overhead was most of a store call's cost;
         # connection refusals (a store restarting) are retried within each request's timeout
