@@ -1,7 +1,9 @@
-"""Reliability figures: faults injected and survived, fuzz inputs tried, 5xx count, lost rollouts, load.
+"""Reliability figures: faults injected and survived, fuzz inputs tried, 5xx count, lost rollouts, load,
+attacks held.
 
-Runs tests/reliability (fault injection with real processes and signals, hypothesis fuzzing, security)
-with a report file, then the long load run (1000 concurrent agents x 5 turns through the proxy with an
+Runs tests/reliability (fault injection with real processes and signals, hypothesis fuzzing, security,
+attacks on the servers: one row {"name", "tried", "held", "lost"} each) with a report file, then the long
+load run (1000 concurrent agents x 5 turns through the proxy with an
 instant engine and the SQLite store), and writes benchmarks/results/reliability.json.
 
     python benchmarks/reliability.py [--agents 1000] [--turns 5] [--out benchmarks/results/reliability.json]
@@ -64,6 +66,7 @@ def main() -> None:
         rc, rows = run_tests(Path(tmp) / "report.jsonl")
     faults = [r for r in rows if r["kind"] == "fault"]
     fuzz = [r for r in rows if r["kind"] == "fuzz"]
+    attacks = [r for r in rows if r["kind"] == "attack"]
     big = anyio.run(load, args.agents, args.turns)
     small = next((r for r in rows if r["kind"] == "load"), None)
     faults.append({"name": "trainer SIGKILLed after a checkpoint and resumed (same next step)",
@@ -82,13 +85,16 @@ def main() -> None:
         "server_5xx": sum(f["server_errors"] for f in fuzz),
         "lost_rollouts": sum(f.get("lost_rollouts", 0) for f in faults) + big["lost_rollouts"]
         + (small["lost_rollouts"] if small else 0),
+        "attacks_held": sum(1 for a in attacks if a["held"] and a["lost"] == 0),
+        "attacks": [{k: a[k] for k in ("name", "tried", "held", "lost")} for a in attacks],
+        "attacks_measured": [a["detail"] for a in attacks],
         "load": big,
         "load_in_tests": {k: v for k, v in small.items() if k != "kind"} if small else None,
     }  # fmt: skip
     text = json.dumps(report, indent=2)
     print(text)
     args.out.write_text(text + "\n")
-    if rc != 0 or report["server_5xx"] or report["lost_rollouts"]:
+    if rc != 0 or report["server_5xx"] or report["lost_rollouts"] or report["attacks_held"] < len(attacks):
         sys.exit(1)
 
 
