@@ -183,3 +183,31 @@ def test_key_config_is_checked() -> None:
 
     server = StoreServer(store, admin_key=SecretStr("s"), runner_keys={"r1": SecretStr("k")})
     assert server.runner_key("r1") == runner_key("s", "r1")
+
+
+async def test_a_runner_with_a_runner_key_runs_rollouts_end_to_end(tmp_path: Path) -> None:
+    from agentloop.agent import emit_reward, rollout
+    from agentloop.runner import Runner
+
+    @rollout
+    async def agent(task: dict[str, Any], llm: Any) -> float:
+        await emit_reward(0.5, name="turn")
+        return float(task["reward"])
+
+    store = SQLiteStore(tmp_path / "s.db")
+    async with StoreServer(store, admin_key=ADMIN) as server:
+        async with StoreClient(server.url, api_key=ADMIN) as admin:
+            ids = [(await admin.enqueue_rollout({"reward": r})).rollout_id for r in (1.0, 0.0, 1.0)]
+            async with StoreClient(server.url, api_key=server.runner_key("gpu-node-1")) as client:
+                stats = await Runner(agent, client, worker_id="w0", concurrency=2).run(max_rollouts=3)
+            assert stats.succeeded == 3
+            done = await admin.wait_for_rollouts(ids, timeout=10)
+            assert [r.status for r in done] == ["succeeded"] * 3
+            for rid in ids:
+                (attempt,) = await admin.list_attempts(rid)
+                assert attempt.worker_id == "gpu-node-1/w0"
+                rewards = [
+                    s.payload.value for s in await admin.query_spans(rid) if s.payload.kind == "reward"
+                ]
+                assert len(rewards) == 2
+    await store.close()
