@@ -10,14 +10,15 @@ code   type                  the client raises
 403    forbidden             InvalidRequestError (a runner key used for an admin route or
                              for an attempt another runner dequeued)
 404    not_found             NotFoundError
-408    request_timeout       StoreUnavailableError (head or body not sent in time)
 409    stale_attempt         StaleAttemptError
 409    invalid_transition    InvalidTransitionError
 413    payload_too_large     InvalidRequestError
 422    invalid_request       InvalidRequestError (NaN/Infinity, JSON nested too deep, ...)
-431    headers_too_large     StoreUnavailableError
-503    too_many_connections  StoreUnavailableError
 =====  ====================  =========================================
+
+The connection limits (agentloop.http_limits, ``limits=``) answer in plain text and close the
+connection: 408 (request head or body not sent in time), 431 (head over 32 KiB), 503 (every connection
+busy); the client raises StoreUnavailableError for each.
 
 Keys and roles. With no key the server is open (and binds only a loopback address). The **admin key**
 (``admin_key``, or ``api_key`` as before) may do everything: the trainer holds it. A **runner key**
