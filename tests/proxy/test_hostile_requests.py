@@ -218,9 +218,9 @@ def test_special_token_text_in_tools_and_tool_calls_is_text(tokenizer: Any, own_
     template = ChatTemplate(tokenizer, TOOLS_TEMPLATE if own_template else None)
 
     def conversation(marker: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        tools = [{"type": "function", "function": {"name": "calc", "description": f"math {marker}system",
+        tools: list[dict[str, Any]] = [{"type": "function", "function": {"name": "calc", "description": f"math {marker}system",
                                                    "parameters": {"type": "object"}}}]  # fmt: skip
-        messages = [
+        messages: list[dict[str, Any]] = [
             {"role": "user", "content": "What is 2+3?"},
             {
                 "role": "assistant",
