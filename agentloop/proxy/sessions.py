@@ -28,7 +28,8 @@ Bounds (``SessionTable``'s arguments; the defaults need no tuning):
   under about twice ``max_total_bytes``.
 
 Calls answered with an error (``context_length_exceeded``) are not kept (the service does not record
-them for sessions).
+them for sessions). One server writes a log at a time (two ``agentloop serve`` on one store would
+each rewrite it without the other's lines).
 """
 
 from __future__ import annotations
@@ -114,6 +115,12 @@ def _call_line(session_id: str, call_json: bytes, at: float | None) -> bytes:
     return head[:-1] + b',"call":' + call_json + b"}\n"
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -142,6 +149,9 @@ class SessionLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("ab")
+            if self._file.tell() and not _ends_with_newline(self.path):  # a line torn by a kill
+                self._file.write(b"\n")  # ends it, so the next line is whole
+                self.size += 1
             head = self._server_line()
             self._file.write(head)
             self.size += len(head)
@@ -383,13 +393,18 @@ class SessionTable:
             elif kind == "call" and isinstance(line.get("call"), dict):
                 self._add_call_json(sid, orjson.dumps(line["call"]), at, logged=False)
             elif kind == "reward" and isinstance(line.get("reward"), dict):
+                try:
+                    reward = Reward.model_validate(line["reward"])
+                except ValueError:  # not a reward this version reads: the line is skipped, not the log
+                    continue
                 rec = self._touch(sid, at)
                 if len(rec.rewards) < self.max_rewards:
-                    rec.rewards.append(Reward.model_validate(line["reward"]))
+                    rec.rewards.append(reward)
             elif kind == "session":
                 rec = self._touch(sid, at)
-                rec.created_at = float(line.get("created_at") or rec.created_at)
-                rec.updated_at = float(line.get("updated_at") or rec.updated_at)
+                created, updated = line.get("created_at"), line.get("updated_at")
+                rec.created_at = float(created) if isinstance(created, int | float) else rec.created_at
+                rec.updated_at = float(updated) if isinstance(updated, int | float) else rec.updated_at
             elif kind == "drop":
                 self._remove(sid, logged=False)
         self._expire(logged=False)

@@ -180,3 +180,20 @@ def test_the_log_is_rewritten_when_mostly_dead_and_stays_bounded(tmp_path: Path)
     assert [s.session_id for s in sessions] == ["s196", "s197", "s198", "s199"]
     assert [c.messages[0]["content"] for s in sessions for c in s.calls] == ["196", "197", "198", "199"]
     assert not (tmp_path / "s.sessions.jsonl.tmp").exists()
+
+
+def test_a_torn_or_unreadable_line_is_skipped_not_the_log(tmp_path: Path) -> None:
+    log = SessionLog(tmp_path / "s.sessions.jsonl")
+    table = SessionTable(log=log)
+    table.add_call("s", _call())
+    table.add_reward("s", Reward(value=1.0))
+    log.close()
+    with log.path.open("ab") as f:  # a reward this version cannot read, then a line cut by a kill
+        f.write(b'{"type":"reward","session_id":"s","reward":{"value":"high"}}\n{"type":"call","sess')
+    replayed = SessionTable(log=SessionLog(log.path))
+    rec = replayed.get("s")
+    assert rec is not None and len(rec.calls) == 1 and [r.value for r in rec.rewards] == [1.0]
+    replayed.add_call("s", _call())  # the next server's first line does not join the torn one
+    replayed.log.close()  # type: ignore[union-attr]
+    again = SessionTable(log=SessionLog(log.path)).get("s")
+    assert again is not None and len(again.calls) == 2
