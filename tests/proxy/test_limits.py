@@ -166,16 +166,31 @@ async def _answer_time(proxy: Proxy, store: Any) -> float:
 async def test_400_idle_unauthenticated_sockets_do_not_delay_a_real_client(tokenizer: Any) -> None:
     store = MemoryStore()
     async with running_proxy(EchoEngine(tokenizer), store, api_key=KEY) as proxy:  # default limits
-        conns = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(400)]
-        for i, (_, w) in enumerate(conns[:100]):  # a quarter of them sent half a header
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-%d: " % i)
-        for _, w in conns[100:150]:  # some are refused (401) and then sit idle on keep-alive
-            w.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.sleep(0.2)
-        took = await _answer_time(proxy, store)
+        with RssPeak() as rss:
+            conns = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(400)]
+            for i, (_, w) in enumerate(conns[:100]):  # a quarter of them sent half a header...
+                w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-%d: " % i + b"a" * 30_000)
+            for _, w in conns[100:150]:  # ...some a request without the key (401, then closed)
+                w.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.2)
+            took = await _answer_time(proxy, store)
         assert took < 2, f"a real client waited {took:.2f}s behind 400 idle sockets"
+        assert proxy.open_connections <= 351  # the refused ones are gone (+1: the real client)
+        assert rss.growth_mb < 64, f"RSS grew {rss.growth_mb:.0f} MB for 400 sockets"  # both ends' buffers
         for _, w in conns:
             w.close()
+
+
+async def test_when_every_connection_is_answering_a_new_one_gets_503(tokenizer: Any) -> None:
+    store = MemoryStore()
+    engine = EchoEngine(tokenizer, delay_s=1.5)
+    async with running_proxy(engine, store, limits=HttpLimits(max_connections=2)) as proxy:
+        busy = [asyncio.ensure_future(_answer_time(proxy, store)) for _ in range(2)]
+        await asyncio.sleep(0.5)
+        async with raw(proxy) as (r, _):
+            answer, _ = await read_until_closed(r, 5)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many open connections" in answer
+        assert all(t < 4 for t in await asyncio.gather(*busy))  # those being answered were kept
 
 
 async def test_at_the_connection_limit_idle_sockets_make_room_for_real_clients(tokenizer: Any) -> None:
