@@ -39,10 +39,10 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, overload
 
 import orjson
 
@@ -61,6 +61,28 @@ def valid_session_id(value: str) -> bool:
     return bool(_SESSION_ID.match(value))
 
 
+class CallsView(Sequence[LLMCall]):
+    """A read-only sequence of LLMCalls over their JSON: an item is parsed when read."""
+
+    def __init__(self, raw: list[bytes]) -> None:
+        self._raw = raw
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @overload
+    def __getitem__(self, index: int) -> LLMCall: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[LLMCall]: ...
+    def __getitem__(self, index: int | slice) -> LLMCall | list[LLMCall]:
+        if isinstance(index, slice):
+            return [LLMCall.model_validate_json(raw) for raw in self._raw[index]]
+        return LLMCall.model_validate_json(self._raw[index])
+
+    def __repr__(self) -> str:
+        return f"CallsView({len(self._raw)} calls)"
+
+
 @dataclass
 class SessionRecord:
     """The calls and rewards of one app session. Calls are held as their JSON (``LLMCall`` dumps), so
@@ -74,8 +96,9 @@ class SessionRecord:
     nbytes: int = 0  # bytes of call_json
 
     @property
-    def calls(self) -> list[LLMCall]:
-        return [LLMCall.model_validate_json(raw) for raw in self.call_json]
+    def calls(self) -> CallsView:
+        """The calls as LLMCalls, each parsed when read (``len`` parses nothing)."""
+        return CallsView(self.call_json)
 
     def summary(self) -> dict[str, object]:
         """What ``GET /v1/sessions`` lists for this session."""
