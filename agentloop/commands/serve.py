@@ -98,6 +98,11 @@ def read_serve_key(args: argparse.Namespace) -> tuple[SecretStr | None, str]:
             key = read_key(f"file:{args.api_key_file}", "--api-key-file")
             return key, f"required (from {args.api_key_file})"
         if args.api_key:
+            if not args.api_key.startswith(("env:", "file:")):
+                sys.stderr.write(
+                    "agentloop serve: note: a key on the command line is visible to every user (ps); "
+                    f"prefer --api-key-file or ${KEY_ENV}\n"
+                )
             return read_key(args.api_key, "--api-key"), "required (from --api-key)"
         if os.environ.get(KEY_ENV):
             return read_key(f"env:{KEY_ENV}", KEY_ENV), f"required (from ${KEY_ENV})"

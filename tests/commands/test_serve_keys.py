@@ -83,3 +83,13 @@ def test_serve_off_loopback_with_a_key_requires_it(tmp_path: Path, tiny_model_di
             proc.kill()
             proc.wait()
     assert KEY not in err
+
+
+def test_a_key_on_the_command_line_gets_a_note(tmp_path: Path) -> None:
+    out = _serve("--api-key", KEY, "--model", str(tmp_path / "no-model"), "--port", "0", cwd=tmp_path)
+    assert out.returncode == 2  # the model is missing; the key itself was accepted, with a note
+    assert out.stderr.splitlines()[0] == (
+        "agentloop serve: note: a key on the command line is visible to every user (ps); "
+        "prefer --api-key-file or $AGENTLOOP_PROXY_API_KEY"
+    )
+    assert KEY not in out.stderr
