@@ -243,3 +243,42 @@ def test_inspect_reads_a_store_that_a_running_trainer_holds_locked(
     assert "1 rollouts in" in out and "-> reward 1.0" in out
     assert took < 20  # read-write opening waits for the lock (busy_timeout 30 s) and then fails
     assert db.read_bytes() == before
+
+
+def test_a_training_rollout_shows_its_advantage_from_a_read_only_store(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The group of a training rollout is read through the read-only store too (its advantage)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def fill() -> list[str]:
+        store = SQLiteStore(tmp_path / "store.db")
+        ids = []
+        try:
+            for reward in (1.0, 0.0):  # two attempts at one task in one step: one GRPO group
+                await store.enqueue_rollout({"q": 1}, mode="train", metadata={"step": 1, "data_index": 0})
+                att = await store.dequeue_rollout("w")
+                assert att is not None
+                rid, aid = att.rollout_id, att.attempt.attempt_id
+                response = [*tok.encode(f"answer {reward}", add_special_tokens=False), tok.eos_token_id]
+                call = LLMCall(prompt_ids=tok.encode("hi", add_special_tokens=False), response_ids=response,
+                               response_logprobs=[-0.5] * len(response))  # fmt: skip
+                await store.add_span(Span(rollout_id=rid, attempt_id=aid, payload=call))
+                await store.add_span(Span(rollout_id=rid, attempt_id=aid, payload=Reward(value=reward)))
+                await store.update_attempt(rid, aid, status=AttemptStatus.SUCCEEDED)
+                ids.append(rid)
+        finally:
+            await store.close()
+        return ids
+
+    best, worst = anyio.run(fill)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"actor_rollout_ref": {"model": {"path": str(tiny_model_dir)}}})
+    )
+    code, out, err = _inspect(str(tmp_path), "--no-color", capsys=capsys)
+    assert code == 0, err
+    assert f"trajectory of {best}" in out and "-> reward 1.0; advantage per call: +" in out
+    code, out, err = _inspect(str(tmp_path), "--rollout", worst, "--no-color", capsys=capsys)
+    assert code == 0 and "-> reward 0.0; advantage per call: -0." in out
