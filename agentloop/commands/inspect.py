@@ -129,10 +129,22 @@ class ReadOnlyStore:
     def __init__(self, path: Path) -> None:
         uri = "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro"
         try:
-            self._conn = sqlite3.connect(uri, uri=True)
-            self._conn.execute("SELECT 1 FROM rollouts LIMIT 1")
+            try:
+                self._conn = self._open(uri)
+            except sqlite3.OperationalError:  # a WAL store on read-only media: no -shm can be made there
+                self._conn = self._open(uri + "&immutable=1")
         except sqlite3.Error as exc:
             raise InspectError(f"{path} cannot be read as an agentloop store: {exc}") from None
+
+    @staticmethod
+    def _open(uri: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(uri, uri=True)
+        try:
+            conn.execute("SELECT 1 FROM rollouts LIMIT 1")
+        except sqlite3.Error:
+            conn.close()
+            raise
+        return conn
 
     async def list_rollouts(self) -> list[Rollout]:
         rows = self._conn.execute("SELECT data FROM rollouts ORDER BY seq")
