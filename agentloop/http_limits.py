@@ -200,12 +200,12 @@ class _LimitedHttpTools(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._phase != _Phase.BODY:  # these bytes start or continue a request's headers
-            end = (self._tail + data).find(b"\r\n\r\n")  # the blank line that ends them
-            if end < 0:
+            ends = _header_end(self._tail, data)  # bytes of ``data`` up to the blank line, or None
+            if ends is None:
                 self._header_bytes += len(data)
-                self._tail = (self._tail + data)[-3:]
+                self._tail = (self._tail + data[-3:])[-3:]
             else:
-                self._header_bytes += end + 4 - len(self._tail)
+                self._header_bytes += ends
                 self._tail = b""
             if self._header_bytes > self.limits.max_header_bytes:  # refused before the parser buffers it
                 limit = self.limits.max_header_bytes
@@ -235,6 +235,16 @@ class _LimitedHttpTools(HttpToolsProtocol):
         self._header_bytes, self._tail = 0, b""
         self._disarm()
         super().on_message_complete()
+
+
+def _header_end(tail: bytes, data: bytes) -> int | None:
+    """How many bytes of ``data`` end the headers (the blank line included), ``tail`` being the last
+    bytes before it; None when the blank line is not in ``data``. Does not copy ``data``."""
+    straddling = (tail + data[:3]).find(b"\r\n\r\n")
+    if straddling >= 0:
+        return straddling + 4 - len(tail)
+    inside = data.find(b"\r\n\r\n")
+    return inside + 4 if inside >= 0 else None
 
 
 def limited_protocol(limits: HttpLimits | None = None) -> type[asyncio.Protocol]:

@@ -241,3 +241,21 @@ def test_a_non_loopback_bind_needs_a_key(tokenizer: Any) -> None:
     Proxy(engine, MemoryStore(), host="127.0.0.1")  # loopback: a key is optional
     with pytest.raises(ValueError, match="the store"):
         check_bind("0.0.0.0", None, "the store")
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 4096])
+async def test_the_header_limit_is_exact_however_the_bytes_are_split(tokenizer: Any, piece: int) -> None:
+    limits = HttpLimits(max_header_bytes=1024)
+    async with running_proxy(EchoEngine(tokenizer), limits=limits) as proxy:
+        for extra, status in ((0, b"200"), (1, b"431")):
+            head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
+            request = head + b"a" * (1024 - len(head) - 4 + extra) + b"\r\n\r\n"
+            assert len(request) == 1024 + extra
+            async with raw(proxy) as (r, w):
+                for i in range(0, len(request), piece):
+                    w.write(request[i : i + piece])
+                    await w.drain()
+                    if piece < 10 and i % 64 == 0:
+                        await asyncio.sleep(0)  # let the server read in small pieces
+                answer = await asyncio.wait_for(r.read(200), 5)
+            assert answer.startswith(b"HTTP/1.1 " + status), (piece, extra, answer[:60])
