@@ -55,6 +55,12 @@ BODY_TIMEOUT_S = 30.0
 _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
 
+def request_key(request: Request) -> str | None:
+    """The client's idempotency key: ``Idempotency-Key`` or ``X-Request-Id`` (at most 256 characters)."""
+    key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
+    return key[:256] if key else None
+
+
 def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
     if exc.status == 401:  # then the connection closes: a client without the key holds no socket
         headers = {**(headers or {}), "Connection": "close"}
@@ -177,7 +183,13 @@ def build_app(
     async def chat(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
         req: ChatCompletionRequest = parse_model(ChatCompletionRequest, body, "chat completion request")
-        gen = await service.chat(target, req, body["messages"])
+        gen = await service.chat(
+            target,
+            req,
+            body["messages"],
+            request_key=request_key(request),
+            client_gone=request.is_disconnected,
+        )
         ids, lps = want_ids(request, body), bool(req.logprobs)
         if req.stream:
             chunks = responses.chat_chunks(gen, service.tokenizer, lps, ids, req.include_usage)
@@ -187,7 +199,9 @@ def build_app(
     async def completions(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
         req: CompletionRequest = parse_model(CompletionRequest, body, "completion request")
-        gen = await service.complete(target, req)
+        gen = await service.complete(
+            target, req, request_key=request_key(request), client_gone=request.is_disconnected
+        )
         ids, lps = want_ids(request, body), req.logprobs is not None
         if req.stream:
             return _stream(
