@@ -59,24 +59,26 @@ examples) is computed once per attempt instead of once per call: the update (~17
 CPU) takes 72-94 s of a ~100 s step with 32 merged samples; per-call samples would nearly double it.
 
 The recipe is trainer.demo's (GRPO, lr 1e-5, engine log-probs, 2048-token micro-batches) at T 0.6,
-with 4 problems x 8 attempts a step for 12 steps: ~100 s a step here plus ~90 s per validation of
-100 problems, about 25 minutes. On an H100 (bf16; a check of the design, not this CPU), 12 steps:
-43% -> 67% and 46% -> 78% (seeds 0, 1) at lr 1e-5; +29, +20 and +54 points (seeds 0, 1, 2) at
-lr 2e-5; 24 steps of an earlier problem set at lr 1e-5: 37% -> 75%, with 100% well-formed calls.
-Seeds differ most on level 3, which some runs learn late or not at all within 12 steps. (Those runs
-and the first CPU trial gave the 0.1 to every wrong answer, a bug since fixed; a constant for all
-wrong answers leaves GRPO's advantages unchanged, so they trained without a call bonus.)
+with 4 problems x 8 attempts a step for 24 steps. The trainer's shared-prompt forward
+(``actor.shared_prompt_forward``) runs the ~420-token prompt once per GRPO group instead of once per
+attempt (1.87x the update's tokens/s, benchmarks/results/shared_prompt_cpu.json), and a group whose
+attempts all scored the same costs no forward at all, more of them as the model learns: an update took
+~29 s on average instead of ~76 s, a step ~49 s (rollout ~18 s), plus ~87 s per validation of 100
+problems: about 23 minutes on this CPU.
 
-Trials of 5 steps on this CPU, shared with other work: with the first problem set, 38% -> 47%
-held-out and 78% -> 98% well-formed calls in 12.0 min (~105 s a step: update 72-94 s, rollout
-17-23 s; a validation ~90 s); with the final set, 41% before training and train reward 0.09, 0.71,
-0.13, 0.65 over steps 1-4 (the mix of 4 problems a step makes it jump) before the run was stopped.
+Measured with these defaults on the idle 2-core CPU (benchmarks/results/demo_tools_cpu.json): 41% ->
+98% held-out (+57 points) in 23.2 min; well-formed calls 84% -> 100%; level 2 45% -> 100%, level 3
+10% -> 95%. Train reward rose from 0.06-0.5 in the first steps to 0.7-0.9 from step 10.
 
-The measured run with the defaults of then, ``--call-bonus 0.1`` (idle 2-core CPU, 22.5 min): 41% ->
-47% held-out, well-formed calls 84% -> 100%; level 2 45% -> 69%, level 3 10% -> 0%
-(benchmarks/results/demo_tools_cpu.json). The +25 points the design aims for are not reached on the
-CPU in 12 steps with the bonus; the H100 runs above, which had none in effect, gained 20-54 points
-and raised level 3 in every seed. The default is now 0 (see Reward); not yet measured on the CPU.
+Earlier runs: with the defaults of then (12 steps, no shared-prompt forward, ``--call-bonus 0.1``),
+41% -> 47% on this CPU in 22.5 min (level 3 10% -> 0%, see Reward). On an H100 (bf16; a check of
+the design, not this CPU), 24 steps: +45, +53 and +40 points for seeds 1, 2, 3; 12 steps without a
+bonus: +41, +33 and +14 for seeds 0, 1, 2 (benchmarks/results/demo_tools_gpu.json); seeds differ most
+on level 3.
+
+Trials of 5 steps on this CPU, shared with other work, while the problems were designed: with the
+first problem set, 38% -> 47% held-out and 78% -> 98% well-formed calls in 12.0 min; with the final
+set, train reward 0.09, 0.71, 0.13, 0.65 over steps 1-4 (the mix of 4 problems a step makes it jump).
 
 Run it with ``agentloop demo --task tools``; ``run_tools_demo(args)`` is the same from Python.
 """
