@@ -28,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--concurrency", type=int, default=8, help="rollouts run at once (default 8)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("AGENTLOOP_STORE_API_KEY"),
-        help="bearer token of the store (default: $AGENTLOOP_STORE_API_KEY)",
+        default="env:AGENTLOOP_STORE_API_KEY" if os.environ.get("AGENTLOOP_STORE_API_KEY") else None,
+        help="the store's key: env:NAME or file:PATH (a literal key shows in ps); "
+        "default: env:AGENTLOOP_STORE_API_KEY when that is set",
     )
     p.add_argument("--max-rollouts", type=int, default=None, help="exit after this many attempts")
     p.add_argument("--worker-id", default=None, help="name in the store (default: runner-<random>)")
@@ -110,6 +111,7 @@ def _raised_at(exc: BaseException) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from agentloop.keys import read_key
     from agentloop.runner import Runner
     from agentloop.store.http import StoreClient
 
@@ -119,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-rollouts must be >= 0, got {args.max_rollouts}")
     agent = load_object(args.agent)
     try:
-        store = StoreClient(args.store, api_key=args.api_key, max_connections=max(16, 4 * args.concurrency))
+        key = read_key(args.api_key, "--api-key")
+        secret = None if key is None else key.get_secret_value()
+        store = StoreClient(args.store, api_key=secret, max_connections=max(16, 4 * args.concurrency))
         runner = Runner(agent, store, concurrency=args.concurrency, worker_id=args.worker_id)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None

@@ -53,7 +53,9 @@ async def serve(args: argparse.Namespace) -> None:
         f"agentloop proxy serving {args.model}; key {args.key_source}\n"
         f"  OpenAI base URL (apps):   {proxy.session_base_url}\n"
         f"  per-attempt template:     {proxy.url_template}\n"
-        f"  recorded calls:           {args.store}\nCtrl-C to stop.\n"
+        f"  model name:               {proxy.model_name}\n"
+        f"  app sessions (durable):   {proxy.session_log or 'memory only'}\n"
+        f"  store:                    {args.store}\nCtrl-C to stop.\n"
     )
     sys.stdout.flush()
     try:

@@ -103,3 +103,33 @@ async def test_a_signal_stops_the_runner_with_one_line_and_its_exit_code(signum:
         )
         assert "Traceback" not in err.decode()
         assert (await store.get_rollout(r.rollout_id)).status is RolloutStatus.FAILED  # reported, not lost
+
+
+@rollout
+async def answer(task: dict, llm: object) -> float:
+    return float(task["value"])
+
+
+@pytest.mark.parametrize("source", ["environment", "file"])
+async def test_the_store_key_never_goes_on_the_command_line(source: str, tmp_path: Path) -> None:
+    """`agentloop runner` reads the store's key from $AGENTLOOP_STORE_API_KEY or `--api-key file:PATH`."""
+    key = "s3cret-key-0123456789"
+    store = MemoryStore()
+    async with StoreServer(store, api_key=key) as server:
+        r = await store.enqueue_rollout({"value": 1.0})
+        cmd = [sys.executable, "-m", "agentloop.cli", "runner", "--store", server.url, "--max-rollouts", "1"]
+        cmd += ["--agent", "tests.commands.test_runner_cmd:answer"]
+        env = {k: v for k, v in os.environ.items() if k != "AGENTLOOP_STORE_API_KEY"}
+        env["PYTHONPATH"] = str(ROOT)
+        if source == "environment":
+            env["AGENTLOOP_STORE_API_KEY"] = key
+        else:
+            (tmp_path / "store.key").write_text(key + "\n")
+            cmd += ["--api-key", f"file:{tmp_path / 'store.key'}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with anyio.fail_after(60):
+            _, err = await anyio.to_thread.run_sync(proc.communicate)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert not any(key in part for part in cmd)
+        done = await store.wait_for_rollouts([r.rollout_id], timeout=5)
+        assert done and done[0].status is RolloutStatus.SUCCEEDED
