@@ -16,6 +16,10 @@ from trainer.algorithms import agg_loss, attempt_row_weights
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
 
+# fp32 results against float64 expectations of size ~1 (advantages, IS weights <= 2), each a few
+# operations and sums of <= 10 terms: a few ulps apart on any CPU; 64 eps (7.6e-6) leaves room
+FP32_TOL = 64 * torch.finfo(torch.float32).eps
+
 
 def attempt(
     name: str, rewards: list[float], task: str = "t", *, total: float | None = None, resp_len: int = 2
@@ -65,7 +69,7 @@ def test_an_attempt_with_many_calls_votes_once() -> None:
     votes = [1.0, 0.5, 0.0, 0.0]
     mean, s = sum(votes) / 4, std(votes)  # 0.375, 0.4787
     expected = [(1.0 - mean) / (s + 1e-6)] * 5 + [(v - mean) / (s + 1e-6) for v in votes[1:]]
-    assert adv == pytest.approx(expected, abs=1e-5)
+    assert adv == pytest.approx(expected, abs=FP32_TOL)
     assert adv[5] == pytest.approx(0.2611, abs=1e-4)  # the 0.5 attempt is pushed up, not down
 
 
@@ -75,9 +79,9 @@ def test_the_number_of_calls_of_one_attempt_does_not_change_the_others(estimator
     few = sample_advantages(attempt("a", [1.0]) + others, config(adv_estimator=estimator))
     many = sample_advantages(attempt("a", [1.0] * 6) + others, config(adv_estimator=estimator))
     if estimator == "reinforce_plus_plus_baseline":  # whitened over the batch with attempt-equal weights
-        assert few[1:] == pytest.approx(many[6:], abs=1e-5)
+        assert few[1:] == pytest.approx(many[6:], abs=FP32_TOL)
     else:
-        assert few[1:] == pytest.approx(many[6:], abs=1e-6)
+        assert few[1:] == pytest.approx(many[6:], abs=FP32_TOL)
     assert len(set(many[:6])) == 1  # every call of the attempt gets the attempt's advantage
 
 
@@ -95,10 +99,10 @@ def test_merging_the_calls_of_an_attempt_changes_no_advantage() -> None:
     triplets = a + attempt("b", [0.0], total=0.0) + attempt("c", [1.0, 0.0], total=1.0)
     flat = sample_advantages(triplets, config(adv_estimator="grpo"))
     merged = sample_advantages(triplets, config(adv_estimator="grpo", trajectory=True))
-    assert merged == pytest.approx(flat, abs=1e-6)
+    assert merged == pytest.approx(flat, abs=FP32_TOL)
     votes = [1.5, 0.0, 1.0]
     mean, s = sum(votes) / 3, std(votes)
-    assert flat[:2] == pytest.approx([(1.5 - mean) / (s + 1e-6), (1.0 - mean) / (s + 1e-6)], abs=1e-5)
+    assert flat[:2] == pytest.approx([(1.5 - mean) / (s + 1e-6), (1.0 - mean) / (s + 1e-6)], abs=FP32_TOL)
     batch, _ = build_batch(a, max_prompt_length=64, max_response_length=64, merge=True)
     assert len(batch) == 1 and batch.calls is not None and batch.calls.reward.tolist() == [1.5, 1.0]
 
@@ -110,11 +114,11 @@ def test_long_responses_are_truncated_and_keep_their_vote() -> None:
     adv = sample_advantages(triplets, cfg)
     votes = [1.0, 0.0, 0.0]
     mean, s = sum(votes) / 3, std(votes)
-    assert adv == pytest.approx([(v - mean) / (s + 1e-6) for v in votes], abs=1e-5)
+    assert adv == pytest.approx([(v - mean) / (s + 1e-6) for v in votes], abs=FP32_TOL)
     # DAPO's overlong filter: the truncated sample trains nothing, the others keep their advantages
     cfg["algorithm"]["overlong_filter"] = True
     filtered = sample_advantages(triplets, cfg)
-    assert filtered[0] is None and filtered[1:] == pytest.approx(adv[1:], abs=1e-6)
+    assert filtered[0] is None and filtered[1:] == pytest.approx(adv[1:], abs=FP32_TOL)
 
 
 def test_an_unusable_attempt_leaves_whole_and_the_group_uses_the_rest() -> None:
@@ -126,7 +130,7 @@ def test_an_unusable_attempt_leaves_whole_and_the_group_uses_the_rest() -> None:
     votes = [0.5, 0.0]
     mean, s = sum(votes) / 2, std(votes)
     assert adv[:2] == [None, None] and adv[4] is None  # the whole attempt, not just the long call
-    assert adv[2:4] == pytest.approx([(v - mean) / (s + 1e-6) for v in votes], abs=1e-5)
+    assert adv[2:4] == pytest.approx([(v - mean) / (s + 1e-6) for v in votes], abs=FP32_TOL)
 
 
 def test_tasks_are_separate_groups_and_a_lone_attempt_gets_zero() -> None:
