@@ -392,6 +392,11 @@ class PlacementConfig(_Section):
     proxy_host: str = Field(
         default="127.0.0.1", description="Bind address of the proxy (remote runners need 0.0.0.0)."
     )
+    proxy_advertise_host: str | None = Field(
+        default=None,
+        description="Address remote runners call the proxy at; None: proxy_host, or this machine's "
+        "address when proxy_host is 0.0.0.0 or ::.",
+    )
     local_runner: bool = Field(
         default=True, description="Run agents in the trainer process too; False: remote runners only."
     )

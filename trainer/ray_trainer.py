@@ -71,13 +71,6 @@ class TrainerWorker:
     def ready(self) -> bool:
         return True  # the model is loaded once __init__ has run
 
-    def save(self, path: str) -> None:
-        torch.save(self.actor.state(), path)
-
-    def load(self, path: str) -> int:
-        self.actor.load_state(torch.load(path, map_location=self.actor.device, weights_only=True))
-        return self.actor.step
-
     def save_checkpoint(self, path: str) -> None:
         """Weights (safetensors) and optimizer state into a checkpoint's step folder."""
         rank = self.actor.config.actor_rollout_ref.model.lora_rank
@@ -282,6 +275,7 @@ class Trainer:
             engine,
             store,
             host=cfg.placement.proxy_host,
+            advertise_host=cfg.placement.proxy_advertise_host,
             # a key per run: agents get it as llm.api_key (ProxyLLM.api_key, remote runners through the
             # store's resources); no one else who can reach the port gets generations
             api_key=token_urlsafe(32),
@@ -405,17 +399,8 @@ class Trainer:
         model_dir = run_dir / ck.FINAL_MODEL
         lora = self.config.actor_rollout_ref.model.lora_rank > 0
         adapter_dir = run_dir / ck.FINAL_ADAPTER if lora else None
-        if hasattr(worker, "save_model"):
-            call = worker.save_model.remote(
-                model_path, str(model_dir), str(adapter_dir) if adapter_dir else None
-            )
-            await _deadline(call, limits.save_s, f"the final model to be written to {model_dir}", "save_s")
-        else:  # data-parallel ranks: the merged weights through the driver, no adapter folder
-            weights = await _deadline(
-                worker.named_weights.remote(), limits.save_s, "the trained weights", "save_s"
-            )
-            await anyio.to_thread.run_sync(ck.export_hf_model, weights, model_path, model_dir)
-            adapter_dir = None
+        call = worker.save_model.remote(model_path, str(model_dir), str(adapter_dir) if adapter_dir else None)
+        await _deadline(call, limits.save_s, f"the final model to be written to {model_dir}", "save_s")
         return model_dir, adapter_dir
 
     async def _enqueue(self, store: Store, train: list[Any], cursor: DataCursor, step: int) -> _Pending:
@@ -605,10 +590,7 @@ class Trainer:
     ) -> None:
         path = ckpt.begin(step)
         limit = self.config.trainer.timeouts.save_s
-        if hasattr(worker, "save_checkpoint"):  # safetensors weights beside the optimizer state
-            call = worker.save_checkpoint.remote(str(path))
-        else:  # data-parallel ranks write one actor.pt (trainer/dp.py)
-            call = worker.save.remote(str(path / ck.LEGACY_FILE))
+        call = worker.save_checkpoint.remote(str(path))  # safetensors weights beside the optimizer state
         await _deadline(call, limit, f"checkpoint {path} to be written", "save_s")
         ckpt.commit(step, {"step": step, "cursor": data_state})
 
@@ -629,10 +611,7 @@ class Trainer:
             return 0
         path, state = plan.checkpoint
         limits = self.config.trainer.timeouts
-        if hasattr(worker, "load_checkpoint"):
-            call = worker.load_checkpoint.remote(str(path))
-        else:
-            call = worker.load.remote(str(path / ck.LEGACY_FILE))
+        call = worker.load_checkpoint.remote(str(path))
         await _deadline(call, limits.engine_s, f"checkpoint {path} to load", "engine_s")
         await _deadline(
             self._sync_weights(worker, engine),

@@ -133,6 +133,9 @@ class Proxy:
         default_max_tokens: max_tokens when neither the request nor the LLM resource sets it.
         default_sampling: defaults under the LLM resource's and the request's sampling fields.
         ledger_sweep_s: every so often the token ledgers of finished attempts are released.
+        advertise_host: the address clients reach the proxy at, in ``url`` and ``url_template``
+            (what agents and remote runners get); default: ``host``, or this machine's address when
+            ``host`` is a wildcard (0.0.0.0, ::), which no client can call.
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class Proxy:
         default_sampling: dict[str, Any] | None = None,
         max_sessions: int = 10_000,
         ledger_sweep_s: float = 5.0,
+        advertise_host: str | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
@@ -175,6 +179,7 @@ class Proxy:
             key = None
         check_bind(host, key, "the proxy", "pass api_key=")
         self.engine, self.store, self.host = engine, store, host
+        self.advertise_host = advertise_host or (machine_address() if host in _WILDCARDS else host)
         self._api_key = key
         self.limits = limits or HttpLimits()
         self.ledger_sweep_s = ledger_sweep_s  # how often the ledgers of finished attempts are released
@@ -233,7 +238,8 @@ class Proxy:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        """``http://<advertise_host>:<port>``: where clients reach the proxy."""
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
         return f"http://{host}:{self.port}"
 
     @property
@@ -387,3 +393,17 @@ class Proxy:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def machine_address() -> str:
+    """This machine's address on its default route (no packet is sent), else its host name."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # UDP connect only picks the outgoing interface
+            address = str(probe.getsockname()[0])
+        except OSError:
+            return socket.gethostname()
+    return address if address != "0.0.0.0" else socket.gethostname()
