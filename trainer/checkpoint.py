@@ -135,6 +135,44 @@ def save_policy(
         fsync_file(path / name)
 
 
+def save_policy_state(
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    step: int,
+    lora_rank: int,
+    path: Path,
+) -> None:
+    """``save_policy``'s files from full state dicts (data-parallel ranks gather them to rank 0)."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in model_state.items():  # tied weights share storage: safetensors wants copies
+        ptr = tensor.untyped_storage().data_ptr()
+        weights[name] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
+        seen.add(ptr)
+    save_file(weights, str(path / WEIGHTS_FILE))
+    torch.save({"optimizer": optimizer_state, "step": step, "lora_rank": lora_rank}, path / OPTIMIZER_FILE)
+    for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
+        fsync_file(path / name)
+
+
+def read_policy_state(path: Path) -> dict[str, Any]:
+    """A checkpoint as full state dicts on the CPU: ``{"model", "optimizer", "step"}`` (older ``actor.pt``
+    checkpoints too), for ``ShardedActor.load_state``."""
+    if not (path / WEIGHTS_FILE).exists():
+        legacy: dict[str, Any] = torch.load(path / LEGACY_FILE, map_location="cpu", weights_only=True)
+        return legacy
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    return {
+        "model": load_file(str(path / WEIGHTS_FILE)),
+        "optimizer": state["optimizer"],
+        "step": state["step"],
+    }
+
+
 def load_policy_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, lora_rank: int, path: Path, device: torch.device
 ) -> int | dict[str, Any]:

@@ -28,6 +28,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer import checkpoint as ck
 from trainer.actor import Actor, _micro_batches
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import Batch
@@ -251,16 +253,27 @@ class DPWorker:
         """Run ``fn(self, *args)`` in this rank (trainer/weight_sync.py's rank side uses it)."""
         return fn(self, *args)
 
-    def save(self, path: str) -> None:
-        state = self._ready().state()  # collective
+    def save_checkpoint(self, path: str) -> None:
+        """Weights (safetensors) and optimizer state into a checkpoint's step folder, as a single-device
+        worker writes them; gathered to rank 0, which writes."""
+        actor = self._ready()
+        state = actor.state()  # collective
         if self.rank == 0:
-            torch.save(state, path)
+            ck.save_policy_state(state["model"], state["optimizer"], actor.step, 0, Path(path))
         dist.barrier()
 
-    def load(self, path: str) -> int:
+    def load_checkpoint(self, path: str) -> int:
+        """Load a checkpoint's step folder (``save_checkpoint``'s files, or an older ``actor.pt``)."""
         actor = self._ready()
-        actor.load_state(torch.load(path, map_location="cpu", weights_only=True))
+        actor.load_state(ck.read_policy_state(Path(path)))
         return actor.step
+
+    def save_model(self, model_path: str, out_dir: str, adapter_dir: str | None) -> None:
+        """The trained policy as a Hugging Face folder (rank 0 writes; LoRA is refused for FSDP)."""
+        weights = self._ready().named_weights()  # collective
+        if self.rank == 0:
+            ck.export_hf_model(weights, model_path, Path(out_dir))
+        dist.barrier()
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -292,7 +305,8 @@ async def _first(calls: list[Any]) -> Any:
 class DataParallelGroup:
     """N DPWorker Ray actors (one per GPU; CPU processes with gloo) behaving as one TrainerWorker.
 
-    ``update``, ``named_weights``, ``save`` and ``load`` have a ``.remote(...)`` that runs on every
+    ``update``, ``named_weights``, ``save_checkpoint``, ``load_checkpoint`` and ``save_model`` have a
+    ``.remote(...)`` that runs on every
     rank and resolves to rank 0's result, as ``await worker.update.remote(batch)`` expects.
     """
 
@@ -300,8 +314,9 @@ class DataParallelGroup:
         self.workers = workers
         self.update = _Method(self, "update")
         self.named_weights = _Method(self, "named_weights")
-        self.save = _Method(self, "save")
-        self.load = _Method(self, "load")
+        self.save_checkpoint = _Method(self, "save_checkpoint")
+        self.load_checkpoint = _Method(self, "load_checkpoint")
+        self.save_model = _Method(self, "save_model")
 
     @classmethod
     def create(

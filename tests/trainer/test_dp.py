@@ -128,3 +128,47 @@ def test_lora_is_refused_with_a_clear_error(tiny_model_dir: Path) -> None:
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="does not support LoRA"):
         ShardedActor(cfg, str(tiny_model_dir), "cpu", 0, 1)
+
+
+def test_ranks_checkpoint_in_safetensors_and_resume_the_same_step(
+    tiny_model_dir: Path, ray_local: None, tmp_path: Path
+) -> None:
+    """2 ranks write a checkpoint as one device does (model.safetensors + optimizer.pt, no actor.pt) and
+    the final model as a Hugging Face folder; a fresh group resumes from it and takes the same next step."""
+    import anyio
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(tiny_model_dir, token_budget=40)
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    path, final = tmp_path / "global_step_1", tmp_path / "final_model"
+    path.mkdir()
+
+    async def first() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        await group.update.remote(batch)
+        await group.save_checkpoint.remote(str(path))
+        await group.save_model.remote(str(tiny_model_dir), str(final), None)
+        saved = await group.named_weights.remote()
+        await group.update.remote(batch)
+        return saved, await group.named_weights.remote()
+
+    async def resumed() -> tuple[int, dict[str, torch.Tensor]]:
+        step = await group.load_checkpoint.remote(str(path))
+        await group.update.remote(batch)
+        return step, await group.named_weights.remote()
+
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
+    try:
+        saved, expected = anyio.run(first)
+    finally:
+        group.shutdown()
+    assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", "optimizer.pt"]
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved if k in model.state_dict())
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
+    try:
+        step, got = anyio.run(resumed)
+    finally:
+        group.shutdown()
+    assert step == 1
+    # the same ranks, the same data, the same restored weights and Adam moments: the same step exactly
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -146,11 +146,12 @@ def test_a_checkpoint_roundtrip_restores_adapter_optimizer_and_step(
     cfg = _config(tiny_model_dir)
     worker = TrainerWorker(cfg, str(tiny_model_dir), "cpu")
     worker.update(small_batch())
-    path = tmp_path / "actor.pt"
-    worker.save(str(path))  # what a checkpoint writes (torch.save), read back with weights_only=True
+    path = tmp_path / "global_step_1"
+    path.mkdir()
+    worker.save_checkpoint(str(path))  # what a checkpoint writes: model.safetensors + optimizer.pt
 
     resumed = TrainerWorker(cfg, str(tiny_model_dir), "cpu")
-    assert resumed.load(str(path)) == 1
+    assert resumed.load_checkpoint(str(path)) == 1
     saved, loaded = worker.actor.named_weights(), resumed.actor.named_weights()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert (
@@ -165,7 +166,7 @@ def test_a_checkpoint_roundtrip_restores_adapter_optimizer_and_step(
 
     full = TrainerWorker(_config(tiny_model_dir, {"lora_rank": 0}), str(tiny_model_dir), "cpu")
     with pytest.raises(ValueError, match=r"written with actor_rollout_ref.model.lora_rank=4, this run has 0"):
-        full.load(str(path))
+        full.load_checkpoint(str(path))
 
 
 def test_target_modules_that_match_nothing_name_the_layers(tiny_model_dir: Path) -> None:
