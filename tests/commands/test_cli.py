@@ -148,8 +148,11 @@ def test_serve_stops_with_one_line(tmp_path: Path, tiny_model_dir: Path, sig: si
     )
     try:
         assert proc.stdout is not None
-        lines = [proc.stdout.readline() for _ in range(5)]  # the banner ends with "Ctrl-C to stop."
+        lines: list[str] = []  # the banner ends with "Ctrl-C to stop."
+        while len(lines) < 20 and (not lines or lines[-1] not in ("Ctrl-C to stop.\n", "")):
+            lines.append(proc.stdout.readline())
         assert lines[-1] == "Ctrl-C to stop.\n", lines
+        assert any(line.startswith("  app sessions (durable):") for line in lines), lines
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
