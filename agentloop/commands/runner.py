@@ -35,6 +35,33 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-rollouts", type=int, default=None, help="exit after this many attempts")
     p.add_argument("--worker-id", default=None, help="name in the store (default: runner-<random>)")
     p.set_defaults(func=run)
+    k = sub.add_parser(
+        "runner-key",
+        help="print the store key of one remote runner (derived from the admin key; give each runner its own)",
+    )
+    k.add_argument("name", help="the runner's name: 1-64 letters, digits, '_' or '-'")
+    k.add_argument(
+        "--api-key",
+        default="env:AGENTLOOP_STORE_API_KEY",
+        help="the store's admin key: env:NAME or file:PATH (default: env:AGENTLOOP_STORE_API_KEY)",
+    )
+    k.set_defaults(func=print_runner_key)
+
+
+def print_runner_key(args: argparse.Namespace) -> int:
+    """``agentloop runner-key NAME``: the key that lets runner NAME dequeue and report only its own
+    attempts (it cannot enqueue, cancel or replace resources), for ``agentloop runner --api-key file:``."""
+    from agentloop.keys import read_key
+    from agentloop.store._keys import runner_key
+
+    try:
+        admin = read_key(args.api_key, "--api-key")
+        if admin is None:
+            raise UsageError("--api-key names an empty key")
+        sys.stdout.write(runner_key(admin, args.name) + "\n")
+    except ValueError as exc:  # InvalidRequestError and read_key's errors are ValueErrors
+        raise UsageError(str(exc)) from None
+    return 0
 
 
 def load_object(spec: str, what: str = "--agent", *, base: Path | None = None, dotted: bool = False) -> Any:

@@ -133,3 +133,42 @@ async def test_the_store_key_never_goes_on_the_command_line(source: str, tmp_pat
         assert not any(key in part for part in cmd)
         done = await store.wait_for_rollouts([r.rollout_id], timeout=5)
         assert done and done[0].status is RolloutStatus.SUCCEEDED
+
+
+async def test_a_runner_runs_with_its_own_key_from_runner_key(tmp_path: Path) -> None:
+    """`agentloop runner-key NAME` prints the runner's key; a runner with it runs its attempts, and the
+    key cannot do the admin's work (enqueue)."""
+    from agentloop.errors import InvalidRequestError
+    from agentloop.store.http import StoreClient
+
+    admin = "admin-key-0123456789abcdef"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTLOOP_STORE_API_KEY": admin}
+    cmd = [sys.executable, "-m", "agentloop.cli", "runner-key", "gpu-node-1"]
+    made = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    assert key and admin not in key
+    (tmp_path / "runner.key").write_text(key + "\n")
+    store = MemoryStore()
+    async with StoreServer(store, admin_key=admin) as server:
+        r = await store.enqueue_rollout({"value": 1.0})
+        run = [sys.executable, "-m", "agentloop.cli", "runner", "--store", server.url, "--max-rollouts", "1"]
+        run += [
+            "--agent",
+            "tests.commands.test_runner_cmd:answer",
+            "--api-key",
+            f"file:{tmp_path / 'runner.key'}",
+        ]
+        runner_env = {k: v for k, v in env.items() if k != "AGENTLOOP_STORE_API_KEY"}
+        proc = subprocess.Popen(run, cwd=ROOT, env=runner_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with anyio.fail_after(60):
+            _, err = await anyio.to_thread.run_sync(proc.communicate)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        done = await store.wait_for_rollouts([r.rollout_id], timeout=5)
+        assert done and done[0].status is RolloutStatus.SUCCEEDED
+        client = StoreClient(server.url, api_key=key)
+        try:
+            with pytest.raises(InvalidRequestError, match="admin"):
+                await client.enqueue_rollout({"value": 2.0})
+        finally:
+            await client.close()
