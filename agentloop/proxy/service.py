@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -408,6 +409,15 @@ class ProxyService:
         if out.logprobs is not None and len(out.logprobs) != len(out.token_ids):
             raise ProxyError(
                 503, "the engine returned logprobs that do not match its tokens", "service_unavailable"
+            )
+        if out.logprobs is not None and not all(math.isfinite(lp) for lp in out.logprobs):
+            # a NaN/inf log-prob would poison the trainer's ratios; the store refuses it anyway
+            log.error("engine returned non-finite logprobs", key=routing_key)
+            raise ProxyError(
+                503,
+                "the engine returned non-finite log-probs (NaN or infinity); the call is not recorded",
+                "service_unavailable",
+                code="engine_nonfinite_logprobs",
             )
         bad = next((t for t in out.token_ids if not 0 <= t < self._id_bound), None)
         if bad is not None:

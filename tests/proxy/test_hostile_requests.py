@@ -317,3 +317,29 @@ async def test_deep_json_in_an_allowed_extra_field_is_a_400(
     (call,) = await _calls(store, att.rollout_id)
     await store.close()
     assert call.messages[0]["extra"] == orjson.loads(_nested(30))  # and it was recorded as sent
+
+
+# ---------------------------------------------------------------- engine output
+
+
+class NaNLogprobs(EchoEngine):
+    """An engine fault: one log-prob of each answer is NaN."""
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str | None = None) -> Any:
+        out = await super().generate(prompt_ids, sampling, request_id)
+        return out.model_copy(update={"logprobs": [float("nan"), *out.logprobs[1:]]})
+
+
+async def test_non_finite_engine_logprobs_are_a_clear_error_and_not_recorded(tokenizer: Any) -> None:
+    store = MemoryStore()
+    async with running_proxy(NaNLogprobs(tokenizer), store) as proxy:
+        att = await new_attempt(store)
+        with anyio.fail_after(20):
+            async with httpx.AsyncClient() as client:
+                resp = await client.post(
+                    f"{attempt_url(proxy, att)}/chat/completions", json={"model": "m", "messages": MESSAGES}
+                )
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "engine_nonfinite_logprobs"
+    assert "non-finite log-probs" in resp.json()["error"]["message"]
+    assert await _calls(store, att.rollout_id) == []
