@@ -487,6 +487,137 @@ async def role_violations(ctx: Context) -> int:
     return 5 * len(cases)
 
 
+# ---------------------------------------------------------------- the proxy: hostile requests
+
+
+async def keyed_retries(ctx: Context, keys: int = 20, tries: int = 5) -> int:
+    """A client retrying each call ``tries`` times with one Idempotency-Key: one recorded call per key
+    (a second record would become a second training sample)."""
+    import httpx
+
+    sid = f"retries-{secrets.token_hex(4)}"
+    headers = {"authorization": f"Bearer {ctx.target.key}", "x-session-id": sid}
+    async with httpx.AsyncClient(timeout=30) as http:
+        for k in range(keys):
+            body = {"messages": [{"role": "user", "content": f"retry {k}"}], "max_tokens": 4}
+            for _ in range(tries):
+                resp = await http.post(
+                    f"{ctx.target.url}/v1/chat/completions",
+                    json=body,
+                    headers={**headers, "idempotency-key": f"call-{k}"},
+                )
+                ctx.statuses[str(resp.status_code)] += 1
+        await ctx.hold()
+        session = (await http.get(f"{ctx.target.url}/v1/sessions/{sid}", headers=headers)).json()
+    extra = len(session.get("calls", [])) - keys
+    ctx.accepted += [f"{extra} retries recorded as extra calls"] if extra else []
+    return keys * tries
+
+
+async def non_finite_request_fields(ctx: Context) -> int:
+    """NaN / Infinity in a request's sampling fields: refused with a 4xx, never generated or recorded."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {ctx.target.key}", "content-type": "application/json"}
+    fields = ["temperature", "top_p", "max_tokens", "seed", "frequency_penalty"]
+    values = ["NaN", "Infinity", "-Infinity", "1e999"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        for name in fields:
+            for value in values:
+                body = '{"messages": [{"role": "user", "content": "x"}], "' + name + '": ' + value + "}"
+                resp = await http.post(f"{ctx.target.url}/v1/chat/completions", content=body, headers=headers)
+                ctx.statuses[str(resp.status_code)] += 1
+                if not 400 <= resp.status_code < 500:
+                    ctx.accepted.append(f"{name}={value}: {resp.status_code}")
+    await ctx.hold()
+    return len(fields) * len(values)
+
+
+# ---------------------------------------------------------------- hostile tool input (in-process)
+
+
+async def hostile_tool_input(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model-written tool input on the event loop that serves the other agents: the calc_x exponent
+    tower and SQL that writes files, attaches databases, recurses forever or cross-joins. Held: every
+    call ends as a tool error within its deadline + 1 s and the loop never stalls ANSWER_S or more;
+    lost: files the SQL created and calls that did not fail."""
+    from agentloop.tool_registry import ToolRegistry, execute_tool_call
+    from examples.calc_x.agent import calculator
+    from examples.sql_agent.agent import execute
+    from examples.sql_agent.make_db import build_database
+
+    db = build_database(tmp / "company.db")
+    deadline = 1.0
+    towers = ["(((10**64)**64)**64)**64", "9**9**9", "2**2**2**2**2**2", "(10**99)*(10**99)", "1e308*1e308"]
+    sql = [
+        f"VACUUM INTO '{tmp / 'copy.db'}'",
+        f"ATTACH 'file:{tmp / 'new.db'}?mode=rwc' AS x",
+        "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r",
+        "SELECT * FROM employees a, employees b, employees c, employees d",
+        "DELETE FROM employees",
+        "PRAGMA journal_mode = DELETE",
+    ]
+    gaps: list[float] = []
+    slow: list[str] = []
+    accepted: list[str] = []
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            await anyio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async def attack() -> None:
+        registry = ToolRegistry([calculator])
+        try:
+            for expr in towers:
+                start = time.monotonic()
+                result = await execute_tool_call(
+                    registry, "calculator", {"expression": expr}, timeout_s=deadline
+                )
+                if time.monotonic() - start > deadline + 1:
+                    slow.append(expr)
+                if not result.is_error:
+                    accepted.append(f"calculator({expr}) = {str(result.response)[:60]}")
+            for query in sql:
+                start = time.monotonic()
+                try:
+                    await anyio.to_thread.run_sync(lambda q=query: execute(db, q, timeout_s=deadline))
+                    accepted.append(f"SQL ran: {query[:60]}")
+                except Exception:  # the authorizer, the deadline or the row cap refused it
+                    pass
+                if time.monotonic() - start > deadline + 1:
+                    slow.append(query[:60])
+        finally:
+            done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        tg.start_soon(attack)
+    created = [p.name for p in (tmp / "copy.db", tmp / "new.db") if p.exists()]
+    worst_gap = max(gaps, default=0.0)
+    lost = len(created) + len(accepted)
+    name = "tools: hostile model input (calc_x exponent towers, SQL VACUUM INTO / ATTACH / endless WITH RECURSIVE / cross join / writes)"
+    row = {
+        "name": name,
+        "tried": len(towers) + len(sql),
+        "held": worst_gap < ANSWER_S and not slow,
+        "lost": lost,
+    }
+    detail = {
+        "name": name,
+        "worst_event_loop_gap_s": round(worst_gap, 3),
+        "calls_past_deadline": slow,
+        "files_created": created,
+        "accepted": accepted[:5],
+        "deadline_s": deadline,
+    }
+    return row, detail
+
+
 STORE_ATTACKS: list[tuple[str, Attack]] = [
     ("store: 500 slow and half-open clients at once (idle, half a header, 10 of 100 body bytes)",
      slow_and_half_open),
@@ -504,4 +635,6 @@ PROXY_ATTACKS: list[tuple[str, Attack]] = [
     ("proxy: oversized headers (3 x 96 MB header lines)", oversized_headers),
     ("proxy: unauthenticated flood (4500 idle sockets over max_connections + 2000 wrong-key requests)",
      unauthenticated_flood),
+    ("proxy: client retries (20 calls x 5 tries with one Idempotency-Key each)", keyed_retries),
+    ("proxy: NaN/Infinity in a request's sampling fields", non_finite_request_fields),
 ]  # fmt: skip

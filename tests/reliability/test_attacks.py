@@ -15,6 +15,7 @@ from tests.reliability.attacks import (
     PROXY_ATTACKS,
     STORE_ATTACKS,
     Attack,
+    hostile_tool_input,
     measure,
     proxy_process,
     store_process,
@@ -37,5 +38,11 @@ async def test_the_store_holds(tmp_path: Path, name: str, attack: Attack) -> Non
 async def test_the_proxy_holds(tmp_path: Path, tiny_model_dir: Path, name: str, attack: Attack) -> None:
     async with proxy_process(tmp_path, tiny_model_dir) as target:
         row, detail = await measure(target, name, attack)
+    record("attack", **row, detail=detail)
+    assert row["held"] and row["lost"] == 0, detail
+
+
+async def test_hostile_tool_input_neither_stalls_the_loop_nor_writes(tmp_path: Path) -> None:
+    row, detail = await hostile_tool_input(tmp_path)
     record("attack", **row, detail=detail)
     assert row["held"] and row["lost"] == 0, detail
