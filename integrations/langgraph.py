@@ -15,6 +15,7 @@ for production, taking any chat model, runs unchanged with it::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import warnings
@@ -31,7 +32,7 @@ from langchain_core.runnables import Runnable
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, model_validator
 
-from agentloop.agent import Agent, check_reward
+from agentloop.agent import Agent, AttemptContext, check_reward, run_in_daemon_thread
 from agentloop.context import current_rollout
 from agentloop.errors import RolloutContextError
 from agentloop.logging import get_logger
@@ -347,7 +348,14 @@ class ReactAgentLoop(Agent):
                 raise
             stop_reason = "context_length_exceeded"
         log.debug("graph_finished", rollout_id=rollout.rollout_id, stop_reason=stop_reason)
-        value = self.reward(task, state)
-        if inspect.isawaitable(value):
+        if inspect.iscoroutinefunction(self.reward):
+            value = await self.reward(task, state)
+        else:  # a sync reward (often re-running model output: SQL, code) runs off the event loop
+            ctx = current_rollout.get()
+            limiter = ctx.thread_limiter if isinstance(ctx, AttemptContext) else None
+            value = await run_in_daemon_thread(
+                functools.partial(self.reward, task, state), limiter, name="agentloop reward"
+            )
+        if inspect.isawaitable(value):  # a sync method that returned a coroutine
             value = await value
         return check_reward(value, self)

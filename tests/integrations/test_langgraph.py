@@ -222,3 +222,36 @@ async def test_small_react_graph_fallback(tok: Any) -> None:
     calls = [s.payload for s in spans if isinstance(s.payload, LLMCall)]
     assert len(calls) == 2 and calls[1].ledger_break is None and calls[0].messages[0]["role"] == "system"
     assert spans[-1].payload.value == 1.0  # type: ignore[union-attr]
+
+
+async def test_a_sync_reward_runs_off_the_event_loop(tok: Any) -> None:
+    """A slow sync reward (re-running model SQL, say) does not stall the loop the other agents share."""
+    import threading
+    import time
+
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    class SlowReward(Multiplier):
+        def reward(self, task: Any, final_state: Any) -> float:
+            seen.append(threading.get_ident())
+            time.sleep(0.5)  # holds its thread, not the event loop
+            return 1.0
+
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        script = [tool_call_text("multiply", {"a": 3, "b": 5}), "The product is 15."]
+        task = [{"question": "3*5?", "answer": "15"}]
+        store, ids = await run_rollouts(SlowReward(), scripted_engine(tok, script), task)
+        tg.cancel_scope.cancel()
+    assert ticks >= 20  # the loop kept ticking through the 0.5 s reward (a stalled loop ticks ~0 then)
+    assert (await store.get_rollout(ids[0])).status is RolloutStatus.SUCCEEDED
+    assert seen and seen[0] != loop_thread
