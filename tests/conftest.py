@@ -24,14 +24,14 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _collect_clients_outside_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After an async test, collect its garbage while no event loop runs. openai's async clients
-    that a test (like a real agent) never closed schedule their own ``aclose`` on whatever loop runs
-    when they are collected; collected during a later test, that task touches this test's closed
-    loop and fails the later test."""
+def _collect_clients_outside_the_loop() -> Iterator[None]:
+    """After every test, collect its garbage while no event loop runs. openai's async clients that a
+    test (like a real agent) never closed schedule their own ``aclose`` on whatever loop runs when
+    they are collected; collected during a later test, that task touches the earlier test's closed
+    loop and fails the later test. Sync tests count too: they run loops of their own (``anyio.run``,
+    ``Trainer.fit``)."""
     yield
-    if inspect.iscoroutinefunction(request.function):
-        gc.collect()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -620,16 +620,21 @@ _REQUEST_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "stop",
 async def _unless_gone(work: Awaitable[T], client_gone: ClientGone) -> T | None:
     """``work``'s result, or None once ``client_gone()`` says the client left (``work`` is cancelled)."""
     result: list[T] = []
-    async with anyio.create_task_group() as tg:
+    try:
+        async with anyio.create_task_group() as tg:
 
-        async def watch() -> None:
-            while not await client_gone():
-                await anyio.sleep(DISCONNECT_POLL_S)
-            tg.cancel_scope.cancel()
+            async def watch() -> None:
+                while not await client_gone():
+                    await anyio.sleep(DISCONNECT_POLL_S)
+                tg.cancel_scope.cancel()
 
-        tg.start_soon(watch)
-        try:
-            result.append(await work)
-        finally:
-            tg.cancel_scope.cancel()
+            tg.start_soon(watch)
+            try:
+                result.append(await work)
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the engine's own error, not the task group's wrapper
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     return result[0] if result else None
