@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint venv clean
+.PHONY: test-slow demo test bench lint venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -x --durations=15  # slow SmolLM2 tests included: the suite fits CI
+	$(BIN)/python -m pytest -q -x -m "not slow" --durations=15  # under 15 min on 2 cores
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)
 
 bench: $(STAMP)
 	$(BIN)/agentloop bench

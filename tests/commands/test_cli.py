@@ -76,6 +76,7 @@ def trained_run(trained: tuple[Path, str]) -> Path:
     return trained[0]
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 def test_train_writes_the_run_folder(trained_run: Path) -> None:
     rows = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -27,6 +27,7 @@ def _waves(raise_limit: bool) -> list[dict[str, object]]:
     return lines
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 @pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1024, reason="hard limit below 1024")
 def test_unclosed_clients_do_not_stall_the_proxy() -> None:
     waves = _waves(raise_limit=True)

@@ -68,6 +68,7 @@ def test_parser_rejects_bad_values(tmp_path: Path) -> None:
         run_demo(args)
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 def test_two_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path) -> None:
     sizes = ["--steps", "2", "--batch-size", "2", "--n", "2", "--max-tokens", "4", "--operand-max", "4"]
     args = build_parser().parse_args(

@@ -163,6 +163,7 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
             run_tools_demo(build_parser().parse_args([*argv, "--out", str(tmp_path)]))
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 def test_one_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path) -> None:
     sizes = [
         "--steps",

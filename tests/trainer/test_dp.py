@@ -130,6 +130,7 @@ def test_lora_is_refused_with_a_clear_error(tiny_model_dir: Path) -> None:
         ShardedActor(cfg, str(tiny_model_dir), "cpu", 0, 1)
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 def test_ranks_checkpoint_in_safetensors_and_resume_the_same_step(
     tiny_model_dir: Path, ray_local: None, tmp_path: Path
 ) -> None:

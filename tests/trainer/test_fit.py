@@ -58,6 +58,7 @@ def _tasks(n: int) -> list[dict]:
     return [{"prompt": f"Say something number {i}.", "seed": i} for i in range(n)]
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 @pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
 def test_fit_learns_allowed_tokens(tmp_path: Path, tiny_model_dir: Path, staleness: int) -> None:
     cfg = _config(tmp_path, tiny_model_dir)

@@ -23,6 +23,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     # the uninterrupted reference: 3 steps in one go
     ref = Trainer(config(str(tiny_model_dir), str(tmp_path / "ref"), 3)).fit(seeded_agent, TASKS)

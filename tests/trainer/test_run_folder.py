@@ -154,6 +154,7 @@ def test_lora_run_writes_the_merged_model_and_the_peft_adapter(
     assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 @pytest.mark.timeout(300)
 def test_one_run_one_folder(tmp_path: Path, tiny_model_dir: Path, ray_local: None) -> None:
     """issue 15 item 3: a stopped 20-step run and a new 3-step run shared one metrics.jsonl."""
@@ -233,6 +234,7 @@ def test_waiting_for_rollouts_has_a_deadline(tmp_path: Path, tiny_model_dir: Pat
         Trainer(cfg).fit(short_agent, TASKS)
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 @pytest.mark.timeout(300)
 def test_sigterm_stops_with_one_line_and_no_ray_notice(tmp_path: Path, tiny_model_dir: Path) -> None:
     """issue 15 item 9: stack dumps on SIGTERM and Ray's token-auth notice on a user's console."""

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from agentloop.agent import rollout
 from agentloop.resources import LLM
@@ -32,6 +33,7 @@ async def short_answer_agent(task: dict, llm: LLM) -> float:
     return float(bool(ids) and ids[0] < 4096)
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 def test_two_ranks_two_replicas_two_runner_processes(tmp_path: Path, tiny_model_dir: Path) -> None:
     port = free_port()
     cfg = {

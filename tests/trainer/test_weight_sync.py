@@ -126,6 +126,7 @@ def _batch() -> object:
     return build_batch(triplets, max_prompt_length=32, max_response_length=16)[0]
 
 
+@pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
 async def test_broadcast_path_moves_the_exact_weights_into_every_replica(
     tiny_model_dir: Path, ray_local: None
 ) -> None:
