@@ -22,6 +22,7 @@ from agentloop.tool_agent import ToolAgent, task_messages, truncate_text
 from agentloop.tools import function_tool
 from agentloop.types import LLMCall, Log, Reward, RolloutStatus, ToolCall
 from tests.integrations.scripted import scripted_engine, tool_call_text
+from tests.loop_watch import watch_event_loop
 from trainer.batch import merge_trajectory
 
 
@@ -287,22 +288,10 @@ async def test_a_slow_sync_reward_runs_off_the_event_loop(tiny_model_dir: Path) 
         emit_reward(0.25, name="inside")  # the attempt's context reaches the worker thread
         return 1.0
 
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tick)
+    async with watch_event_loop() as gaps:
         store, ids = await run_agent(
             ToolAgent([add], slow_reward), scripted_engine(tok, ["It is 2."]), ["a", "b"]
         )
-        tg.cancel_scope.cancel()
     assert max(gaps) < 0.5, max(gaps)  # two 1 s rewards ran while the loop kept ticking
     for rid in ids:
         assert (await store.get_rollout(rid)).status is RolloutStatus.SUCCEEDED

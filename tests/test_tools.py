@@ -26,6 +26,7 @@ from agentloop.tools import (
     function_tool,
     run_tool,
 )
+from tests.loop_watch import watch_event_loop
 from tests.tool_fixtures import Counter, Exploding, add, thread_probe
 
 YAML = Path(__file__).parent / "data" / "tools.yaml"
@@ -378,23 +379,10 @@ async def _call_while_ticking(
     registry: ToolRegistry, name: str, args: dict[str, Any], timeout_s: float
 ) -> tuple[ToolResult, float, float]:
     """The call's result, its wall time, and the longest gap of a coroutine ticking every 5 ms meanwhile."""
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tick)
+    async with watch_event_loop() as gaps:  # a stall right after the call shows up too
         start = time.monotonic()
         result = await execute_tool_call(registry, name, args, timeout_s=timeout_s)
         elapsed = time.monotonic() - start
-        await anyio.sleep(0.05)  # a stall right after the call shows up too
-        tg.cancel_scope.cancel()
     return result, elapsed, max(gaps)
 
 

@@ -19,6 +19,7 @@ from examples.calc_x.agent import calculator, exact_match, extract_answer, make_
 from examples.calc_x.data import make_problems
 from tests.examples.checks import check_exact_tokens
 from tests.integrations.scripted import scripted_engine, tool_call_text
+from tests.loop_watch import watch_event_loop
 
 
 def test_problems_are_deterministic_and_correct() -> None:
@@ -88,23 +89,10 @@ async def test_the_tower_through_the_agent_tool_path_answers_in_milliseconds() -
     """The tool as the ToolAgent calls it (a worker thread with a 2 s deadline): an error the model can
     read, at once, while the event loop keeps ticking (the old code stalled the loop for 13 s)."""
     registry = ToolRegistry([calculator])
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tick)
+    async with watch_event_loop() as gaps:
         start = time.monotonic()
         result = await execute_tool_call(registry, "calculator", {"expression": HOSTILE[0]}, timeout_s=2.0)
         elapsed = time.monotonic() - start
-        await anyio.sleep(0.05)
-        tg.cancel_scope.cancel()
     assert result.is_error and result.metrics["error"] == "tool_exception", result
     assert "more than 100 digits" in (result.response.text or "")
     assert elapsed < 1.0 and max(gaps) < 0.5, (elapsed, max(gaps))

@@ -22,6 +22,7 @@ from examples.sql_agent.questions import QUESTIONS, make_tasks
 from examples.sql_agent.safe_sql import QueryLimitError
 from tests.examples.checks import check_exact_tokens
 from tests.integrations.scripted import scripted_engine, tool_call_text
+from tests.loop_watch import watch_event_loop
 
 
 def _dump(db: Path) -> str:
@@ -176,24 +177,11 @@ async def test_the_reward_reruns_the_models_sql_off_the_event_loop(db: Path) -> 
             ]
         }
 
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
     task = {"question": "How many departments are there?", "gold_sql": "SELECT count(*) FROM departments"}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tick)
+    async with watch_event_loop() as gaps:
         start = time.monotonic()
         reward = await agent.reward(task, state(slow))
         elapsed = time.monotonic() - start
-        await anyio.sleep(0.05)
-        tg.cancel_scope.cancel()
     assert reward == 0.0
     assert 1.0 <= elapsed < 2.0, elapsed  # the model's query stopped at its deadline
     assert max(gaps) < 0.5, max(gaps)  # and the loop kept ticking meanwhile

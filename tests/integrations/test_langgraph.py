@@ -24,6 +24,7 @@ from agentloop.store.memory import MemoryStore
 from agentloop.types import LLMCall, RolloutStatus
 from integrations.langgraph import ChatModel, ReactAgentLoop, message_from_openai, small_react_graph
 from tests.integrations.scripted import scripted_engine, tool_call_text
+from tests.loop_watch import watch_event_loop
 from trainer.batch import merge_trajectory
 
 
@@ -238,20 +239,10 @@ async def test_a_sync_reward_runs_off_the_event_loop(tok: Any) -> None:
             time.sleep(0.5)  # holds its thread, not the event loop
             return 1.0
 
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await anyio.sleep(0.01)
-            ticks += 1
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
+    async with watch_event_loop(interval_s=0.01) as gaps:
         script = [tool_call_text("multiply", {"a": 3, "b": 5}), "The product is 15."]
         task = [{"question": "3*5?", "answer": "15"}]
         store, ids = await run_rollouts(SlowReward(), scripted_engine(tok, script), task)
-        tg.cancel_scope.cancel()
-    assert ticks >= 20  # the loop kept ticking through the 0.5 s reward (a stalled loop ticks ~0 then)
+    assert len(gaps) >= 20  # the loop kept ticking through the 0.5 s reward (a stalled loop ticks ~0 then)
     assert (await store.get_rollout(ids[0])).status is RolloutStatus.SUCCEEDED
     assert seen and seen[0] != loop_thread

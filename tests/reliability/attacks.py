@@ -14,6 +14,7 @@ benchmarks/reliability.py collects the rows (via tests/reliability/test_attacks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
 import subprocess
@@ -30,6 +31,7 @@ import anyio
 import orjson
 
 from agentloop.store.http import StoreClient, runner_key
+from tests.loop_watch import watch_event_loop
 from tests.reliability.conftest import REPO
 from tests.reliability.store_server import KEY_ENV
 
@@ -557,46 +559,26 @@ async def hostile_tool_input(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]
         "DELETE FROM employees",
         "PRAGMA journal_mode = DELETE",
     ]
-    gaps: list[float] = []
     slow: list[str] = []
     accepted: list[str] = []
-    done = anyio.Event()
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while not done.is_set():
-            await anyio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    async def attack() -> None:
-        registry = ToolRegistry([calculator])
-        try:
-            for expr in towers:
-                start = time.monotonic()
-                result = await execute_tool_call(
-                    registry, "calculator", {"expression": expr}, timeout_s=deadline
-                )
-                if time.monotonic() - start > deadline + 1:
-                    slow.append(expr)
-                if not result.is_error:
-                    accepted.append(f"calculator({expr}) = {str(result.response)[:60]}")
-            for query in sql:
-                start = time.monotonic()
-                try:
-                    await anyio.to_thread.run_sync(lambda q=query: execute(db, q, timeout_s=deadline))
-                    accepted.append(f"SQL ran: {query[:60]}")
-                except Exception:  # the authorizer, the deadline or the row cap refused it
-                    pass
-                if time.monotonic() - start > deadline + 1:
-                    slow.append(query[:60])
-        finally:
-            done.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        tg.start_soon(attack)
+    registry = ToolRegistry([calculator])
+    async with watch_event_loop(interval_s=0.01) as gaps:
+        for expr in towers:
+            start = time.monotonic()
+            result = await execute_tool_call(registry, "calculator", {"expression": expr}, timeout_s=deadline)
+            if time.monotonic() - start > deadline + 1:
+                slow.append(expr)
+            if not result.is_error:
+                accepted.append(f"calculator({expr}) = {str(result.response)[:60]}")
+        for query in sql:
+            start = time.monotonic()
+            try:
+                await anyio.to_thread.run_sync(functools.partial(execute, db, query, timeout_s=deadline))
+                accepted.append(f"SQL ran: {query[:60]}")
+            except Exception:  # the authorizer, the deadline or the row cap refused it
+                pass
+            if time.monotonic() - start > deadline + 1:
+                slow.append(query[:60])
     created = [p.name for p in (tmp / "copy.db", tmp / "new.db") if p.exists()]
     worst_gap = max(gaps, default=0.0)
     lost = len(created) + len(accepted)
