@@ -126,51 +126,44 @@ def rss(pid: int) -> int:
 
 
 @asynccontextmanager
-async def store_process(tmp: Path) -> AsyncIterator[StoreTarget]:
-    """A StoreServer (MemoryStore, default limits, an admin key) in a child process."""
+async def _server_process(
+    what: str, module: str, args: list[str], tmp: Path, start_s: float
+) -> AsyncIterator[tuple[str, int, str]]:
+    """``python -m module *args URL_FILE`` with a fresh key in KEY_ENV; (url, pid, key) once it listens."""
     key = secrets.token_hex(16)
-    url_file = tmp / f"store-{secrets.token_hex(4)}.url"
+    url_file = tmp / f"{what}-{secrets.token_hex(4)}.url"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.reliability.store_server", str(url_file)],
+        [sys.executable, "-m", module, *args, str(url_file)],
         cwd=REPO,
         env={**os.environ, KEY_ENV: key},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        with anyio.fail_after(60):
+        with anyio.fail_after(start_s):
             while not url_file.exists() or not url_file.read_text():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the store process exited with {proc.returncode}")
+                    raise RuntimeError(f"the {what} process exited with {proc.returncode}")
                 await anyio.sleep(0.05)
-        yield StoreTarget(url_file.read_text(), proc.pid, key)
+        yield url_file.read_text(), proc.pid, key
     finally:
         proc.kill()
         proc.wait()
 
 
 @asynccontextmanager
+async def store_process(tmp: Path) -> AsyncIterator[StoreTarget]:
+    """A StoreServer (MemoryStore, default limits, an admin key) in a child process."""
+    async with _server_process("store", "tests.reliability.store_server", [], tmp, 60) as (url, pid, key):
+        yield StoreTarget(url, pid, key)
+
+
+@asynccontextmanager
 async def proxy_process(tmp: Path, model_dir: Path) -> AsyncIterator[ProxyTarget]:
     """A Proxy (EchoEngine with the tiny model's tokenizer, MemoryStore, a key) in a child process."""
-    key = secrets.token_hex(16)
-    url_file = tmp / f"proxy-{secrets.token_hex(4)}.url"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.reliability.proxy_server", str(model_dir), str(url_file)],
-        cwd=REPO,
-        env={**os.environ, KEY_ENV: key},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        with anyio.fail_after(120):
-            while not url_file.exists() or not url_file.read_text():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the proxy process exited with {proc.returncode}")
-                await anyio.sleep(0.05)
-        yield ProxyTarget(url_file.read_text(), proc.pid, key)
-    finally:
-        proc.kill()
-        proc.wait()
+    module, args = "tests.reliability.proxy_server", [str(model_dir)]
+    async with _server_process("proxy", module, args, tmp, 120) as (url, pid, key):
+        yield ProxyTarget(url, pid, key)
 
 
 @dataclass
