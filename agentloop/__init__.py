@@ -57,7 +57,7 @@ _EXPORTS: dict[str, str] = {
     "function_tool": "agentloop.tools",
     "BaseTool": "agentloop.tools",
     "ToolResponse": "agentloop.tools",
-    "ToolAgent": "agentloop.tool_agent",
+    "ToolAgent": "agentloop.tools.agent",
     # errors
     "AgentLoopError": "agentloop.errors",
 }

@@ -37,7 +37,7 @@ from agentloop.context import current_rollout
 from agentloop.errors import RolloutContextError
 from agentloop.logging import get_logger
 from agentloop.resources import LLM, ProxyLLM, Resources
-from agentloop.tool_agent import sampling_kwargs, task_messages
+from agentloop.tools.agent import sampling_kwargs, task_messages
 from agentloop.types import AttemptedRollout
 
 log = get_logger("integrations.langgraph")

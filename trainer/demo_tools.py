@@ -101,8 +101,7 @@ import structlog
 
 import agentloop as al
 from agentloop.resources import Resources
-from agentloop.tool_agent import ToolAgent
-from agentloop.tools import function_tool
+from agentloop.tools import ToolAgent, function_tool
 from agentloop.types import AttemptedRollout
 
 log = structlog.get_logger("agentloop.demo_tools")

@@ -9,8 +9,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from agentloop.tool_agent import ToolAgent
-from agentloop.tools import function_tool
+from agentloop.tools import ToolAgent, function_tool
 
 SYSTEM_PROMPT = (
     "You solve arithmetic word problems. Use the calculator tool for every computation. "

@@ -536,7 +536,7 @@ async def hostile_tool_input(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]
     tower and SQL that writes files, attaches databases, recurses forever or cross-joins. Held: every
     call ends as a tool error within its deadline + 1 s and the loop never stalls ANSWER_S or more;
     lost: files the SQL created and calls that did not fail."""
-    from agentloop.tool_registry import ToolRegistry, execute_tool_call
+    from agentloop.tools import ToolRegistry, execute_tool_call
     from examples.calc_x.agent import calculator
     from examples.sql_agent.agent import execute
     from examples.sql_agent.make_db import build_database

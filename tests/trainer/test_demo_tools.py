@@ -116,7 +116,7 @@ def test_example_tool_call_renders_in_the_format_the_parser_reads(tiny_model_dir
     from agentloop.proxy.chat import ChatTemplate, canonical_message
     from agentloop.proxy.schemas import ChatMessage
     from agentloop.proxy.tool_parser import parse_tool_calls
-    from agentloop.tool_registry import ToolRegistry
+    from agentloop.tools import ToolRegistry
     from trainer.demo_tools import calculator
 
     messages = task_messages({"question": "What is 12 * 34?"})

@@ -27,7 +27,8 @@ import structlog
 import yaml
 
 from agentloop.errors import ToolArgumentError, ToolDefinitionError, ToolNotFoundError
-from agentloop.tools import BaseTool, FunctionTool, ToolResponse, ToolResult, _check_spec
+from agentloop.tools.base import BaseTool, ToolResponse, ToolResult, _check_spec
+from agentloop.tools.function import FunctionTool
 
 __all__ = ["RegistrySession", "ToolRegistry", "execute_tool_call"]
 

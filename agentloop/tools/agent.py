@@ -23,7 +23,7 @@ that made the call.
 Recorded per tool execution: a ``ToolCall`` span (name, arguments, the text shown to the model, the
 error kind if it failed, latency). Tool faults (unknown tool, bad arguments, exceptions, timeouts)
 never end the rollout: the model reads ``"Error: ..."`` and goes on. Tool and observation tokens get
-mask 0 when the trainer merges the turns of one attempt into one sample (``trainer.batch.merge_trajectory``).
+mask 0 when the trainer merges the turns of one attempt into one sample (``agentloop.adapter.merge_turns``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from agentloop.context import current_rollout
 from agentloop.errors import AgentError, RolloutContextError
 from agentloop.logging import get_logger
 from agentloop.resources import LLM, ProxyLLM, Resources
-from agentloop.tool_registry import RegistrySession, ToolRegistry
-from agentloop.tools import BaseTool, ToolResult
+from agentloop.tools.base import BaseTool, ToolResult
+from agentloop.tools.registry import RegistrySession, ToolRegistry
 from agentloop.types import AttemptedRollout, Log, Span, ToolCall
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageFunctionToolCall, ChatCompletionMessageParam
 
-log = get_logger("agentloop.tool_agent")
+log = get_logger("agentloop.tools.agent")
 
 __all__ = ["ToolAgent", "sampling_kwargs", "task_messages", "truncate_text"]
 

@@ -1,4 +1,4 @@
-"""Example tools for the tool tests and tests/data/tools.yaml (written with postponed annotations on
+"""Example tools for the tool tests and tests/tools/data/tools.yaml (written with postponed annotations on
 purpose: function_tool must resolve string annotations)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Schema inference from type hints and docstrings, and argument parsing (agentloop.tool_schema)."""
+"""Schema inference from type hints and docstrings, and argument parsing (agentloop.tools.schema)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from agentloop.errors import ToolArgumentError, ToolDefinitionError
-from agentloop.tool_schema import parse_docstring, type_schema
 from agentloop.tools import BaseTool, ToolResult, function_tool
-from tests.tool_fixtures import Counter, add
+from agentloop.tools.schema import parse_docstring, type_schema
+from tests.tools.fixtures import Counter, add
 
 
 class Color(enum.Enum):
@@ -183,7 +183,7 @@ def test_other_types_fall_back_to_pydantic_and_annotated_gives_descriptions() ->
 
 def test_postponed_annotations_resolve() -> (
     None
-):  # tests/tool_fixtures.py uses `from __future__ import annotations`
+):  # tests/tools/fixtures.py uses `from __future__ import annotations`
     assert add.parameters == obj(
         {
             "a": {"type": "integer", "description": "The first addend."},

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agentloop.adapter import triplets_for_rollouts
+from agentloop.adapter import merge_turns, triplets_for_rollouts
 from agentloop.agent import emit_reward
 from agentloop.engine.models import load_engine
 from agentloop.errors import ToolDefinitionError
@@ -18,12 +18,11 @@ from agentloop.proxy.server import Proxy
 from agentloop.resources import Resources
 from agentloop.runner import Runner
 from agentloop.store.memory import MemoryStore
-from agentloop.tool_agent import ToolAgent, task_messages, truncate_text
 from agentloop.tools import function_tool
+from agentloop.tools.agent import ToolAgent, task_messages, truncate_text
 from agentloop.types import LLMCall, Log, Reward, RolloutStatus, ToolCall
 from tests.integrations.scripted import scripted_engine, tool_call_text
 from tests.loop_watch import watch_event_loop
-from trainer.batch import merge_trajectory
 
 
 @function_tool
@@ -156,7 +155,7 @@ async def test_parallel_tool_calls_rewards_spans_and_masks(tiny_model_dir: Path)
     result = await triplets_for_rollouts(store, ids)
     assert [t.reward for t in result.triplets] == [1.25, 1.25]  # identical: final + tool reward
     assert [t.response_ids for t in result.triplets] == [c.response_ids for c in calls]
-    merged = merge_trajectory(result.triplets)
+    merged = merge_turns(result.triplets)
     assert len(merged) == 1
     sample = merged[0]
     assert sample.prompt_ids == calls[0].prompt_ids
@@ -272,7 +271,7 @@ async def test_tiny_model_end_to_end_tokens_exact(tiny_model_dir: Path) -> None:
         assert triplet.prompt_ids == call.prompt_ids and triplet.response_ids == call.response_ids
         assert triplet.response_logprobs == call.response_logprobs and len(call.response_ids) <= 12
         assert json.dumps(call.tools or []).count('"add"') == 1
-    for sample in merge_trajectory(result.triplets):
+    for sample in merge_turns(result.triplets):
         assert sample.response_mask is not None and sum(sample.response_mask) >= 1
 
 
