@@ -35,7 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         f"--api-key-file or ${KEY_ENV})",
     )
     p.add_argument(
-        "--store", type=Path, default=Path("agentloop-serve.db"), help="SQLite file for the recorded calls"
+        "--store",
+        type=Path,
+        default=Path("agentloop-serve.db"),
+        help="SQLite store for the recorded app sessions (calls and rewards)",
     )
     p.set_defaults(func=run)
 
@@ -54,8 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
         f"  OpenAI base URL (apps):   {proxy.session_base_url}\n"
         f"  per-attempt template:     {proxy.url_template}\n"
         f"  model name:               {proxy.model_name}\n"
-        f"  app sessions (durable):   {proxy.session_log or 'memory only'}\n"
-        f"  store:                    {args.store}\nCtrl-C to stop.\n"
+        f"  store (app sessions too): {args.store}\nCtrl-C to stop.\n"
     )
     sys.stdout.flush()
     try:

@@ -230,11 +230,7 @@ def build_app(
         try:
             body = await read_json(request)
             req: RewardRequest = parse_model(RewardRequest, body, "reward")
-            try:
-                rec = service.sessions.add_reward(session_id, Reward(value=req.value, name=req.name))
-            except KeyError:
-                raise ProxyError(404, f"session {session_id!r} not found (no calls recorded under it)",
-                                 "not_found_error", code="not_found") from None  # fmt: skip
+            rec = await service.add_session_reward(session_id, Reward(value=req.value, name=req.name))
             return _json(orjson.dumps({"session_id": session_id, "num_calls": len(rec.calls),
                                        "rewards": [r.model_dump() for r in rec.rewards]}))  # fmt: skip
         except ProxyError as exc:

@@ -21,7 +21,7 @@ import socket
 from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import structlog
@@ -36,9 +36,10 @@ from agentloop.proxy.app import build_app
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.proxy.service import ProxyService
-from agentloop.proxy.sessions import SessionLog, SessionTable, session_log_path
+from agentloop.proxy.sessions import SessionTable
 from agentloop.resources import ProxyLLM
 from agentloop.store.base import Store
+from agentloop.store.sessions import SessionJournal
 from agentloop.store.sqlite import SQLiteStore
 
 log = structlog.get_logger("agentloop.proxy")
@@ -125,8 +126,9 @@ class Proxy:
             default the model folder's name (``served_model_name``). On the session routes (``/v1``)
             a request must name this model, ``agentloop`` (the old name) or none, else 404
             ``model_not_found``; per-attempt routes accept any name (the agent's LLM resource names it).
-        session_log: where session calls and rewards are appended as JSON lines; ``"auto"``: beside a
-            SQLiteStore's file (``session_log_path``), nowhere for other stores; None: memory only.
+        record_sessions: save app sessions' calls and rewards in ``store`` when it is a SQLiteStore
+            (they survive a restart; see agentloop/proxy/sessions.py); with other stores, or False,
+            sessions live in memory only.
         chat_template: overrides the tokenizer's chat template (jinja source).
         engine_timeout_s: longest one generate may take; then the request is aborted and answered 503.
         store_timeout_s: longest one store call may take; then 503.
@@ -149,7 +151,7 @@ class Proxy:
         max_body_bytes: int = 8 * 1024 * 1024,
         limits: HttpLimits | None = None,
         model_name: str | None = None,
-        session_log: str | Path | Literal["auto"] | None = "auto",
+        record_sessions: bool = True,
         chat_template: str | None = None,
         engine_timeout_s: float = 600.0,
         store_timeout_s: float = 30.0,
@@ -184,13 +186,11 @@ class Proxy:
         self.limits = limits or HttpLimits()
         self.ledger_sweep_s = ledger_sweep_s  # how often the ledgers of finished attempts are released
         name = model_name or served_model_name(engine)
-        if session_log == "auto":
-            session_log = session_log_path(store.path) if isinstance(store, SQLiteStore) else None
-        log_file = None
-        if session_log is not None:
+        journal = SessionJournal(store) if record_sessions and isinstance(store, SQLiteStore) else None
+        if journal is not None:
             tokenizer_dir = str(getattr(engine.tokenizer, "name_or_path", "") or "")
-            log_file = SessionLog(session_log, server={"model": name, "tokenizer": tokenizer_dir})
-        self.sessions = SessionTable(max_sessions=max_sessions, log=log_file)
+            journal.set_server({"model": name, "tokenizer": tokenizer_dir})
+        self.sessions = SessionTable(max_sessions=max_sessions, journal=journal)
         self.ledger = TokenLedger()
         self.service = ProxyService(
             engine,
@@ -253,9 +253,9 @@ class Proxy:
         return self.service.model_name
 
     @property
-    def session_log(self) -> Path | None:
-        """The file session calls and rewards are appended to, if any."""
-        return self.sessions.log.path if self.sessions.log is not None else None
+    def session_store(self) -> Path | None:
+        """The SQLite store app sessions are saved in (None: memory only)."""
+        return self.sessions.journal.path if self.sessions.journal is not None else None
 
     @property
     def session_base_url(self) -> str:
@@ -384,8 +384,8 @@ class Proxy:
                 with contextlib.suppress(BaseException):
                     await task
         self.state = ProxyState.STOPPED
-        if self.sessions.log is not None:
-            self.sessions.log.close()
+        with contextlib.suppress(Exception):  # a failure was logged and answered 503 when it came
+            await self.sessions.flush()
 
     async def __aenter__(self) -> Proxy:
         await self.start()

@@ -52,11 +52,11 @@ from agentloop.proxy.schemas import (
     ProxyError,
     bad_request,
 )
-from agentloop.proxy.sessions import SessionTable
+from agentloop.proxy.sessions import SessionRecord, SessionTable
 from agentloop.proxy.tool_parser import parse_tool_calls
 from agentloop.resources import ProxyLLM
 from agentloop.store.base import Store
-from agentloop.types import LLMCall, Span
+from agentloop.types import LLMCall, Reward, Span
 
 log = structlog.get_logger("agentloop.proxy")
 T = TypeVar("T")
@@ -313,6 +313,8 @@ class ProxyService:
         if target.session_id is not None:
             if not self.sessions.add_call(target.session_id, call):
                 log.warning("session call not recorded: over the session's byte cap", key=target.key)
+            with self._store_errors("saving the session call"):
+                await self.sessions.flush()
             return
         assert target.rollout_id is not None and target.attempt_id is not None
         span = Span(
@@ -320,6 +322,18 @@ class ProxyService:
         )
         with self._store_errors("add_span"):
             await self.store.add_span(span)
+
+    async def add_session_reward(self, session_id: str, reward: Reward) -> SessionRecord:
+        """Record an app session's reward and wait until the store saved it (404: unknown session,
+        409: too many rewards, 503: the store failed)."""
+        try:
+            rec = self.sessions.add_reward(session_id, reward)
+        except KeyError:
+            raise ProxyError(404, f"session {session_id!r} not found (no calls recorded under it)",
+                             "not_found_error", code="not_found") from None  # fmt: skip
+        with self._store_errors("saving the session reward"):
+            await self.sessions.flush()
+        return rec
 
     # ------------------------------------------------------------ sampling and the engine
 

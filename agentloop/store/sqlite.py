@@ -19,6 +19,7 @@ Needs the asyncio event loop (the thread answers through ``call_soon_threadsafe`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import sqlite3
 import threading
@@ -43,6 +44,7 @@ from agentloop.store.memory import (
     parse_statuses,
     parse_version,
 )
+from agentloop.store.sessions import SCHEMA as SESSION_SCHEMA
 from agentloop.types import (
     JSON,
     Attempt,
@@ -61,8 +63,14 @@ T = TypeVar("T")
 # a durable commit also makes every earlier commit durable.
 _READ, _WRITE, _DURABLE = 0, 1, 2
 Op = Callable[[sqlite3.Connection], tuple[T, list[str]]]  # returns (value, ids of rollouts that finished)
+# (op, mode, the caller's loop and its future) or (op, mode, None, a thread-safe future: SQLiteStore.submit)
+_Job = (
+    tuple[Op[Any], int, asyncio.AbstractEventLoop, asyncio.Future[Any]]
+    | tuple[Op[Any], int, None, concurrent.futures.Future[Any]]
+)
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS rollouts (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, rollout_id TEXT NOT NULL UNIQUE, status TEXT NOT NULL,
     latest_attempt_id TEXT, data TEXT NOT NULL);
@@ -78,6 +86,8 @@ CREATE TABLE IF NOT EXISTS spans (
     PRIMARY KEY (attempt_id, sequence_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS resources (version INTEGER PRIMARY KEY, data TEXT NOT NULL);
 """
+    + SESSION_SCHEMA
+)
 
 
 class _Worker(threading.Thread):
@@ -85,9 +95,7 @@ class _Worker(threading.Thread):
 
     def __init__(self, path: str, synchronous: str, busy_timeout_s: float, max_batch: int) -> None:
         super().__init__(name=f"agentloop-sqlite:{Path(path).name}", daemon=True)
-        self.jobs: queue.SimpleQueue[
-            tuple[Op[Any], int, asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
-        ]
+        self.jobs: queue.SimpleQueue[_Job | None]
         self.jobs = queue.SimpleQueue()
         self.max_batch = max_batch
         self.conn = sqlite3.connect(
@@ -117,9 +125,7 @@ class _Worker(threading.Thread):
             self._run_batch(batch)
         self.conn.close()
 
-    def _run_batch(
-        self, batch: list[tuple[Op[Any], int, asyncio.AbstractEventLoop, asyncio.Future[Any]]]
-    ) -> None:
+    def _run_batch(self, batch: list[_Job]) -> None:
         conn = self.conn
         outcomes: list[tuple[bool, Any]] = []
         try:
@@ -146,7 +152,10 @@ class _Worker(threading.Thread):
             outcomes = [(False, err)] * len(batch)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
         for (_, _, loop, fut), (ok, value) in zip(batch, outcomes, strict=True):
-            by_loop.setdefault(loop, []).append((fut, ok, value))
+            if isinstance(fut, concurrent.futures.Future):  # from SQLiteStore.submit: answered from here
+                _settle(fut, ok, value[0] if ok else value)
+            elif loop is not None:
+                by_loop.setdefault(loop, []).append((fut, ok, value))
         for loop, answers in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, answers)
@@ -158,6 +167,14 @@ def _deliver(answers: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
     for fut, ok, value in answers:
         if fut.cancelled():
             continue
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+
+def _settle(fut: concurrent.futures.Future[Any], ok: bool, value: Any) -> None:
+    if fut.set_running_or_notify_cancel():
         if ok:
             fut.set_result(value)
         else:
@@ -205,6 +222,16 @@ class SQLiteStore:
         if finished:
             self._notify(finished)
         return value
+
+    def submit(self, op: Op[T], mode: int = _WRITE) -> concurrent.futures.Future[T]:
+        """Queue ``op`` on the writer thread without waiting (from any thread, with or without an event
+        loop); the future gets its value once its transaction committed. For writes whose caller waits
+        later, such as ``SessionJournal``'s; ops that finish rollouts must go through the async calls."""
+        if self._closed:
+            raise AgentLoopError(f"SQLiteStore({self.path}) is closed; open a new one")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._worker.jobs.put((op, mode, None, fut))
+        return fut
 
     def _notify(self, finished: list[str]) -> None:
         for rid in finished:

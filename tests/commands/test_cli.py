@@ -153,7 +153,7 @@ def test_serve_stops_with_one_line(tmp_path: Path, tiny_model_dir: Path, sig: si
         while len(lines) < 20 and (not lines or lines[-1] not in ("Ctrl-C to stop.\n", "")):
             lines.append(proc.stdout.readline())
         assert lines[-1] == "Ctrl-C to stop.\n", lines
-        assert any(line.startswith("  app sessions (durable):") for line in lines), lines
+        assert any(line.startswith("  store (app sessions too):") for line in lines), lines
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:

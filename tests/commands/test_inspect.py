@@ -17,7 +17,7 @@ import pytest
 
 from agentloop.commands import inspect as inspect_cmd
 from agentloop.proxy.server import Proxy
-from agentloop.proxy.sessions import read_session_log
+from agentloop.proxy.sessions import read_saved_sessions
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptStatus, LLMCall, Reward, Span
 from tests.proxy.engines import EchoEngine
@@ -123,9 +123,8 @@ async def _serve_two_sessions(store_path: Path, tokenizer: Any) -> tuple[str, st
                     headers={"X-Session-Id": "app-42"},
                 )
                 assert other.status_code == 200
-            assert proxy.session_log is not None
-            log = str(proxy.session_log)
-        return sid, log, proxy.model_name
+            assert proxy.session_store == store_path
+        return sid, str(store_path), proxy.model_name
     finally:
         await store.close()
 
@@ -138,9 +137,9 @@ def test_the_store_agentloop_serve_wrote_opens(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     store_path = tmp_path / "agentloop-serve.db"  # serve's default --store, in the folder it ran in
     sid, log, model = anyio.run(_serve_two_sessions, store_path, tokenizer)
-    assert log == str(tmp_path / "agentloop-serve.sessions.jsonl")
+    assert log == str(store_path)
 
-    server, sessions = read_session_log(log)  # the durable record replays
+    server, sessions = read_saved_sessions(log)  # the durable record, in the store itself
     assert server["model"] == model and server["tokenizer"] == str(tiny_model_dir)
     assert [s.session_id for s in sessions] == [sid, "app-42"]
     assert [len(s.calls) for s in sessions] == [2, 1] and [r.value for r in sessions[0].rewards] == [0.75]

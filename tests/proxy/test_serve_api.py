@@ -95,19 +95,13 @@ async def test_reward_body_value_or_reward_and_session_listing(tokenizer: Any) -
     assert len(one["calls"]) == 1 and one["calls"][0]["prompt_ids"] and one["rewards"][0]["value"] == 0.5
 
 
-async def test_session_log_only_beside_a_sqlite_store_and_only_once_used(
-    tokenizer: Any, tmp_path: Path
-) -> None:
-    assert Proxy(EchoEngine(tokenizer), MemoryStore()).session_log is None
-    assert (
-        Proxy(EchoEngine(tokenizer), MemoryStore(), session_log=tmp_path / "s.jsonl").session_log
-        == tmp_path / "s.jsonl"
-    )
+async def test_sessions_are_saved_only_in_a_sqlite_store(tokenizer: Any, tmp_path: Path) -> None:
+    assert Proxy(EchoEngine(tokenizer), MemoryStore()).session_store is None  # memory only
     store = SQLiteStore(tmp_path / "store.db")
     try:
-        assert Proxy(EchoEngine(tokenizer), store, session_log=None).session_log is None
+        assert Proxy(EchoEngine(tokenizer), store, record_sessions=False).session_store is None
         async with Proxy(EchoEngine(tokenizer), store) as proxy:
-            assert proxy.session_log == tmp_path / "store.sessions.jsonl"
-        assert not proxy.session_log.exists()  # a proxy that served no session leaves no file
+            assert proxy.session_store == tmp_path / "store.db"
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("store.db")) == []
     finally:
         await store.close()

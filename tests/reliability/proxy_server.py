@@ -24,7 +24,7 @@ async def main(model_dir: Path, url_file: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    proxy = Proxy(EchoEngine(tokenizer), MemoryStore(), api_key=os.environ[KEY_ENV], session_log=None)
+    proxy = Proxy(EchoEngine(tokenizer), MemoryStore(), api_key=os.environ[KEY_ENV], record_sessions=False)
     await proxy.start()
     try:
         url_file.write_text(proxy.url)
