@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 import inspect
 import math
 import numbers
@@ -43,6 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from agentloop.context import RolloutContext, current_rollout, get_rollout_context
 from agentloop.errors import AgentError, RolloutContextError
+from agentloop.importing import import_object
 from agentloop.logging import get_logger
 from agentloop.resources import LLM, ProxyLLM, Resources
 from agentloop.store.base import Store
@@ -346,10 +346,8 @@ def _arity(fn: Callable[..., Any]) -> int:
 
 
 def _import_agent(module: str, qualname: str) -> Any:
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """The agent a pickle names by reference (see ``FunctionAgent.__reduce__``)."""
+    return import_object(f"{module}:{qualname}", "agent")
 
 
 class FunctionAgent(Agent):
@@ -386,7 +384,7 @@ class FunctionAgent(Agent):
             try:
                 if _import_agent(module, qualname) is self:
                     return (_import_agent, (module, qualname))
-            except (ImportError, AttributeError):
+            except ImportError:  # ImportObjectError: not importable under that name
                 pass
         return (FunctionAgent, (self.fn, self.name))
 

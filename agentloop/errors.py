@@ -12,6 +12,7 @@
     │   ├── ContextLengthExceededError  the prompt does not fit the model's context
     │   └── RequestAbortedError         the request was aborted before it finished
     ├── ModelResolutionError     a model alias, folder or package could not be found
+    ├── ImportObjectError        an import path (package.module:name) names nothing importable (also an ImportError)
     ├── StoreUnavailableError    the HTTP store could not be reached
     ├── InvalidRequestError      a bad argument to a store call (also a ValueError)
     ├── ConfigError              a trainer config key or value is not valid (also a ValueError)
@@ -69,6 +70,11 @@ class RequestAbortedError(EngineError):
 
 class ModelResolutionError(AgentLoopError):
     """A model alias, folder or package could not be resolved."""
+
+
+class ImportObjectError(AgentLoopError, ImportError):
+    """An import path (``package.module:name``, ``package.module.name``, ``file.py:name``) is malformed or
+    names nothing importable; the message gives the accepted forms or what failed (see agentloop.importing)."""
 
 
 class StoreUnavailableError(AgentLoopError):

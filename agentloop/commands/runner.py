@@ -9,22 +9,25 @@ heart-beating and the store's watchdog requeues them after ``unresponsive_s``: n
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from agentloop.cli import UsageError
+from agentloop.errors import ImportObjectError
+from agentloop.importing import import_object
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("runner", help="run an agent's rollouts against a remote store (HTTP)")
     p.add_argument("--store", required=True, help="store URL, e.g. http://10.0.0.5:8765")
-    p.add_argument("--agent", required=True, help="module:object of an @al.rollout function or al.Agent")
+    p.add_argument(
+        "--agent",
+        required=True,
+        help="package.module:name or file.py:name of an @al.rollout function or al.Agent",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="rollouts run at once (default 8)")
     p.add_argument(
         "--api-key",
@@ -64,77 +67,13 @@ def print_runner_key(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_object(spec: str, what: str = "--agent", *, base: Path | None = None, dotted: bool = False) -> Any:
-    """``package.module:attr.sub`` or ``path/to/file.py:attr`` -> the object.
-
-    A module is looked up in ``base`` (a job file's folder), then the working folder (as
-    ``python -m`` does); a ``.py`` file is imported from its own folder, so its sibling modules
-    import too (a relative file path is relative to ``base``, else the working folder). ``dotted``: also accept
-    ``package.module.attr`` without a colon. Every failure is a UsageError that names what failed
-    and where: a missing module, an error raised while importing it (type, message, file and
-    line), or a missing attribute.
-    """
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep and dotted:
-        module_name, sep, attr = spec.rpartition(".")
-    if not sep or not module_name or not attr:
-        example = "examples.calc_x.agent:agent or agent.py:agent"
-        raise UsageError(f"{what} must look like module:object (e.g. {example}), got {spec!r}")
-    if module_name.endswith(".py"):
-        module = _import_file((base or Path.cwd()) / module_name, spec, what)
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())  # as `python -m` does: agents in the working folder are found
-        if base is not None and str(base) not in sys.path:
-            sys.path.insert(0, str(base))
-        module = _import_module(module_name, spec, what, base)
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise UsageError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-    return obj
-
-
-def _import_file(path: Path, spec: str, what: str) -> ModuleType:
-    if not path.is_file():
-        raise UsageError(f"{what} {spec!r}: file {str(path)!r} does not exist")
-    folder, name = str(path.resolve().parent), path.stem
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    module = _import_module(name, spec, what, None)
-    found = Path(getattr(module, "__file__", "") or "")
-    if found.resolve() != path.resolve():
-        raise UsageError(
-            f"{what} {spec!r}: a module named {name!r} is already imported from {str(found)!r}; "
-            f"rename {path.name}"
-        )
-    return module
-
-
-def _import_module(name: str, spec: str, what: str, base: Path | None) -> ModuleType:
+def load_object(spec: str, what: str = "--agent", *, base: Path | None = None) -> Any:
+    """The object an import path names (``agentloop.importing.import_object``, modules also looked up
+    in the working folder as ``python -m`` does); any failure is a UsageError with the same message."""
     try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            where = f"the job file's folder ({base}), " if base is not None else ""
-            raise UsageError(
-                f"{what} {spec!r}: no module named {exc.name!r} in {where}the working folder ({os.getcwd()}) "
-                "or on the Python path"
-            ) from None
-        raise UsageError(f"{what} {spec!r}: importing {name!r} failed: {_raised_at(exc)}") from exc
-    except Exception as exc:  # the module's own code failed: say what and where
-        raise UsageError(f"{what} {spec!r}: importing {name!r} failed: {_raised_at(exc)}") from exc
-
-
-def _raised_at(exc: BaseException) -> str:
-    """``Type: message (file.py, line N)``: the innermost frame outside Python's import machinery."""
-    text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, SyntaxError):
-        return f"{type(exc).__name__}: {exc.msg} ({exc.filename}, line {exc.lineno})"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
-    return f"{text} ({frames[-1].filename}, line {frames[-1].lineno})" if frames else text
+        return import_object(spec, what, base=base, search_cwd=True)
+    except ImportObjectError as exc:
+        raise UsageError(str(exc)) from exc.__cause__
 
 
 def run(args: argparse.Namespace) -> int:

@@ -244,7 +244,7 @@ def load_tasks(spec: str, what: str, base: Path | None = None) -> list[Any]:
         if not rows:
             raise UsageError(f"{what}: {path} holds no tasks (one JSON object per line)")
         return rows
-    obj = load_object(spec, what, base=base, dotted=True)
+    obj = load_object(spec, what, base=base)
     data = obj() if callable(obj) else obj
     if not isinstance(data, list):
         raise UsageError(f"{what}: {spec} must be (or return) a list of tasks, got {type(data).__name__}")
@@ -297,7 +297,7 @@ def load_job(
         except ModelResolutionError as exc:
             raise UsageError(f"actor_rollout_ref.model.path: {exc}") from None
     base = path.resolve().parent
-    agent = load_object(doc["agent"], "agent", base=base, dotted=True)
+    agent = load_object(doc["agent"], "agent", base=base)
     train = load_tasks(doc["train_data"], "train_data", base)
     val = load_tasks(doc["val_data"], "val_data", base) if doc.get("val_data") else None
     return Job(agent=agent, train=train, val=val, config=config)

@@ -36,7 +36,6 @@ Where a sync function tool runs (``function_tool(run_in=...)``); model output is
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 import os
@@ -49,6 +48,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from agentloop.errors import ToolDefinitionError
+from agentloop.importing import import_object
 from agentloop.tools.base import DEFAULT_TIMEOUT_S, BaseTool, ToolResponse, ToolResult
 from agentloop.tools.schema import SignatureSpec, decode_arguments, format_validation_error, signature_spec
 
@@ -101,9 +101,7 @@ def _run_by_name(
 ) -> Any:
     """In a worker process: import the tool's function by name and call it (a FunctionTool is unwrapped),
     with its address space capped at its current size + ``max_memory_mb`` for the call's duration."""
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    obj = import_object(f"{module}:{qualname}", "function_tool(run_in='process')")
     fn = obj.fn if isinstance(obj, FunctionTool) else obj
     if max_memory_mb is None or not os.path.exists("/proc/self/statm"):
         return fn(*args, **kwargs)

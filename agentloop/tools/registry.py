@@ -1,6 +1,7 @@
 """Tool registries: tools by name, loaded from functions or a YAML file, and calls that never raise.
 
-A YAML file lists entries; ``class`` is an import path (``pkg.mod:Name`` or ``pkg.mod.Name``)
+A YAML file lists entries; ``class`` is an import path (``pkg.mod:Name``, ``pkg.mod.Name`` or
+``file.py:Name``; see agentloop.importing)
 of a BaseTool subclass or a ``@function_tool`` function, ``config`` holds constructor
 keyword arguments and ``schema`` optionally overrides name, description or parameters::
 
@@ -15,7 +16,6 @@ Only ``yaml.safe_load`` and ``importlib`` are used: nothing in the file is evalu
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,33 +26,14 @@ import anyio
 import structlog
 import yaml
 
-from agentloop.errors import ToolArgumentError, ToolDefinitionError, ToolNotFoundError
+from agentloop.errors import ImportObjectError, ToolArgumentError, ToolDefinitionError, ToolNotFoundError
+from agentloop.importing import import_object
 from agentloop.tools.base import BaseTool, ToolResponse, ToolResult, _check_spec
 from agentloop.tools.function import FunctionTool
 
 __all__ = ["RegistrySession", "ToolRegistry", "execute_tool_call"]
 
 log = structlog.get_logger(__name__)
-
-
-def _import_object(path: str, where: str) -> Any:
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-    else:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
-        raise ToolDefinitionError(
-            f"{where}: class {path!r} must look like 'package.module:Name' or 'package.module.Name'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ToolDefinitionError(f"{where}: cannot import module {module_name!r} ({exc})") from None
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise ToolDefinitionError(f"{where}: module {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, attr)
-    return obj
 
 
 def _apply_schema_override(tool: BaseTool, schema: Any, where: str) -> None:
@@ -92,7 +73,10 @@ def _tool_from_entry(entry: Any, where: str) -> BaseTool:
         raise ToolDefinitionError(
             f"{where}: config must be a mapping of constructor arguments, got {config!r}"
         )
-    obj = _import_object(str(entry["class"]), where)
+    try:
+        obj = import_object(str(entry["class"]), f"{where}: class")
+    except ImportObjectError as exc:
+        raise ToolDefinitionError(str(exc)) from exc.__cause__
     try:
         if isinstance(obj, FunctionTool):
             merged = {

@@ -199,7 +199,7 @@ def test_agent_import_failure(
     )
     path.write_text(yaml.safe_dump({"agent": "no_such_module_xyz:agent", "train_data": "train.jsonl"}))
     assert main(["train", path.name]) == 2
-    assert "no module named 'no_such_module_xyz' in the job file's folder (" in _err_line(capsys)
+    assert f"no module named 'no_such_module_xyz' in {tmp_path}, the working folder (" in _err_line(capsys)
     path.write_text(yaml.safe_dump({"agent": "json:nope", "train_data": "train.jsonl"}))
     assert main(["train", path.name]) == 2
     assert (

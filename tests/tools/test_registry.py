@@ -73,13 +73,17 @@ async def test_registry_from_yaml() -> None:
         ("tools: {a: 1}", "expected a list of tools"),
         ("- {klass: x}", r"tools\[0\]: expected a mapping with a 'class' key"),
         ("- {class: tests.tools.fixtures.add, extra: 1}", r"unknown keys \['extra'\]"),
-        ("- {class: no_such_module:thing}", "cannot import module 'no_such_module'"),
+        ("- {class: no_such_module:thing}", "no module named 'no_such_module' on the Python path"),
         ("- {class: tests.tools.fixtures:missing}", "has no attribute 'missing'"),
         (
             "- {class: tests.tools.fixtures:threading}",
             "expected a BaseTool subclass or a @function_tool function",
         ),
-        ("- {class: justaname}", "must look like 'package.module:Name'"),
+        (
+            "- {class: justaname}",
+            r"tools\[0\]: class must look like module:object \(package.module:name, package.module.name or "
+            r"path/to/file.py:name\), got 'justaname'",
+        ),
         (
             "- {class: tests.tools.fixtures:Counter, config: {colour: 1}}",
             "cannot build 'tests.tools.fixtures:Counter'",
