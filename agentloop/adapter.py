@@ -1,4 +1,10 @@
-"""Spans of a finished attempt -> training Triplets, one per LLM call, with credit assignment.
+"""Spans of finished attempts -> training samples: Triplets with credit assignment, and turn merging.
+
+``spans_to_triplets`` turns the spans of one attempt into Triplets, one per LLM call;
+``triplets_for_rollouts`` does it for the latest attempt of each succeeded rollout in a store.
+``group_by_attempt`` says which triplets belong to one attempt, and ``merge_turns`` merges the
+consecutive calls of each attempt into one sample where each prompt extends the last (what the
+trainer's ``adapter.trajectory`` trains on, and what ``agentloop inspect`` shows).
 
 Strategies (``strategy=``):
 
@@ -39,7 +45,8 @@ __all__ = [
     "AdapterResult",
     "AdapterStats",
     "Strategy",
-    "TraceAdapter",
+    "group_by_attempt",
+    "merge_turns",
     "spans_to_triplets",
     "triplets_for_rollouts",
 ]
@@ -254,18 +261,109 @@ async def triplets_for_rollouts(
     return result
 
 
-class TraceAdapter:
-    """A strategy and discount, applied to spans or to rollouts in a store."""
+def group_by_attempt(triplets: Sequence[Triplet]) -> list[list[int]]:
+    """The positions of each attempt's triplets in ``triplets``, attempts in order of first appearance.
 
-    def __init__(self, strategy: Strategy = "identical", discount: float = 1.0) -> None:
-        self.discount = _check_args(strategy, discount)
-        self.strategy: Strategy = strategy
+    A triplet belongs to the attempt its metadata names (``rollout_id`` + ``attempt_id``, as
+    ``spans_to_triplets`` writes them), else to its rollout (``rollout_id``), else it stands alone.
+    """
+    attempts: dict[str, list[int]] = {}
+    for i, t in enumerate(triplets):
+        if not isinstance(t, Triplet):
+            raise TypeError(
+                f"the adapter takes agentloop.types.Triplet objects, got {type(t).__name__} at position {i}"
+            )
+        attempts.setdefault(_attempt_key(t.metadata, i), []).append(i)
+    return list(attempts.values())
 
-    def adapt(self, spans: Sequence[Span | dict[str, Any]], rollout: Rollout | None = None) -> AdapterResult:
-        return spans_to_triplets(spans, self.strategy, self.discount, rollout=rollout)
 
-    async def from_store(self, store: Store, rollout_ids: Sequence[str]) -> AdapterResult:
-        return await triplets_for_rollouts(store, rollout_ids, self.strategy, self.discount)
+def _attempt_key(metadata: dict[str, Any], index: int) -> str:
+    if metadata.get("attempt_id") is not None:
+        return f"attempt:{metadata.get('rollout_id')}/{metadata['attempt_id']}"
+    if metadata.get("rollout_id") is not None:
+        return f"rollout:{metadata['rollout_id']}"
+    return f"triplet:{index}"
 
-    def __repr__(self) -> str:
-        return f"TraceAdapter(strategy={self.strategy!r}, discount={self.discount})"
+
+def merge_turns(triplets: Sequence[Triplet]) -> list[Triplet]:
+    """Each attempt's consecutive calls merged into one sample where each prompt extends the last.
+
+    Calls are grouped by attempt (``group_by_attempt``; attempts in order of first appearance, calls in
+    the order given). When call k's prompt starts with the merged sample's prompt + response, the
+    sample's response grows by the extra prompt tokens (tool results, chat template: mask 0, logprob 0)
+    and then call k's response (its own mask and logprobs). A call that does not extend starts a new
+    sample. The sample's ``reward`` is the last call's non-None reward, and its logprobs are None when
+    a call has none. Every call's own reward and place stay in ``metadata["calls"]`` (``start``,
+    ``length``, ``reward``; one entry per call, in order): the trainer (``build_batch(merge=True)``)
+    gives each call its own return. Metadata is otherwise the first call's updated by the last's, with
+    ``merged_calls`` (the number of calls).
+    """
+    out: list[Triplet] = []
+    for attempt in group_by_attempt(triplets):
+        samples: list[_Merged] = []
+        for i in attempt:
+            t = triplets[i]
+            if samples and samples[-1].extends(t):
+                samples[-1].add(t)
+            else:
+                samples.append(_Merged(t))
+        out.extend(s.triplet() for s in samples)
+    return out
+
+
+class _Merged:
+    """One sample under construction: consecutive calls of one attempt."""
+
+    def __init__(self, t: Triplet) -> None:
+        self.prompt = list(t.prompt_ids)
+        self.resp = list(t.response_ids)
+        self.mask = _call_mask(t)
+        self.logp = _call_logp(t)
+        self.calls: list[dict[str, Any]] = [{"start": 0, "length": len(t.response_ids), "reward": _reward(t)}]
+        self.reward = t.reward
+        self.first_meta = t.metadata
+        self.last_meta = t.metadata
+
+    def extends(self, t: Triplet) -> bool:
+        full = self.prompt + self.resp
+        return t.prompt_ids[: len(full)] == full
+
+    def add(self, t: Triplet) -> None:
+        """Append call ``t`` (which extends this sample): the prompt delta (tool results, template) masked."""
+        extra = t.prompt_ids[len(self.prompt) + len(self.resp) :]
+        mask, logp = _call_mask(t), _call_logp(t)
+        start = len(self.resp) + len(extra)
+        self.calls.append({"start": start, "length": len(t.response_ids), "reward": _reward(t)})
+        self.resp = self.resp + extra + list(t.response_ids)
+        self.mask = self.mask + [0] * len(extra) + mask
+        self.logp = None if self.logp is None or logp is None else self.logp + [0.0] * len(extra) + logp
+        self.reward = t.reward if t.reward is not None else self.reward
+        self.last_meta = t.metadata
+
+    def triplet(self) -> Triplet:
+        meta: dict[str, Any] = {**self.first_meta, **self.last_meta}
+        meta["merged_calls"] = len(self.calls)
+        meta["calls"] = self.calls
+        return Triplet(
+            prompt_ids=self.prompt,
+            response_ids=self.resp,
+            response_logprobs=self.logp,
+            response_mask=self.mask,
+            reward=self.reward,
+            metadata=meta,
+        )
+
+
+def _call_mask(t: Triplet) -> list[int]:
+    return list(t.response_mask) if t.response_mask is not None else [1] * len(t.response_ids)
+
+
+def _call_logp(t: Triplet) -> list[float] | None:
+    """The call's logprobs, 0 where its mask is 0."""
+    if t.response_logprobs is None:
+        return None
+    return [lp if m else 0.0 for lp, m in zip(t.response_logprobs, _call_mask(t), strict=True)]
+
+
+def _reward(t: Triplet) -> float:
+    return float(t.reward) if t.reward is not None else 0.0

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from agentloop.adapter import triplets_for_rollouts
+from agentloop.adapter import merge_turns, triplets_for_rollouts
 from agentloop.proxy.server import Proxy
 from agentloop.resources import Resources
 from agentloop.runner import Runner
@@ -25,21 +25,6 @@ from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import LLMCall, Rollout, Triplet
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def merge(triplets: list[Triplet]) -> list[Triplet]:
-    """Turns of one attempt merged into one sample (tool tokens masked) when the trainer is installed."""
-    try:
-        from trainer.batch import merge_trajectory
-    except ImportError:  # the SDK alone: one sample per LLM call
-        return triplets
-    out: list[Triplet] = []
-    by_attempt: dict[str, list[Triplet]] = {}
-    for t in triplets:
-        by_attempt.setdefault(str(t.metadata.get("attempt_id")), []).append(t)
-    for group in by_attempt.values():
-        out.extend(merge_trajectory(group))
-    return out
 
 
 async def run_rollouts(
@@ -71,7 +56,7 @@ async def run_rollouts(
     rollouts = [await store.get_rollout(rid) for rid in ids]
     spans = {rid: await store.query_spans(rid) for rid in ids}
     result = await triplets_for_rollouts(store, ids)
-    return summarise(rollouts, spans, result.triplets, merge(result.triplets))
+    return summarise(rollouts, spans, result.triplets, merge_turns(result.triplets))
 
 
 def summarise(

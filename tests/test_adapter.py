@@ -1,4 +1,5 @@
-"""Adapter: spans -> triplets with the identical and per_call strategies, on hand-built spans and a real store."""
+"""Adapter: spans -> triplets with the identical and per_call strategies, on hand-built spans and a real
+store; grouping by attempt and turn merging."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ import anyio
 import pytest
 import structlog
 
-from agentloop.adapter import AdapterStats, TraceAdapter, spans_to_triplets, triplets_for_rollouts
+from agentloop.adapter import (
+    AdapterStats,
+    group_by_attempt,
+    merge_turns,
+    spans_to_triplets,
+    triplets_for_rollouts,
+)
 from agentloop.agent import emit_reward, rollout
 from agentloop.runner import Runner
 from agentloop.store.memory import MemoryStore
-from agentloop.types import AttemptedRollout, LLMCall, Log, Reward, Rollout, Span
+from agentloop.types import AttemptedRollout, LLMCall, Log, Reward, Rollout, Span, Triplet
 
 RID, AID = "ro-test", "at-test"
 
@@ -194,5 +201,93 @@ async def test_triplets_for_rollouts_from_a_real_store() -> None:
     assert [t.prompt_ids for t in result.triplets] == [[1, 0], [1, 1]]
     assert all(t.metadata["input"] == {"fail": False} for t in result.triplets)
     assert (result.stats.rollouts, result.stats.rollouts_skipped, result.stats.triplets) == (1, 1, 2)
-    identical = await TraceAdapter().from_store(store, [good.rollout_id])
+    identical = await triplets_for_rollouts(store, [good.rollout_id])
     assert [t.reward for t in identical.triplets] == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------- grouping by attempt, turn merging
+
+ATT = {"rollout_id": "r", "attempt_id": "a"}
+
+
+def _trip(prompt: list[int], resp: list[int], reward: float | None = 1.0, **kw: Any) -> Triplet:
+    kw.setdefault("metadata", ATT)
+    return Triplet(prompt_ids=prompt, response_ids=resp, reward=reward, **kw)
+
+
+def test_group_by_attempt_names_the_attempt_else_the_rollout_else_each_alone() -> None:
+    triplets = [
+        _trip([1], [2], metadata={"rollout_id": "r", "attempt_id": "a"}),
+        _trip([1], [2], metadata={"rollout_id": "r", "attempt_id": "b"}),
+        _trip([1], [2], metadata={"rollout_id": "s"}),
+        _trip([1], [2], metadata={}),
+        _trip([1], [2], metadata={"rollout_id": "r", "attempt_id": "a"}),
+        _trip([1], [2], metadata={"rollout_id": "s"}),
+        _trip([1], [2], metadata={}),
+    ]
+    assert group_by_attempt(triplets) == [[0, 4], [1], [2, 5], [3], [6]]
+    assert group_by_attempt([]) == []
+    with pytest.raises(
+        TypeError, match=r"takes agentloop\.types\.Triplet objects, got NoneType at position 1"
+    ):
+        group_by_attempt([triplets[0], None])  # type: ignore[list-item]
+
+
+def test_merge_turns_masks_the_tokens_the_model_did_not_produce() -> None:
+    calls = [
+        _trip(
+            [1, 2], [3, 4], None, response_logprobs=[-0.3, -0.4], metadata={**ATT, "call": 0, "input": "x"}
+        ),
+        # prompt = previous prompt + response + tool output [5, 6]
+        _trip(
+            [1, 2, 3, 4, 5, 6],
+            [7, 8],
+            1.0,
+            response_logprobs=[-0.7, -0.8],
+            response_mask=[1, 0],
+            metadata={**ATT, "call": 1},
+        ),
+        _trip([1, 2, 3, 4, 5, 6, 7, 8], [10], None, response_logprobs=[-0.1], metadata={**ATT, "call": 2}),
+        _trip([9, 9], [11], 0.5, response_logprobs=[-0.2]),  # does not extend: a new sample
+    ]
+    merged = merge_turns(calls)
+    assert len(merged) == 2
+    first, second = merged
+    assert first.prompt_ids == [1, 2]
+    assert first.response_ids == [3, 4, 5, 6, 7, 8, 10]
+    assert first.response_mask == [1, 1, 0, 0, 1, 0, 1]
+    assert first.response_logprobs == [-0.3, -0.4, 0.0, 0.0, -0.7, 0.0, -0.1]
+    assert first.reward == 1.0  # the last reward that was not None
+    calls_meta = [{"start": 0, "length": 2, "reward": 0.0}, {"start": 4, "length": 2, "reward": 1.0}]
+    calls_meta.append({"start": 6, "length": 1, "reward": 0.0})
+    assert first.metadata == {**ATT, "call": 2, "input": "x", "merged_calls": 3, "calls": calls_meta}
+    assert (second.prompt_ids, second.response_ids, second.reward) == ([9, 9], [11], 0.5)
+    assert second.metadata["merged_calls"] == 1
+
+
+def test_merge_turns_merges_within_each_attempt_only() -> None:
+    other = {"rollout_id": "r", "attempt_id": "b"}
+    calls = [
+        _trip([1], [2]),
+        _trip([1], [2], metadata=other),
+        _trip([1, 2, 3], [4]),  # extends attempt a's first call, not b's (which comes in between)
+        _trip([1, 2, 5], [6], metadata=other),
+    ]
+    merged = merge_turns(calls)
+    assert [(t.metadata["attempt_id"], t.response_ids) for t in merged] == [
+        ("a", [2, 3, 4]),
+        ("b", [2, 5, 6]),
+    ]
+    # calls without an attempt stand alone: nothing to merge them with
+    assert len(merge_turns([_trip([1], [2], metadata={}), _trip([1, 2], [3], metadata={})])) == 2
+
+
+def test_merge_turns_edge_cases() -> None:
+    assert merge_turns([]) == []
+    # a call without logprobs makes the merged sample's logprobs unknown
+    merged = merge_turns([_trip([1], [2], response_logprobs=[-1.0]), _trip([1, 2], [3])])
+    assert len(merged) == 1 and merged[0].response_logprobs is None and merged[0].response_ids == [2, 3]
+    # a prompt that diverges inside the earlier response starts a new sample
+    assert len(merge_turns([_trip([1], [2, 3]), _trip([1, 2, 4], [5])])) == 2
+    with pytest.raises(TypeError, match=r"takes agentloop\.types\.Triplet objects"):
+        merge_turns([None])  # type: ignore[list-item]

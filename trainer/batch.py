@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 import torch
 
+from agentloop.adapter import group_by_attempt, merge_turns
 from agentloop.errors import EmptyBatchError
 from agentloop.types import Triplet
 
@@ -184,15 +185,6 @@ def _group_key(metadata: dict[str, Any]) -> str | None:
     return None
 
 
-def _attempt_key(metadata: dict[str, Any], index: int) -> str:
-    """Which attempt a triplet belongs to: its attempt id, else its rollout id, else itself alone."""
-    if metadata.get("attempt_id") is not None:
-        return f"attempt:{metadata.get('rollout_id')}/{metadata['attempt_id']}"
-    if metadata.get("rollout_id") is not None:
-        return f"rollout:{metadata['rollout_id']}"
-    return f"triplet:{index}"
-
-
 @dataclass
 class _Span:
     start: int  # first response column of the call's own tokens in its row
@@ -203,82 +195,64 @@ class _Span:
 
 @dataclass
 class _Row:
-    """One sample under construction: a call, or consecutive calls of one attempt merged."""
+    """One sample: a call, or consecutive calls of one attempt merged (``agentloop.adapter.merge_turns``)."""
 
-    prompt: list[int]
-    resp: list[int]
-    mask: list[int]
-    logp: list[float] | None
-    temps: list[float]
-    spans: list[_Span]
-    reward: float | None
-    first_meta: dict[str, Any]
-    last_meta: dict[str, Any]
-    hit_max_tokens: bool
+    sample: Triplet
+    spans: list[_Span]  # its calls, in order
+    temps: list[float]  # the sampling temperature of each response token (1 on tool tokens)
+    hit_max_tokens: bool  # a call the engine stopped at max_tokens
+    metadata: dict[str, Any]  # the call's; merged: the first call's updated by the last's, + merged_calls
 
-    def extends(self, t: Triplet) -> bool:
-        full = self.prompt + self.resp
-        return t.prompt_ids[: len(full)] == full
 
-    def add(self, t: Triplet, source: int, temperature: float) -> None:
-        """Append call ``t`` (which extends this row): the prompt delta (tool results, template) masked."""
-        extra = t.prompt_ids[len(self.prompt) + len(self.resp) :]
-        mask, logp = _call_mask(t), _call_logp(t)
-        self.spans.append(_Span(len(self.resp) + len(extra), len(t.response_ids), _reward(t), source))
-        self.resp = self.resp + extra + list(t.response_ids)
-        self.mask = self.mask + [0] * len(extra) + mask
-        self.logp = None if self.logp is None or logp is None else self.logp + [0.0] * len(extra) + logp
-        self.temps = self.temps + [1.0] * len(extra) + [temperature] * len(t.response_ids)
-        self.reward = t.reward if t.reward is not None else self.reward
-        self.last_meta = t.metadata
-        self.hit_max_tokens = self.hit_max_tokens or t.metadata.get("finish_reason") == "length"
-
-    @classmethod
-    def start(cls, t: Triplet, source: int, temperature: float) -> _Row:
-        return cls(
-            prompt=list(t.prompt_ids),
-            resp=list(t.response_ids),
-            mask=_call_mask(t),
-            logp=_call_logp(t),
-            temps=[temperature] * len(t.response_ids),
-            spans=[_Span(0, len(t.response_ids), _reward(t), source)],
-            reward=t.reward,
-            first_meta=t.metadata,
-            last_meta=t.metadata,
-            hit_max_tokens=t.metadata.get("finish_reason") == "length",
+def _rows(
+    triplets: Sequence[Triplet], attempt: list[int], merge: bool, default_temperature: float
+) -> list[_Row]:
+    """The rows of one attempt's calls (positions ``attempt`` in ``triplets``, in order): one per call,
+    or consecutive extending calls merged into one."""
+    calls = [triplets[i] for i in attempt]
+    if merge:
+        samples = merge_turns(calls)
+        places = [_places(s) for s in samples]
+    else:
+        samples = calls
+        places = [[(0, len(t.response_ids))] for t in calls]
+    sources = iter(attempt)  # merge_turns keeps the calls in order, each in exactly one sample
+    rows: list[_Row] = []
+    for sample, where in zip(samples, places, strict=True):
+        temps = [1.0] * len(sample.response_ids)
+        spans: list[_Span] = []
+        for start, length in where:
+            i = next(sources)
+            temps[start : start + length] = [_temperature(triplets[i], default_temperature)] * length
+            spans.append(_Span(start, length, _reward(triplets[i]), i))
+        first, last = triplets[spans[0].source].metadata, triplets[spans[-1].source].metadata
+        rows.append(
+            _Row(
+                sample=sample,
+                spans=spans,
+                temps=temps,
+                hit_max_tokens=any(
+                    triplets[c.source].metadata.get("finish_reason") == "length" for c in spans
+                ),
+                metadata=dict(first) if len(spans) == 1 else {**first, **last, "merged_calls": len(spans)},
+            )
         )
-
-    def metadata(self) -> dict[str, Any]:
-        if len(self.spans) == 1:
-            return dict(self.first_meta)
-        return {**self.first_meta, **self.last_meta, "merged_calls": len(self.spans)}
+    return rows
 
 
-def _call_mask(t: Triplet) -> list[int]:
-    return list(t.response_mask) if t.response_mask is not None else [1] * len(t.response_ids)
+def _places(merged: Triplet) -> list[tuple[int, int]]:
+    """(start, length) of each call's response in a sample from merge_turns (``metadata["calls"]``)."""
+    calls: Any = merged.metadata["calls"]
+    return [(int(c["start"]), int(c["length"])) for c in calls]
 
 
-def _call_logp(t: Triplet) -> list[float] | None:
-    if t.response_logprobs is None:
-        return None
-    return [lp if m else 0.0 for lp, m in zip(t.response_logprobs, _call_mask(t), strict=True)]
+def _temperature(t: Triplet, default: float) -> float:
+    temp = t.metadata.get("temperature")
+    return float(temp) if isinstance(temp, int | float) else default
 
 
 def _reward(t: Triplet) -> float:
     return float(t.reward) if t.reward is not None else 0.0
-
-
-def _rows(calls: Sequence[tuple[int, Triplet]], merge: bool, default_temperature: float) -> list[_Row]:
-    """The rows of one attempt's calls (in order): one per call, or consecutive extending calls merged."""
-    rows: list[_Row] = []
-    for source, t in calls:
-        temp = t.metadata.get("temperature")
-        temperature = float(temp) if isinstance(temp, int | float) else default_temperature
-        if merge and rows and rows[-1].extends(t):
-            rows[-1].add(t, source, temperature)
-        else:
-            rows.append(_Row.start(t, source, temperature))
-    return rows
 
 
 def _unusable(t: Triplet, max_prompt_length: int) -> str | None:
@@ -304,13 +278,14 @@ def build_batch(
 ) -> tuple[Batch, dict[str, int]]:
     """Pad triplets (one per LLM call) into a Batch; returns it with counts of what was kept and dropped.
 
-    Calls belong to attempts (``metadata["attempt_id"]``, else ``rollout_id``, else each call alone) and
-    attempts to groups (``metadata["group_id"]``, else ``metadata["input"]``, else the attempt alone).
+    Calls belong to attempts (``agentloop.adapter.group_by_attempt``: ``metadata["attempt_id"]``, else
+    ``rollout_id``, else each call alone) and attempts to groups (``metadata["group_id"]``, else ``metadata["input"]``, else the attempt alone).
     Nothing removes *part* of an attempt: an attempt with a call that cannot be used (a prompt over
     ``max_prompt_length``, empty ids, no reward) leaves as a whole and is counted; a response over
     ``max_response_length`` is truncated to it, kept and flagged (``truncated``, like a call the engine
     stopped at max_tokens). ``merge=True`` merges the consecutive calls of an attempt whose prompt extends
-    the previous call's prompt + response into one row (tool tokens between them get mask 0).
+    the previous call's prompt + response into one row (``agentloop.adapter.merge_turns``: tool tokens
+    between them get mask 0).
     Each token records its call's sampling temperature (``metadata["temperature"]``, else
     ``default_temperature``). Raises EmptyBatchError only when ``require_nonempty`` and nothing is left.
     """
@@ -331,32 +306,30 @@ def build_batch(
         "no_trainable_tokens": 0,
         "ungrouped": 0,
     }
-    attempts: dict[str, list[tuple[int, Triplet]]] = {}
-    for i, t in enumerate(triplets):
+    for t in triplets:
         if not isinstance(t, Triplet):
             raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
-        attempts.setdefault(_attempt_key(t.metadata, i), []).append((i, t))
     rows: list[tuple[int, _Row]] = []  # (attempt number, row)
     attempt_rewards: list[float] = []
     group_keys: list[str] = []
-    for attempt_calls in attempts.values():
-        reasons = [r for _, t in attempt_calls if (r := _unusable(t, max_prompt_length)) is not None]
+    for members in group_by_attempt(triplets):
+        reasons = [r for i in members if (r := _unusable(triplets[i], max_prompt_length)) is not None]
         if reasons:
             stats[reasons[0]] += 1
-            stats["dropped_calls"] += len(attempt_calls)
+            stats["dropped_calls"] += len(members)
             continue
         number = len(attempt_rewards)
-        first = attempt_calls[0][1].metadata
+        first = triplets[members[0]].metadata
         total = first.get("attempt_reward")
         attempt_rewards.append(
-            float(total) if isinstance(total, int | float) else _reward(attempt_calls[-1][1])
+            float(total) if isinstance(total, int | float) else _reward(triplets[members[-1]])
         )
         key = _group_key(first)
         if key is None:
             stats["ungrouped"] += 1
             key = f"attempt:{number}"
         group_keys.append(key)
-        rows.extend((number, row) for row in _rows(attempt_calls, merge, default_temperature))
+        rows.extend((number, row) for row in _rows(triplets, members, merge, default_temperature))
     stats["num_samples"], stats["num_attempts"] = len(rows), len(attempt_rewards)
     dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
     if dropped:
@@ -369,14 +342,14 @@ def build_batch(
         )
 
     b = len(rows)
-    p = max((len(r.prompt) for _, r in rows), default=0)  # P
-    r_len = min(max((len(r.resp) for _, r in rows), default=0), max_response_length)  # R
+    p = max((len(r.sample.prompt_ids) for _, r in rows), default=0)  # P
+    r_len = min(max((len(r.sample.response_ids) for _, r in rows), default=0), max_response_length)  # R
     input_ids = torch.full((b, p + r_len), pad_token_id, dtype=torch.long)  # (B, P+R)
     attention_mask = torch.zeros((b, p + r_len), dtype=torch.long)  # (B, P+R)
     response_mask = torch.zeros((b, r_len), dtype=torch.long)  # (B, R)
     temperatures = torch.ones((b, r_len), dtype=torch.float32)  # (B, R)
     truncated = torch.zeros(b, dtype=torch.bool)  # (B,)
-    with_logprobs = b > 0 and all(r.logp is not None for _, r in rows)
+    with_logprobs = b > 0 and all(r.sample.response_logprobs is not None for _, r in rows)
     logprobs = torch.zeros((b, r_len), dtype=torch.float32) if with_logprobs else None  # (B, R)
     group_numbers = {k: n for n, k in enumerate(dict.fromkeys(group_keys))}
     group_ids = torch.tensor([group_numbers[group_keys[a]] for a, _ in rows], dtype=torch.long)  # (B,)
@@ -384,16 +357,20 @@ def build_batch(
     call_cols: dict[str, list[float]] = {k: [] for k in ("row", "start", "length", "reward", "source")}
     call_attempts: list[int] = []
     for i, (attempt, row) in enumerate(rows):
-        np_, nr = len(row.prompt), min(len(row.resp), max_response_length)
-        truncated[i] = len(row.resp) > max_response_length or row.hit_max_tokens
-        input_ids[i, p - np_ : p] = torch.tensor(row.prompt)
-        input_ids[i, p : p + nr] = torch.tensor(row.resp[:nr])
+        sample = row.sample
+        resp = sample.response_ids
+        np_, nr = len(sample.prompt_ids), min(len(resp), max_response_length)
+        truncated[i] = len(resp) > max_response_length or row.hit_max_tokens
+        input_ids[i, p - np_ : p] = torch.tensor(sample.prompt_ids)
+        input_ids[i, p : p + nr] = torch.tensor(resp[:nr])
         attention_mask[i, p - np_ : p + nr] = 1
-        mask = torch.tensor(row.mask[:nr], dtype=torch.long)  # (nr,)
+        row_mask = sample.response_mask if sample.response_mask is not None else [1] * len(resp)
+        mask = torch.tensor(row_mask[:nr], dtype=torch.long)  # (nr,)
         response_mask[i, :nr] = mask
         temperatures[i, :nr] = torch.tensor(row.temps[:nr])
-        if logprobs is not None:
-            logprobs[i, :nr] = torch.tensor(row.logp[:nr], dtype=torch.float32) * mask  # type: ignore[index]
+        if logprobs is not None:  # 0 where masked
+            lp = torch.tensor(sample.response_logprobs[:nr], dtype=torch.float32)  # type: ignore[index]  # (nr,)
+            logprobs[i, :nr] = lp.masked_fill(mask == 0, 0.0)
         stats["no_trainable_tokens"] += int(not bool(mask.any()))
         for span in row.spans:
             for k, v in (("row", i), ("start", min(span.start, nr)), ("reward", span.reward)):
@@ -403,7 +380,7 @@ def build_batch(
             call_attempts.append(attempt)
     stats["truncated_samples"] = int(truncated.sum())
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
-    rewards = torch.tensor([_reward_of(r) for _, r in rows], dtype=torch.float32)  # (B,)
+    rewards = torch.tensor([_reward(r.sample) for _, r in rows], dtype=torch.float32)  # (B,)
     longs = {k: torch.tensor(call_cols[k], dtype=torch.long) for k in ("row", "start", "length", "source")}
     attempt_of_call = torch.tensor(call_attempts, dtype=torch.long)  # (C,)
     calls = Calls(
@@ -427,47 +404,13 @@ def build_batch(
         group_ids=group_ids,
         prompt_length=p,
         engine_logprobs=logprobs,
-        metadata=[r.metadata() for _, r in rows],
+        metadata=[r.metadata for _, r in rows],
         attempt_ids=attempt_ids,
         temperatures=temperatures,
         truncated=truncated,
         calls=calls,
     )
     return batch, stats
-
-
-def _reward_of(row: _Row) -> float:
-    return float(row.reward) if row.reward is not None else 0.0
-
-
-def merge_trajectory(triplets: Sequence[Triplet]) -> list[Triplet]:
-    """Merge consecutive calls of one attempt into one sample where each prompt extends the last.
-
-    When call k's prompt starts with the merged sample's prompt + response, the sample's response
-    grows by the extra prompt tokens (tool results, chat template: mask 0, logprob 0) and then call k's
-    response (its own mask and logprobs). A call that does not extend starts a new sample. The merged
-    sample's ``reward`` is the last call's non-None reward; every call's own reward and place stay in
-    ``metadata["calls"]`` (``start``, ``length``, ``reward``): the trainer (``build_batch(merge=True)``)
-    gives each call its own return. Metadata is otherwise the first call's updated by the last's.
-    """
-    for t in triplets:
-        if not isinstance(t, Triplet):
-            raise TypeError(f"merge_trajectory takes agentloop.types.Triplet objects, got {type(t).__name__}")
-    out: list[Triplet] = []
-    for row in _rows(list(enumerate(triplets)), merge=True, default_temperature=1.0):
-        meta = {**row.metadata(), "merged_calls": len(row.spans)}
-        meta["calls"] = [{"start": s.start, "length": s.length, "reward": s.reward} for s in row.spans]
-        out.append(
-            Triplet(
-                prompt_ids=row.prompt,
-                response_ids=row.resp,
-                response_logprobs=row.logp,
-                response_mask=row.mask,
-                reward=row.reward,
-                metadata=meta,
-            )
-        )
-    return out
 
 
 def split_by_token_budget(

@@ -35,7 +35,7 @@ import anyio
 import structlog
 import torch
 
-from agentloop.adapter import triplets_for_rollouts
+from agentloop.adapter import group_by_attempt, triplets_for_rollouts
 from agentloop.agent import Agent
 from agentloop.errors import AgentLoopError, EmptyBatchError, TrainerTimeoutError
 from agentloop.resources import Resources
@@ -718,21 +718,20 @@ async def _cancel_quietly(store: Store, rollout_id: str) -> None:
 def _attempt_metrics(triplets: list[Triplet]) -> dict[str, float]:
     """Reward per attempt (each attempt once, whatever its number of calls), calls per attempt and
     response length per call."""
-    rewards: dict[str, float] = {}
-    calls: dict[str, int] = {}
-    for i, t in enumerate(triplets):
-        key = str(t.metadata.get("attempt_id", f"triplet:{i}"))
-        calls[key] = calls.get(key, 0) + 1
-        total = t.metadata.get("attempt_reward", t.reward)
-        if total is not None:
-            rewards[key] = float(total)
+    attempts = group_by_attempt(triplets)
+    rewards: list[float] = []
+    for attempt in attempts:
+        totals = [t.metadata.get("attempt_reward", t.reward) for t in (triplets[i] for i in attempt)]
+        known = [x for x in totals if x is not None]
+        if known:
+            rewards.append(float(known[-1]))
     if not rewards:
         return {}
-    rt = torch.tensor(list(rewards.values()))
+    rt = torch.tensor(rewards)
     return {
         "reward/mean": float(rt.mean()),
         "reward/std": float(rt.std(unbiased=False)),
-        "rollout/calls_per_attempt": sum(calls.values()) / len(calls),
+        "rollout/calls_per_attempt": len(triplets) / len(attempts),
         "response/length_mean": sum(len(t.response_ids) for t in triplets) / len(triplets),
     }
 

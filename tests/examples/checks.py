@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentloop.adapter import triplets_for_rollouts
+from agentloop.adapter import merge_turns, triplets_for_rollouts
 from agentloop.types import LLMCall
-from examples._harness import merge
 
 
 async def check_exact_tokens(store: Any, rollout_ids: list[str]) -> dict[str, int]:
@@ -24,7 +23,7 @@ async def check_exact_tokens(store: Any, rollout_ids: list[str]) -> dict[str, in
     for t, c in zip(result.triplets, usable, strict=True):
         assert t.prompt_ids == c.prompt_ids and t.response_ids == c.response_ids
         assert t.response_logprobs == c.response_logprobs
-    samples = merge(result.triplets)
+    samples = merge_turns(result.triplets)
     model_tokens = [
         tok for s in samples for tok, m in zip(s.response_ids, s.response_mask or [], strict=True) if m == 1
     ]

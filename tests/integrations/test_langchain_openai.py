@@ -18,7 +18,7 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 
-from agentloop.adapter import triplets_for_rollouts
+from agentloop.adapter import merge_turns, triplets_for_rollouts
 from agentloop.agent import rollout
 from agentloop.engine.base import SamplingParams
 from agentloop.proxy.server import Proxy
@@ -29,7 +29,6 @@ from agentloop.types import LLMCall, RolloutStatus
 from tests.engine.conftest import make_engine
 from tests.integrations.scripted import scripted_engine, tool_call_text
 from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
-from trainer.batch import merge_trajectory
 
 STORY = "Tell me a story."
 
@@ -225,7 +224,7 @@ async def test_inside_a_rollout_the_agent_needs_only_the_base_url(
         assert two.ledger_break is None
         head = one.prompt_ids + one.response_ids
         assert two.prompt_ids[: len(head)] == head  # LangChain sent turn 1 back as the model wrote it
-        merged = merge_trajectory([t for t in result.triplets if t.metadata["rollout_id"] == rid])
+        merged = merge_turns([t for t in result.triplets if t.metadata["rollout_id"] == rid])
         assert len(merged) == 1 and merged[0].reward == 1.0
         assert merged[0].prompt_ids == one.prompt_ids
         assert merged[0].response_ids == one.response_ids + two.prompt_ids[len(head) :] + two.response_ids

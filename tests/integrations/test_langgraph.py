@@ -14,7 +14,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from openai.types.chat import ChatCompletionMessage
 from pydantic import BaseModel, Field
 
-from agentloop.adapter import triplets_for_rollouts
+from agentloop.adapter import merge_turns, triplets_for_rollouts
 from agentloop.agent import rollout
 from agentloop.errors import RolloutContextError
 from agentloop.proxy.server import Proxy
@@ -25,7 +25,6 @@ from agentloop.types import LLMCall, RolloutStatus
 from integrations.langgraph import ChatModel, ReactAgentLoop, message_from_openai, small_react_graph
 from tests.integrations.scripted import scripted_engine, tool_call_text
 from tests.loop_watch import watch_event_loop
-from trainer.batch import merge_trajectory
 
 
 @tool
@@ -164,7 +163,7 @@ async def test_production_graph_runs_unchanged_and_keeps_tokens(tok: Any) -> Non
     assert isinstance(messages[2], ToolMessage) and messages[2].content == "42"
     calls = [s.payload for s in await store.query_spans(ids[0]) if isinstance(s.payload, LLMCall)]
     assert len(calls) == 2 and calls[1].ledger_break is None
-    merged = merge_trajectory((await triplets_for_rollouts(store, ids)).triplets)
+    merged = merge_turns((await triplets_for_rollouts(store, ids)).triplets)
     assert len(merged) == 1 and merged[0].reward == 1.0
     n0, n1 = len(calls[0].response_ids), len(calls[1].response_ids)
     obs = calls[1].prompt_ids[len(calls[0].prompt_ids) + n0 :]

@@ -7,7 +7,7 @@ import torch
 
 from agentloop.errors import AgentLoopError, EmptyBatchError
 from agentloop.types import Triplet
-from trainer.batch import Batch, build_batch, merge_trajectory, split_by_token_budget
+from trainer.batch import Batch, build_batch, split_by_token_budget
 
 PAD = 0
 
@@ -129,9 +129,10 @@ def test_engine_logprobs_absent_when_any_sample_lacks_them() -> None:
 # ---------------------------------------------------------------- trajectory mode
 
 
-def test_merge_trajectory_masks_the_tokens_the_model_did_not_produce() -> None:
+def test_merge_gives_one_row_per_merged_sample_each_call_in_its_place() -> None:
+    att = {"rollout_id": "r", "attempt_id": "a"}
     calls = [
-        trip([1, 2], [3, 4], None, response_logprobs=[-0.3, -0.4], metadata={"call": 0, "input": "x"}),
+        trip([1, 2], [3, 4], 0.0, response_logprobs=[-0.3, -0.4], metadata={**att, "temperature": 0.5}),
         # prompt = previous prompt + response + tool output [5, 6]
         trip(
             [1, 2, 3, 4, 5, 6],
@@ -139,39 +140,25 @@ def test_merge_trajectory_masks_the_tokens_the_model_did_not_produce() -> None:
             1.0,
             response_logprobs=[-0.7, -0.8],
             response_mask=[1, 0],
-            metadata={"call": 1},
+            metadata=att,
         ),
-        trip([1, 2, 3, 4, 5, 6, 7, 8], [10], None, response_logprobs=[-0.1], metadata={"call": 2}),
-        trip([9, 9], [11], 0.5, response_logprobs=[-0.2]),  # does not extend: a new sample
+        trip(
+            [9], [11], 0.5, response_logprobs=[-0.2], metadata={**att, "finish_reason": "length"}
+        ),  # new row
     ]
-    merged = merge_trajectory(calls)
-    assert len(merged) == 2
-    first, second = merged
-    assert first.prompt_ids == [1, 2]
-    assert first.response_ids == [3, 4, 5, 6, 7, 8, 10]
-    assert first.response_mask == [1, 1, 0, 0, 1, 0, 1]
-    assert first.response_logprobs == [-0.3, -0.4, 0.0, 0.0, -0.7, 0.0, -0.1]
-    assert first.reward == 1.0  # the last reward that was not None
-    calls_meta = [{"start": 0, "length": 2, "reward": 0.0}, {"start": 4, "length": 2, "reward": 1.0}]
-    calls_meta.append({"start": 6, "length": 1, "reward": 0.0})
-    assert first.metadata == {"call": 2, "input": "x", "merged_calls": 3, "calls": calls_meta}
-    assert (second.prompt_ids, second.response_ids, second.reward) == ([9, 9], [11], 0.5)
-    assert second.metadata["merged_calls"] == 1
-
-    batch, _ = build_batch(merged, max_prompt_length=4, max_response_length=8)
-    assert batch.response_mask[0].tolist() == [1, 1, 0, 0, 1, 0, 1]
-    assert batch.responses[0].tolist() == [3, 4, 5, 6, 7, 8, 10]
-
-
-def test_merge_trajectory_edge_cases() -> None:
-    assert merge_trajectory([]) == []
-    # a call without logprobs makes the merged sample's logprobs unknown
-    merged = merge_trajectory([trip([1], [2], response_logprobs=[-1.0]), trip([1, 2], [3])])
-    assert len(merged) == 1 and merged[0].response_logprobs is None and merged[0].response_ids == [2, 3]
-    # a prompt that diverges inside the earlier response starts a new sample
-    assert len(merge_trajectory([trip([1], [2, 3]), trip([1, 2, 4], [5])])) == 2
-    with pytest.raises(TypeError, match=r"takes agentloop\.types\.Triplet objects"):
-        merge_trajectory([None])  # type: ignore[list-item]
+    batch, stats = build_batch(calls, max_prompt_length=6, max_response_length=8, merge=True)
+    assert (len(batch), stats["num_attempts"]) == (2, 1)
+    assert batch.responses.tolist() == [[3, 4, 5, 6, 7, 8], [11, PAD, PAD, PAD, PAD, PAD]]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]]
+    assert batch.temperatures is not None and batch.truncated is not None and batch.calls is not None
+    assert batch.temperatures[0].tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 1.0]  # tool tokens: 1
+    assert batch.truncated.tolist() == [False, True]
+    assert batch.metadata[0] == {**att, "temperature": 0.5, "merged_calls": 2}
+    assert batch.metadata[1] == {**att, "finish_reason": "length"}
+    assert (batch.calls.row.tolist(), batch.calls.start.tolist()) == ([0, 0, 1], [0, 4, 0])
+    assert (batch.calls.length.tolist(), batch.calls.source.tolist()) == ([2, 2, 1], [0, 1, 2])
+    assert batch.calls.reward.tolist() == [0.0, 1.0, 0.5]
+    assert batch.rewards.tolist() == [1.0, 0.5]
 
 
 # ---------------------------------------------------------------- micro- and mini-batches
