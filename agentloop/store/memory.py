@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import anyio
+from pydantic import TypeAdapter, ValidationError
 
 from agentloop.errors import InvalidRequestError, NotFoundError
-from agentloop.resources import Resources
+from agentloop.resources import LLM, ProxyLLM, Resource, Resources
 from agentloop.store import state
 from agentloop.types import (
     JSON,
@@ -60,12 +62,55 @@ def parse_limit(limit: Any) -> int | None:
     return limit
 
 
+_RESOURCES_SHAPE = (
+    "a Resources, or a mapping of names to resources such as "
+    "{'main_llm': LLM(base_url='http://host/v1', model='m')} (LLM or ProxyLLM values)"
+)
+_RESOURCE = TypeAdapter(Resource)
+
+
+def _is_resource(value: Any) -> bool:
+    return isinstance(value, LLM | ProxyLLM) or (isinstance(value, Mapping) and "resource_type" in value)
+
+
+def _resource_problem(value: Any, exc: ValidationError) -> str:
+    if not isinstance(value, Mapping):
+        return f"got {type(value).__name__}: {value!r:.80}"
+    error = exc.errors()[0]
+    if error["type"] == "union_tag_not_found":
+        return f"the dict has no resource_type (keys: {sorted(map(str, value))})"
+    field = ".".join(str(part) for part in error["loc"][1:])  # loc[0] is the resource_type tag
+    return f"{field}: {error['msg']}" if field else str(error["msg"])
+
+
 def parse_resources(resources: Any) -> Resources:
+    """``resources`` as a Resources: given as one; as a mapping of names to LLM / ProxyLLM (or their dicts,
+    ``resource_type`` included), as Agent Lightning's ``add_resources({"main_llm": LLM(...)})``; or as a
+    Resources-shaped dict (``{"items": {...}}``, what JSON gives). Anything else is an InvalidRequestError
+    that shows the expected shape."""
     if isinstance(resources, Resources):
         return resources
-    if isinstance(resources, dict):
-        return Resources.model_validate(resources)
-    raise InvalidRequestError(f"resources must be a Resources or dict, got {type(resources).__name__}")
+    if not isinstance(resources, Mapping):
+        raise InvalidRequestError(
+            f"resources must be {_RESOURCES_SHAPE}; got {type(resources).__name__}: {resources!r:.80}"
+        )
+    if not all(_is_resource(v) for v in resources.values()) and set(resources) <= set(Resources.model_fields):
+        return Resources.model_validate(dict(resources))  # {"items": {...}, "version": ...}
+    items: dict[str, LLM | ProxyLLM] = {}
+    for name, value in resources.items():
+        if not isinstance(name, str):
+            raise InvalidRequestError(
+                f"resources must be {_RESOURCES_SHAPE}; got the key {name!r:.80} ({type(name).__name__})"
+            )
+        try:
+            items[name] = _RESOURCE.validate_python(value)
+        except ValidationError as exc:
+            problem = _resource_problem(value, exc)
+            raise InvalidRequestError(
+                f"resources[{name!r}] must be an LLM or ProxyLLM (or a dict with resource_type 'llm' or "
+                f"'proxy_llm'): {problem}; resources must be {_RESOURCES_SHAPE}"
+            ) from None
+    return Resources(items=items)
 
 
 def parse_version(version: Any) -> int:
