@@ -30,7 +30,6 @@ _EXPORTS: dict[str, str] = {
     "Triplet": "agentloop.types",
     "LLM": "agentloop.resources",
     "ProxyLLM": "agentloop.resources",
-    "PromptTemplate": "agentloop.resources",
     "Resources": "agentloop.resources",
     # agents and runner
     "rollout": "agentloop.agent",
@@ -80,6 +79,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the real names
     from agentloop.agent import Agent, emit_reward, rollout  # noqa: F401
-    from agentloop.resources import LLM, PromptTemplate, ProxyLLM, Resources  # noqa: F401
+    from agentloop.resources import LLM, ProxyLLM, Resources  # noqa: F401
     from agentloop.runner import Runner  # noqa: F401
     from agentloop.types import RolloutConfig, Triplet  # noqa: F401

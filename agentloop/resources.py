@@ -1,8 +1,7 @@
-"""Resources handed to agents: LLM endpoints, prompt templates, versioned together."""
+"""Resources handed to agents: LLM endpoints, versioned together."""
 
 from __future__ import annotations
 
-import string
 import time
 from typing import Annotated, Any, Literal, Protocol
 
@@ -78,24 +77,7 @@ class ProxyLLM(_Resource):
         return LLM(base_url=url, model=self.model, api_key=self.api_key, sampling=dict(self.sampling))
 
 
-class PromptTemplate(_Resource):
-    """A prompt with ``{name}`` fields (str.format syntax)."""
-
-    resource_type: Literal["prompt_template"] = "prompt_template"
-    template: str
-
-    @property
-    def fields(self) -> list[str]:
-        return [name for _, name, _, _ in string.Formatter().parse(self.template) if name]
-
-    def format(self, **values: Any) -> str:
-        missing = [f for f in self.fields if f not in values]
-        if missing:
-            raise KeyError(f"PromptTemplate.format is missing values for {missing}")
-        return self.template.format(**values)
-
-
-Resource = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resource_type")]
+Resource = Annotated[LLM | ProxyLLM, Field(discriminator="resource_type")]
 
 
 class Resources(_Resource):
