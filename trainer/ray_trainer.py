@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import shutil
 import signal
@@ -48,7 +47,7 @@ from trainer.batch import build_batch
 from trainer.checkpoint import CheckpointManager, DataCursor, RunPlan
 from trainer.config import TrainerConfig, engine_kwargs
 from trainer.metrics import MetricsLogger, plot_curves, read_metrics
-from trainer.placement import place, serve_store
+from trainer.placement import init_ray, place, serve_store
 
 log = structlog.get_logger("agentloop.trainer")
 
@@ -630,14 +629,7 @@ class Trainer:
 def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address=config.trainer.ray_address,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-            configure_logging=False,
-        )
+    init_ray(config)
     gpus = 1 if device.startswith("cuda") else 0
     remote_cls = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerWorker)
     return remote_cls.remote(config, model_path, device)
