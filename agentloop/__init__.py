@@ -1,8 +1,10 @@
 """agentloop: an async agent-loop SDK with an embedded RL trainer that keeps exact token ids.
 
 Public names are imported lazily (``import agentloop`` stays cheap: torch, fastapi and the
-store backends load on first use). ``__all__`` is the public API and is checked against
-DESIGN.md by a test.
+store backends load on first use); the exception tree (``agentloop.errors``, which imports
+nothing) eagerly. ``__all__`` is the public API: tests/test_public_api.py checks it against the
+README's list (both ways), DESIGN.md's names, ``_LAZY`` and the ``TYPE_CHECKING`` imports below,
+which let type checkers and IDEs see every name.
 """
 
 from __future__ import annotations
@@ -10,11 +12,127 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from agentloop.errors import (
+    AgentError,
+    AgentLoopError,
+    ConfigError,
+    ContextLengthExceededError,
+    EmptyBatchError,
+    EngineError,
+    ImportObjectError,
+    InvalidRequestError,
+    InvalidTransitionError,
+    ModelResolutionError,
+    NotFoundError,
+    RequestAbortedError,
+    RolloutContextError,
+    StaleAttemptError,
+    StoreUnavailableError,
+    ToolArgumentError,
+    ToolDefinitionError,
+    ToolError,
+    ToolNotFoundError,
+    TrainerTimeoutError,
+)
+
+if TYPE_CHECKING:  # the real names for type checkers and IDEs; at run time __getattr__ imports them
+    from agentloop.adapter import spans_to_triplets
+    from agentloop.agent import Agent, emit_reward, rollout
+    from agentloop.client import async_openai_client, openai_client
+    from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
+    from agentloop.engine.models import load_engine
+    from agentloop.logging import configure_logging
+    from agentloop.proxy import Proxy
+    from agentloop.resources import LLM, ProxyLLM, Resources
+    from agentloop.runner import Runner
+    from agentloop.store.base import Store
+    from agentloop.store.http import StoreClient, StoreServer
+    from agentloop.store.memory import MemoryStore
+    from agentloop.store.sqlite import SQLiteStore
+    from agentloop.tools import BaseTool, ToolResponse, function_tool
+    from agentloop.tools.agent import ToolAgent
+    from agentloop.types import (
+        Attempt,
+        AttemptedRollout,
+        AttemptStatus,
+        ErrorInfo,
+        LLMCall,
+        Log,
+        Reward,
+        Rollout,
+        RolloutConfig,
+        RolloutStatus,
+        Span,
+        ToolCall,
+        Triplet,
+    )
+
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS: dict[str, str] = {
-    # data model
+__all__ = [
+    "LLM",
+    "Agent",
+    "AgentError",
+    "AgentLoopError",
+    "Attempt",
+    "AttemptStatus",
+    "AttemptedRollout",
+    "BaseTool",
+    "ConfigError",
+    "ContextLengthExceededError",
+    "EmptyBatchError",
+    "EngineError",
+    "ErrorInfo",
+    "ImportObjectError",
+    "InferenceEngine",
+    "InvalidRequestError",
+    "InvalidTransitionError",
+    "LLMCall",
+    "Log",
+    "MemoryStore",
+    "ModelResolutionError",
+    "NotFoundError",
+    "Proxy",
+    "ProxyLLM",
+    "RequestAbortedError",
+    "Resources",
+    "Reward",
+    "Rollout",
+    "RolloutConfig",
+    "RolloutContextError",
+    "RolloutStatus",
+    "Runner",
+    "SQLiteStore",
+    "SamplingParams",
+    "Span",
+    "StaleAttemptError",
+    "Store",
+    "StoreClient",
+    "StoreServer",
+    "StoreUnavailableError",
+    "TokenOutput",
+    "ToolAgent",
+    "ToolArgumentError",
+    "ToolCall",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolNotFoundError",
+    "ToolResponse",
+    "TrainerTimeoutError",
+    "Triplet",
+    "__version__",
+    "async_openai_client",
+    "configure_logging",
+    "emit_reward",
+    "function_tool",
+    "load_engine",
+    "openai_client",
+    "rollout",
+    "spans_to_triplets",
+]  # sorted; the README's Public API section groups them
+
+# lazily imported public name -> the module that defines it
+_LAZY: dict[str, str] = {
     "Rollout": "agentloop.types",
     "Attempt": "agentloop.types",
     "AttemptedRollout": "agentloop.types",
@@ -31,20 +149,17 @@ _EXPORTS: dict[str, str] = {
     "LLM": "agentloop.resources",
     "ProxyLLM": "agentloop.resources",
     "Resources": "agentloop.resources",
-    # agents and runner
     "rollout": "agentloop.agent",
     "Agent": "agentloop.agent",
     "emit_reward": "agentloop.agent",
     "Runner": "agentloop.runner",
     "spans_to_triplets": "agentloop.adapter",
     "configure_logging": "agentloop.logging",
-    # store
     "Store": "agentloop.store.base",
     "MemoryStore": "agentloop.store.memory",
     "SQLiteStore": "agentloop.store.sqlite",
     "StoreServer": "agentloop.store.http",
     "StoreClient": "agentloop.store.http",
-    # engine and proxy
     "InferenceEngine": "agentloop.engine.base",
     "SamplingParams": "agentloop.engine.base",
     "TokenOutput": "agentloop.engine.base",
@@ -52,20 +167,15 @@ _EXPORTS: dict[str, str] = {
     "Proxy": "agentloop.proxy",
     "openai_client": "agentloop.client",
     "async_openai_client": "agentloop.client",
-    # tools
     "function_tool": "agentloop.tools",
     "BaseTool": "agentloop.tools",
     "ToolResponse": "agentloop.tools",
     "ToolAgent": "agentloop.tools.agent",
-    # errors
-    "AgentLoopError": "agentloop.errors",
 }
-
-__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'agentloop' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -75,10 +185,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
-
-
-if TYPE_CHECKING:  # let type checkers and IDEs see the real names
-    from agentloop.agent import Agent, emit_reward, rollout  # noqa: F401
-    from agentloop.resources import LLM, ProxyLLM, Resources  # noqa: F401
-    from agentloop.runner import Runner  # noqa: F401
-    from agentloop.types import RolloutConfig, Triplet  # noqa: F401

@@ -28,6 +28,29 @@ Validation errors on public calls are pydantic's ``ValidationError``; they name 
 
 from __future__ import annotations
 
+__all__ = [
+    "AgentError",
+    "AgentLoopError",
+    "ConfigError",
+    "ContextLengthExceededError",
+    "EmptyBatchError",
+    "EngineError",
+    "ImportObjectError",
+    "InvalidRequestError",
+    "InvalidTransitionError",
+    "ModelResolutionError",
+    "NotFoundError",
+    "RequestAbortedError",
+    "RolloutContextError",
+    "StaleAttemptError",
+    "StoreUnavailableError",
+    "ToolArgumentError",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolNotFoundError",
+    "TrainerTimeoutError",
+]
+
 
 class AgentLoopError(Exception):
     """Base of every error agentloop raises on purpose."""

@@ -1,11 +1,19 @@
-"""The public names of DESIGN.md are a contract: each one must resolve and be in __all__."""
+"""The public API is a contract: DESIGN.md's names are exported, ``__all__`` and the README's list hold the
+same names (both ways), every name resolves and is typed for IDEs/mypy, and the whole error tree is exported."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import agentloop as al
+from agentloop import errors
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The names DESIGN.md's "Public API" section gives (a copy: CI has no ../shared).
 DESIGN_NAMES = [
@@ -18,6 +26,51 @@ DESIGN_NAMES = [
 def test_design_names_are_exported() -> None:
     missing = [n for n in DESIGN_NAMES if n not in al.__all__]
     assert missing == []
+
+
+def _readme_names() -> set[str]:
+    """The names the README's "Public API" section lists (written as `al.NAME`)."""
+    text = (ROOT / "README.md").read_text()
+    _, found, rest = text.partition("### Public API\n")
+    assert found, "README.md lost its '### Public API' section"
+    section = re.split(r"^#", rest, maxsplit=1, flags=re.M)[0]
+    return set(re.findall(r"`al\.(\w+)", section))
+
+
+def test_the_readme_lists_exactly_the_exported_names() -> None:
+    documented, exported = _readme_names(), set(al.__all__)
+    assert sorted(documented - exported) == [], "documented in README.md's Public API but not in __all__"
+    assert sorted(exported - documented) == [], "in agentloop.__all__ but not in README.md's Public API"
+    assert len(al.__all__) == len(exported), "a name is in __all__ twice"
+
+
+def test_every_name_is_typed_for_type_checkers() -> None:
+    """Lazy names are imported under TYPE_CHECKING from the module __getattr__ loads them from; the
+    error tree is imported as it is."""
+    tree = ast.parse((ROOT / "agentloop" / "__init__.py").read_text())
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        body = node.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING" else [node]
+        for stmt in body:
+            if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith("agentloop"):
+                typed.update({alias.asname or alias.name: stmt.module for alias in stmt.names})
+    assert sorted(set(al.__all__) - {"__version__"} - set(typed)) == [], "exported but not typed"
+    assert sorted(set(typed) - set(al.__all__)) == [], "typed but not exported"
+    lazy = al._LAZY  # type: ignore[attr-defined]
+    assert {n: m for n, m in typed.items() if n in lazy} == lazy, "TYPE_CHECKING imports and _LAZY differ"
+    assert sorted(set(lazy) | set(errors.__all__) | {"__version__"}) == sorted(al.__all__)
+
+
+def test_the_whole_error_tree_is_exported() -> None:
+    tree = {
+        name
+        for name, obj in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(obj, errors.AgentLoopError) and obj.__module__ == errors.__name__
+    }
+    assert sorted(errors.__all__) == sorted(tree)
+    for name in tree:
+        assert getattr(al, name) is getattr(errors, name) and name in al.__all__
+        assert name in (errors.__doc__ or ""), f"{name} is not drawn in agentloop/errors.py's tree"
 
 
 def test_every_exported_name_resolves() -> None:
