@@ -148,17 +148,31 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
-        """Logprobs (B, R) of every response token under ``model`` (the policy by default)."""
+        """Logprobs (B, R) of every response token under ``model`` (the policy by default).
+
+        The one log-prob path of the single and the data-parallel actor: this process runs the
+        micro-batches ``_split_micro_batches`` gives it, and ``_gather_rows`` joins the processes' rows
+        (trainer/dp.py: each rank computes its share and the ranks' (B, R) tensors are summed)."""
         model = self.model if model is None else model
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)  # (B, R)
-        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        for mb, rows in _micro_batches(batch, budget, self.shared_prompts):
+        for mb, rows in self._split_micro_batches(batch):
             lp, _ = self._forward(model, mb, entropy=False)  # (b, r)
-            out[rows, : lp.shape[1]] = lp
+            if len(rows):  # a padding micro-batch (trainer/dp.py) holds no row of batch
+                out[rows, : lp.shape[1]] = lp
         model.train(was_training)
-        return out * batch.response_mask
+        return self._gather_rows(out) * batch.response_mask
+
+    def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
+        """The token-budget micro-batches this process runs, each with the row indices (into ``batch``)
+        it holds; for log-probs and for the update (trainer/dp.py: this rank's share, padded)."""
+        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+        return _micro_batches(batch, budget, self.shared_prompts)
+
+    def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The (B, R) log-probs of every row, from ``out`` holding the rows this process computed."""
+        return out
 
     # ------------------------------------------------------------ the update
 
@@ -264,7 +278,7 @@ class Actor:
             totals["actor/grad_norm"] = 0.0
             return totals
         active_tokens = max(float(active.response_mask.sum()), 1.0)  # the rows the metrics average over
-        for mb, _rows in self._train_micro_batches(active):
+        for mb, _rows in self._split_micro_batches(active):
             m = mb.response_mask.bool()  # (b, r)
             r = mb.response_length
             logprobs, ent = self._forward(self.model, mb, entropy=True)
@@ -316,11 +330,6 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         totals["actor/grad_norm"] = float(grad_norm)
         return totals
-
-    def _train_micro_batches(self, mini: Batch) -> list[tuple[Batch, torch.Tensor]]:
-        """The micro-batches this process trains on (trainer/dp.py: this rank's share, padded)."""
-        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        return _micro_batches(mini, budget, self.shared_prompts)
 
     def _apply_warmup(self) -> None:
         optim = self.config.actor_rollout_ref.actor.optim

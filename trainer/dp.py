@@ -121,9 +121,10 @@ class ShardedActor(Actor):
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R)
         return logprobs, (entropy_from_logits(logits) if entropy else None)
 
-    def _rank_micro_batches(self, batch: Batch, budget: int) -> list[tuple[Batch, torch.Tensor]]:
+    def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
         """This rank's token-budget micro-batches (row indices into ``batch``), padded to the most any
         rank has with zero-mask rows (empty index) so every rank runs the same forwards."""
+        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
         parts = balance_by_tokens(batch.sequence_lengths().tolist(), self.world_size)  # CPU-GPU sync
         rows = parts[self.rank]
         mine: list[tuple[Batch, torch.Tensor]] = []
@@ -139,23 +140,9 @@ class ShardedActor(Actor):
             mine += [(pad, empty)] * (int(count) - len(mine))
         return mine
 
-    def _train_micro_batches(self, mini: Batch) -> list[tuple[Batch, torch.Tensor]]:
-        return self._rank_micro_batches(mini, self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu)
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
-        model = self.model if model is None else model
-        was_training = model.training
-        model.eval()
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)  # (B, R)
-        budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        for mb, rows in self._rank_micro_batches(batch, budget):
-            lp, _ = self._forward(model, mb, entropy=False)  # (b, r)
-            if len(rows):
-                out[rows, : lp.shape[1]] = lp
-        model.train(was_training)
+    def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)  # each row was filled by exactly one rank: the sum is the whole (B, R)
-        return out * batch.response_mask
+        return out
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
