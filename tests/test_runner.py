@@ -19,8 +19,9 @@ import pytest
 from agentloop.agent import Agent, rollout
 from agentloop.runner import Runner
 from agentloop.store.base import Store
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptedRollout, AttemptStatus, RolloutConfig, RolloutStatus
 

@@ -186,7 +186,7 @@ async def serve_store(config: TrainerConfig, store: Any) -> Any:
     """A started StoreServer for ``store`` when ``placement.store_server`` is on, else None."""
     if not config.placement.store_server:
         return None
-    from agentloop.store.http import StoreServer
+    from agentloop.store.server import StoreServer
 
     p = config.placement
     key = p.store_api_key.get_secret_value() if p.store_api_key is not None else None  # SecretStr

@@ -79,7 +79,7 @@ def load_object(spec: str, what: str = "--agent", *, base: Path | None = None) -
 def run(args: argparse.Namespace) -> int:
     from agentloop.keys import read_key
     from agentloop.runner import Runner
-    from agentloop.store.http import StoreClient
+    from agentloop.store.client import StoreClient
 
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")

@@ -14,24 +14,22 @@ Proxy itself owns the server task and ``stop`` always awaits it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import gc
 import socket
-from collections.abc import Iterator
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import anyio
 import structlog
-import uvicorn
 from anyio.abc import TaskStatus
 from pydantic import SecretStr
 
 from agentloop.engine.base import InferenceEngine
 from agentloop.errors import NotFoundError
-from agentloop.http_limits import HttpLimits, check_bind, limited_protocol, open_connections
+from agentloop.http_limits import HttpLimits, check_bind
+from agentloop.http_server import EmbeddedServer, ServerState
 from agentloop.proxy.app import build_app
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
@@ -45,33 +43,8 @@ from agentloop.store.sqlite import SQLiteStore
 log = structlog.get_logger("agentloop.proxy")
 
 
-class ProxyState(StrEnum):
-    CREATED = "created"  # constructed; no socket yet
-    RUNNING = "running"  # listening on .url
-    STOPPED = "stopped"  # terminal: closed; a Proxy is not restarted
-
-
+ProxyState = ServerState  # the proxy's lifecycle states (agentloop.http_server)
 _heap_frozen = False
-_MAX_OPEN_FILES = 1 << 16
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit (at most 65536); returns the
-    soft limit now in force. Every agent connection holds a socket on each side until it closes, and
-    agents that never close their client keep it until garbage collection: at a few hundred agents
-    a step, a common 1024 default runs out, and then the server stops accepting connections while
-    clients wait for their timeout."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = _MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _MAX_OPEN_FILES)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        log.info("proxy.raised_open_file_limit", soft_before=soft, soft=target, hard=hard)
-        return target
-    return soft
 
 
 def _freeze_startup_heap() -> None:
@@ -99,14 +72,6 @@ def served_model_name(engine: InferenceEngine) -> str:
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name.removeprefix("models--").replace("--", "/")  # hub cache layout
     return path.name or LEGACY_MODEL_NAME
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: Ctrl+C belongs to the program that embeds the proxy."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class Proxy:
@@ -211,12 +176,10 @@ class Proxy:
             max_body_bytes=max_body_bytes,
             body_timeout_s=self.limits.body_timeout_s,
         )
-        self._protocol = limited_protocol(self.limits)
-        self.state = ProxyState.CREATED
-        self._requested_port = port
-        self._port: int | None = None
-        self._server: _EmbeddedServer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._http = EmbeddedServer(
+            self.app, host, port, what="the proxy", limits=self.limits, backlog=4096, keep_alive_s=30,
+            graceful_s=5, background=self._sweep_ledger,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ addresses
 
@@ -228,13 +191,15 @@ class Proxy:
     @property
     def open_connections(self) -> int:
         """Connections the server holds open now (at most ``limits.max_connections``)."""
-        return open_connections(self._protocol)
+        return self._http.open_connections
+
+    @property
+    def state(self) -> ServerState:
+        return self._http.state
 
     @property
     def port(self) -> int:
-        if self._port is None:
-            raise RuntimeError("the proxy has no port yet; await proxy.start() first")
-        return self._port
+        return self._http.port
 
     @property
     def url(self) -> str:
@@ -284,45 +249,15 @@ class Proxy:
 
     async def serve(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the server until ``stop()``; ``task_status.started(url)`` once the socket listens."""
-        if self.state is not ProxyState.CREATED:
+        if self.state is not ServerState.CREATED:
             raise RuntimeError(f"a Proxy starts once; this one is {self.state.value}")
-        raise_open_file_limit()
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle adds ~40 ms a reply)
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self._requested_port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"the proxy cannot bind {self.host}:{self._requested_port}: {exc}") from exc
-        self._port = sock.getsockname()[1]
-        self.service.url_template = self.url_template
-        config = uvicorn.Config(
-            self.app, http=self._protocol, log_config=None, access_log=False, lifespan="off",
-            timeout_keep_alive=30, backlog=4096, timeout_graceful_shutdown=5,
-        )  # fmt: skip
-        self._server = server = _EmbeddedServer(config)
-        self.state = ProxyState.RUNNING
-        try:
-            async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
+            await tg.start(functools.partial(self._http.serve, on_bound=self._bound))
+            task_status.started(self.url)
 
-                async def serve_then_end_sweeper() -> None:
-                    await server.serve([sock])
-                    tg.cancel_scope.cancel()  # the ledger sweeper ends with the server
-
-                tg.start_soon(serve_then_end_sweeper)
-                tg.start_soon(self._sweep_ledger)
-                while not server.started:
-                    if server.should_exit:
-                        break
-                    await anyio.sleep(0.005)
-                _freeze_startup_heap()
-                log.info("proxy listening", url=self.url)
-                task_status.started(self.url)
-        finally:
-            self.state = ProxyState.STOPPED
-            sock.close()
+    def _bound(self, port: int) -> None:
+        self.service.url_template = self.url_template  # the port is known: responses name the URL
+        _freeze_startup_heap()
 
     async def _sweep_ledger(self) -> None:
         while True:
@@ -355,35 +290,12 @@ class Proxy:
 
     async def start(self) -> str:
         """Start serving in the running event loop; returns the URL once the socket listens."""
-        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        async def run() -> None:
-            try:
-                async with anyio.create_task_group() as tg:
-                    url = await tg.start(self.serve)
-                    ready.set_result(url)
-            except BaseException as exc:
-                if not ready.done():
-                    ready.set_exception(exc)
-                raise
-
-        self._task = asyncio.create_task(run(), name=f"agentloop-proxy-{id(self)}")
-        return await ready
+        await self._http.start(on_bound=self._bound)
+        return self.url
 
     async def stop(self) -> None:
         """Stop accepting requests, let in-flight ones finish (up to 5 s), and close the socket."""
-        if self._server is not None:
-            self._server.should_exit = True
-        task, self._task = self._task, None
-        if task is not None:
-            with anyio.move_on_after(10):
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(task)
-            if not task.done():  # pragma: no cover - graceful shutdown overran
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        self.state = ProxyState.STOPPED
+        await self._http.stop()
         with contextlib.suppress(Exception):  # a failure was logged and answered 503 when it came
             await self.sessions.flush()
 

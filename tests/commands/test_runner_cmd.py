@@ -15,8 +15,8 @@ import pytest
 from agentloop.agent import rollout
 from agentloop.cli import main
 from agentloop.commands.runner import load_object
-from agentloop.store.http import StoreServer
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 from agentloop.types import AttemptedRollout, RolloutConfig, RolloutStatus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +139,7 @@ async def test_a_runner_runs_with_its_own_key_from_runner_key(tmp_path: Path) ->
     """`agentloop runner-key NAME` prints the runner's key; a runner with it runs its attempts, and the
     key cannot do the admin's work (enqueue)."""
     from agentloop.errors import InvalidRequestError
-    from agentloop.store.http import StoreClient
+    from agentloop.store.client import StoreClient
 
     admin = "admin-key-0123456789abcdef"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTLOOP_STORE_API_KEY": admin}

@@ -13,7 +13,7 @@ import sys
 import openai
 from transformers import AutoTokenizer
 
-import agentloop.proxy.server as server
+import agentloop.http_server as server
 from agentloop.engine.models import smollm2_tokenizer_dir
 from agentloop.store.memory import MemoryStore
 from tests.proxy.conftest import attempt_url, new_attempt, running_proxy

@@ -22,8 +22,9 @@ from agentloop.keys import read_key
 from agentloop.proxy.app import BearerAuth
 from agentloop.resources import LLM, ProxyLLM, Resources
 from agentloop.runner import Runner
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
 from tests.proxy.engines import EchoEngine
 from trainer.config import TrainerConfig

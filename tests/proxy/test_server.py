@@ -112,7 +112,7 @@ def test_the_proxy_raises_the_open_file_limit() -> None:
     connections at a few hundred agents a step; serving raises it to the hard limit."""
     import resource
 
-    from agentloop.proxy.server import raise_open_file_limit
+    from agentloop.http_server import raise_open_file_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = 256 if hard == resource.RLIM_INFINITY else min(256, hard)

@@ -16,7 +16,8 @@ import openai
 from agentloop.agent import emit_reward, rollout
 from agentloop.resources import LLM
 from agentloop.runner import Runner
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptedRollout
 

@@ -30,7 +30,8 @@ from typing import Any
 import anyio
 import orjson
 
-from agentloop.store.http import StoreClient, runner_key
+from agentloop.store.client import StoreClient
+from agentloop.store.server import runner_key
 from tests.loop_watch import watch_event_loop
 from tests.reliability.conftest import REPO
 from tests.reliability.store_server import KEY_ENV

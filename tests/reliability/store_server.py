@@ -13,8 +13,8 @@ from pathlib import Path
 
 import anyio
 
-from agentloop.store.http import StoreServer
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 
 KEY_ENV = "AGENTLOOP_TEST_STORE_KEY"  # not on the command line: visible to every user in ps
 

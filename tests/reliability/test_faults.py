@@ -17,7 +17,8 @@ from agentloop.agent import rollout
 from agentloop.errors import EngineError
 from agentloop.resources import Resources
 from agentloop.runner import Runner
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptedRollout, AttemptStatus, RolloutConfig, RolloutStatus, Span
 from tests.proxy.engines import EchoEngine

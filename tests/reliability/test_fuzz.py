@@ -20,8 +20,8 @@ from pydantic import BaseModel
 
 from agentloop.errors import ConfigError, ToolArgumentError
 from agentloop.proxy.server import Proxy
-from agentloop.store.http import create_app
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import create_app
 from agentloop.tools import function_tool
 from tests.proxy.engines import EchoEngine
 from tests.reliability.report import record

@@ -12,8 +12,9 @@ import pytest
 
 from agentloop.errors import NotFoundError
 from agentloop.proxy.server import Proxy
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptedRollout, Reward, Span
 from tests.proxy.engines import EchoEngine

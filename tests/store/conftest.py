@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from agentloop.store.base import Store
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 
 

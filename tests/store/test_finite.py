@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from agentloop.errors import InvalidRequestError
 from agentloop.store.base import Store
-from agentloop.store.http import StoreServer
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import (
     MAX_JSON_DEPTH,

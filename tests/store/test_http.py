@@ -8,8 +8,9 @@ import httpx
 import pytest
 
 from agentloop.errors import StoreUnavailableError
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 
 
 @pytest.fixture

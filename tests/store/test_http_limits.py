@@ -14,8 +14,9 @@ import pytest
 
 from agentloop.errors import InvalidRequestError
 from agentloop.http_limits import HttpLimits
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 
 KEY = "admin-key-for-tests"
 FAST = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5)

@@ -12,8 +12,9 @@ import pytest
 
 import agentloop.store as store_pkg
 from agentloop.store.base import Store
-from agentloop.store.http import StoreClient, StoreServer
+from agentloop.store.client import StoreClient
 from agentloop.store.memory import MemoryStore
+from agentloop.store.server import StoreServer
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptStatus, RolloutConfig, RolloutStatus
 

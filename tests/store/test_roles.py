@@ -13,7 +13,8 @@ import pytest
 
 from agentloop.errors import InvalidRequestError, StoreUnavailableError
 from agentloop.resources import LLM, Resources
-from agentloop.store.http import StoreClient, StoreServer, runner_key
+from agentloop.store.client import StoreClient
+from agentloop.store.server import StoreServer, runner_key
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import AttemptedRollout, AttemptStatus, Log, Reward, Span
 

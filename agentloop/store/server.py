@@ -1,4 +1,5 @@
-"""StoreServer / StoreClient: one store shared by runners in other processes or machines over HTTP.
+"""StoreServer: one store shared over HTTP by runners in other processes or machines (their side:
+StoreClient, agentloop.store.client).
 
 JSON only (never pickle). Every bad request gets a 4xx with ``{"error": {"message", "type"}}``:
 
@@ -30,18 +31,14 @@ rollouts nor add resources. Violations are 403 with the rule in the message.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import math
 import re
-import socket
-from collections.abc import Awaitable, Callable, Generator, Mapping
-from typing import Any, Literal
-from urllib.parse import quote, urlencode
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
+import anyio
 import orjson
 import structlog
-import uvicorn
+from anyio.abc import TaskStatus
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -52,30 +49,17 @@ from agentloop.errors import (
     InvalidTransitionError,
     NotFoundError,
     StaleAttemptError,
-    StoreUnavailableError,
 )
-from agentloop.http_limits import HttpLimits, is_loopback, limited_protocol, open_connections
+from agentloop.http_limits import HttpLimits, is_loopback
+from agentloop.http_server import EmbeddedServer, ServerState
 from agentloop.resources import Resources
-from agentloop.store import state
-from agentloop.store._keys import Key, Keys, Who, admin_key_of, owner_of, plain_key, runner_key
-from agentloop.store._wire import WireError, WirePool
+from agentloop.store._keys import Key, Keys, Who, admin_key_of, owner_of, runner_key
 from agentloop.store.base import Store
-from agentloop.store.memory import (
-    parse_error,
-    parse_ids,
-    parse_limit,
-    parse_resources,
-    parse_span,
-    parse_statuses,
-    parse_version,
-)
+from agentloop.store.client import ATTEMPT_LIST, MAX_WAIT_S, ROLLOUT_LIST, SPAN_LIST
 from agentloop.types import (
     JSON,
-    Attempt,
-    AttemptedRollout,
     AttemptStatus,
     ErrorInfo,
-    Rollout,
     RolloutConfig,
     RolloutMode,
     Span,
@@ -83,17 +67,6 @@ from agentloop.types import (
 
 log = structlog.get_logger(__name__)
 
-MAX_WAIT_S = 30.0  # longest server-side wait per request; the client loops for longer waits
-_ERROR_CLASSES: dict[str, type[AgentLoopError]] = {
-    "invalid_json": InvalidRequestError,
-    "invalid_request": InvalidRequestError,
-    "payload_too_large": InvalidRequestError,
-    "not_found": NotFoundError,
-    "stale_attempt": StaleAttemptError,
-    "invalid_transition": InvalidTransitionError,
-    "unauthorized": StoreUnavailableError,
-    "forbidden": InvalidRequestError,
-}
 _OWNERS_CACHED = 65_536  # attempt -> dequeuing runner, kept in memory; older ones are read from the store
 
 
@@ -127,11 +100,6 @@ class ListBody(_Body):
     status: list[str] | None = None
     limit: int | None = Field(None, ge=0)
 
-
-_IDEMPOTENT = frozenset({"/v1/wait", "/v1/rollouts/list", "/v1/check_timeouts"})  # POSTs safe to resend
-_rollouts = TypeAdapter(list[Rollout])
-_attempts = TypeAdapter(list[Attempt])
-_spans = TypeAdapter(list[Span])
 
 
 class _HTTPError(Exception):
@@ -276,7 +244,7 @@ def create_app(
     @route("POST", "/v1/rollouts/list")
     async def list_rollouts(request: Request) -> Response:
         b = await body(request, ListBody)
-        return _json(await store.list_rollouts(status=b.status, limit=b.limit), _rollouts)
+        return _json(await store.list_rollouts(status=b.status, limit=b.limit), ROLLOUT_LIST)
 
     @route("POST", "/v1/dequeue")
     async def dequeue(request: Request) -> Response:
@@ -299,7 +267,7 @@ def create_app(
 
     @route("GET", "/v1/rollouts/{rollout_id}/attempts")
     async def list_attempts(request: Request) -> Response:
-        return _json(await store.list_attempts(request.path_params["rollout_id"]), _attempts)
+        return _json(await store.list_attempts(request.path_params["rollout_id"]), ATTEMPT_LIST)
 
     @route("GET", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
     async def get_attempt(request: Request) -> Response:
@@ -316,7 +284,7 @@ def create_app(
     @route("GET", "/v1/rollouts/{rollout_id}/spans")
     async def query_spans(request: Request) -> Response:
         attempt_id = request.query_params.get("attempt_id", "latest")
-        return _json(await store.query_spans(request.path_params["rollout_id"], attempt_id), _spans)
+        return _json(await store.query_spans(request.path_params["rollout_id"], attempt_id), SPAN_LIST)
 
     @route("POST", "/v1/spans")
     async def add_span(request: Request) -> Response:
@@ -327,11 +295,11 @@ def create_app(
     @route("POST", "/v1/wait")
     async def wait(request: Request) -> Response:
         b = await body(request, WaitBody)
-        return _json(await store.wait_for_rollouts(b.rollout_ids, min(b.timeout, MAX_WAIT_S)), _rollouts)
+        return _json(await store.wait_for_rollouts(b.rollout_ids, min(b.timeout, MAX_WAIT_S)), ROLLOUT_LIST)
 
     @route("POST", "/v1/check_timeouts")
     async def check_timeouts(request: Request) -> Response:
-        return _json(await store.check_timeouts(), _attempts)
+        return _json(await store.check_timeouts(), ATTEMPT_LIST)
 
     @route("POST", "/v1/resources", admin="add or replace resources")
     async def add_resources(request: Request) -> Response:
@@ -380,12 +348,6 @@ class _Router:
         await response(scope, receive, send)
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield  # leave SIGINT/SIGTERM to the application (the Runner stops cleanly on them)
-
-
 class StoreServer:
     """Serve ``store`` over HTTP on ``host:port`` (port 0: a free port; ``.url`` tells the real one).
 
@@ -412,7 +374,6 @@ class StoreServer:
             raise InvalidRequestError(f"limits must be an HttpLimits, got {type(limits).__name__}")
         self.store, self.host, self.port = store, host, port
         self.limits = limits or HttpLimits()
-        self._protocol = limited_protocol(self.limits)  # counts this server's connections
         admin = admin_key_of(api_key, admin_key)
         self._keys = Keys(admin, runner_keys)
         if self._keys.open and not is_loopback(host):
@@ -422,56 +383,40 @@ class StoreServer:
             )
         self._admin = self._keys.admin
         self.app = create_app(store, max_body_bytes=max_body_bytes, admin_key=admin, runner_keys=runner_keys)
-        self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._sock: socket.socket | None = None
+        # keep-alive long (the client keeps idle connections open), so the server rarely closes one the
+        # client is about to reuse; stop does not wait for long-poll waits (graceful_s=0)
+        self._http = EmbeddedServer(
+            self.app, host, port, what="the store server", limits=self.limits, backlog=2048,
+            keep_alive_s=75, graceful_s=0,
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
-        if self._sock is None:
+        if self._http.state is not ServerState.RUNNING:
             raise AgentLoopError("StoreServer.url is known once start() returned")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def state(self) -> ServerState:
+        return self._http.state
+
+    async def serve(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the server until ``stop()``; ``task_status.started(url)`` once it accepts connections."""
+        async with anyio.create_task_group() as tg:
+            self.port = await tg.start(self._http.serve)
+            task_status.started(self.url)
+
     async def start(self) -> None:
         """Bind, start serving and return once the server accepts connections."""
-        if self._task is not None:
-            raise AgentLoopError("StoreServer is already started; call stop() first")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without it
-        # Nagle + delayed ACK stall every keep-alive response by 40 ms
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(2048)
-        sock.setblocking(False)
-        self._sock, self.port = sock, sock.getsockname()[1]
-        # keep-alive long (the client keeps idle connections open), so the server rarely closes one the
-        # client is about to reuse
-        config = uvicorn.Config(
-            self.app,
-            http=self._protocol,
-            ws="none",
-            log_level="warning",
-            lifespan="off",
-            access_log=False,
-            proxy_headers=False,  # no X-Forwarded-* rewriting: one middleware less per request
-            backlog=2048,
-            timeout_keep_alive=75,
-        )
-        self._server = _Server(config)
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises the startup error
-                raise AgentLoopError(f"store server on {self.url} stopped during startup")
-            await asyncio.sleep(0.005)
-        log.info("store server started", url=self.url)
+        if self._http.state is not ServerState.CREATED:
+            raise AgentLoopError(f"StoreServer starts once; this one is {self._http.state.value}")
+        self.port = await self._http.start()
 
     @property
     def open_connections(self) -> int:
         """Connections the server holds open now (at most ``limits.max_connections``)."""
-        return open_connections(self._protocol)
+        return self._http.open_connections
 
     def runner_key(self, name: str) -> str:
         """A key for runner ``name`` that this server accepts (derived from its admin key)."""
@@ -481,16 +426,7 @@ class StoreServer:
 
     async def stop(self) -> None:
         """Stop accepting, finish open requests (server-side waits end within a second) and return."""
-        if self._server is None or self._task is None:
-            return
-        self._server.should_exit = True
-        self._server.force_exit = True  # do not wait for long-poll waits to finish
-        try:
-            await self._task
-        finally:
-            if self._sock is not None:
-                self._sock.close()
-            self._server = self._task = self._sock = None
+        await self._http.stop()
 
     async def __aenter__(self) -> StoreServer:
         await self.start()
@@ -498,177 +434,3 @@ class StoreServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def _q(part: str) -> str:
-    return quote(part, safe="")
-
-
-class StoreClient:
-    """The Store protocol over HTTP; raises the same exceptions as the in-process stores."""
-
-    def __init__(
-        self, url: str, api_key: Key | None = None, timeout: float = 30.0, max_connections: int = 256
-    ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise InvalidRequestError(f"url must start with http:// or https://, got {url!r:.80}")
-        if not isinstance(max_connections, int) or max_connections < 1:
-            raise InvalidRequestError(f"max_connections must be an int >= 1, got {max_connections!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r:.80}")
-        self.url = url.rstrip("/")
-        key = plain_key(api_key, "api_key")
-        headers = {"authorization": f"Bearer {key}"} if key else {}
-        self._timeout = float(timeout)
-        # a lean keep-alive pool (see _wire): httpx's per-request overhead was most of a store call's cost;
-        # connection refusals (a store restarting) are retried within each request's timeout
-        self._pool = WirePool(self.url, max_connections, headers)
-
-    async def _request(
-        self, method: str, path: str, json: Any = None, params: Any = None, timeout: float | None = None
-    ) -> bytes:
-        content = orjson.dumps(json) if json is not None else None
-        if params:
-            path = f"{path}?{urlencode(params)}"
-        try:
-            status, data = await self._pool.request(
-                method,
-                path,
-                content,
-                timeout or self._timeout,
-                idempotent=method == "GET" or path in _IDEMPOTENT,
-            )
-        except WireError as exc:
-            raise StoreUnavailableError(f"store at {self.url} unreachable ({exc})") from None
-        if status < 400:
-            return data
-        try:
-            err = orjson.loads(data)["error"]
-            message, kind = str(err["message"]), str(err["type"])
-        except Exception:
-            message, kind = data[:300].decode("utf-8", "replace"), "unknown"
-        cls = _ERROR_CLASSES.get(kind)
-        if status == 401:
-            raise StoreUnavailableError(
-                f"store at {self.url} refused the request (401): {message}; pass its api_key"
-            )
-        if cls is None or status >= 500:
-            raise StoreUnavailableError(f"store at {self.url} answered {status}: {message}")
-        raise cls(message)
-
-    async def enqueue_rollout(
-        self,
-        input: JSON,
-        mode: RolloutMode = "train",
-        config: Any = None,
-        metadata: dict[str, Any] | None = None,
-    ) -> Rollout:
-        checked = state.new_rollout(input, mode, config, metadata, 0.0)  # same errors as the local stores
-        body = {
-            "input": input,
-            "mode": mode,
-            "config": checked.config.model_dump(mode="json"),
-            "metadata": metadata,
-        }
-        return Rollout.model_validate_json(await self._request("POST", "/v1/rollouts", body))
-
-    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
-        if worker_id is not None:
-            state.require_id("worker_id", worker_id)
-        data = await self._request("POST", "/v1/dequeue", {"worker_id": worker_id})
-        return None if data == b"null" else AttemptedRollout.model_validate_json(data)
-
-    async def update_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus | str | None = None,
-        error: ErrorInfo | None = None,
-        heartbeat: bool = False,
-    ) -> Attempt:
-        rid, aid = (
-            _q(state.require_id("rollout_id", rollout_id)),
-            _q(state.require_id("attempt_id", attempt_id)),
-        )
-        parsed, err = state.parse_attempt_status(status), parse_error(error)
-        body = {"status": parsed, "error": err.model_dump() if err else None, "heartbeat": bool(heartbeat)}
-        return Attempt.model_validate_json(
-            await self._request("POST", f"/v1/rollouts/{rid}/attempts/{aid}", body)
-        )
-
-    async def add_span(self, span: Span) -> Span:
-        span = parse_span(span)
-        return Span.model_validate_json(
-            await self._request("POST", "/v1/spans", span.model_dump(mode="json"))
-        )
-
-    async def query_spans(
-        self, rollout_id: str, attempt_id: str | Literal["latest"] = "latest"
-    ) -> list[Span]:
-        rid, aid = _q(state.require_id("rollout_id", rollout_id)), state.require_id("attempt_id", attempt_id)
-        data = await self._request("GET", f"/v1/rollouts/{rid}/spans", params={"attempt_id": aid})
-        return _spans.validate_json(data)
-
-    async def get_rollout(self, rollout_id: str) -> Rollout:
-        rid = _q(state.require_id("rollout_id", rollout_id))
-        return Rollout.model_validate_json(await self._request("GET", f"/v1/rollouts/{rid}"))
-
-    async def get_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
-        rid, aid = (
-            _q(state.require_id("rollout_id", rollout_id)),
-            _q(state.require_id("attempt_id", attempt_id)),
-        )
-        return Attempt.model_validate_json(await self._request("GET", f"/v1/rollouts/{rid}/attempts/{aid}"))
-
-    async def list_attempts(self, rollout_id: str) -> list[Attempt]:
-        rid = _q(state.require_id("rollout_id", rollout_id))
-        return _attempts.validate_json(await self._request("GET", f"/v1/rollouts/{rid}/attempts"))
-
-    async def list_rollouts(self, status: list[str] | None = None, limit: int | None = None) -> list[Rollout]:
-        wanted, limit = parse_statuses(status), parse_limit(limit)
-        body = {"status": sorted(wanted) if wanted is not None else None, "limit": limit}
-        return _rollouts.validate_json(await self._request("POST", "/v1/rollouts/list", body))
-
-    async def cancel_rollout(self, rollout_id: str) -> Rollout:
-        rid = _q(state.require_id("rollout_id", rollout_id))
-        return Rollout.model_validate_json(await self._request("POST", f"/v1/rollouts/{rid}/cancel"))
-
-    async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float) -> list[Rollout]:
-        """Server-side waits of at most MAX_WAIT_S each, repeated until ``timeout`` passed."""
-        ids, timeout = parse_ids(rollout_ids), state.require_timeout(timeout)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            step = min(max(deadline - loop.time(), 0.0), MAX_WAIT_S)
-            data = await self._request(
-                "POST", "/v1/wait", {"rollout_ids": ids, "timeout": step}, timeout=step + self._timeout
-            )
-            done = _rollouts.validate_json(data)
-            if len(done) == len(ids) or loop.time() >= deadline or math.isclose(step, 0.0):
-                return done
-
-    async def check_timeouts(self) -> list[Attempt]:
-        return _attempts.validate_json(await self._request("POST", "/v1/check_timeouts", {}))
-
-    async def add_resources(self, resources: Resources) -> int:
-        parsed = parse_resources(resources)
-        data = await self._request("POST", "/v1/resources", parsed.model_dump(mode="json"))
-        return int(TypeAdapter(dict[str, int]).validate_json(data)["version"])
-
-    async def get_latest_resources(self) -> Resources | None:
-        data = await self._request("GET", "/v1/resources/latest")
-        return None if data == b"null" else Resources.model_validate_json(data)
-
-    async def get_resources(self, version: int) -> Resources:
-        return Resources.model_validate_json(
-            await self._request("GET", f"/v1/resources/{parse_version(version)}")
-        )
-
-    async def close(self) -> None:
-        await self._pool.close()
-
-    async def __aenter__(self) -> StoreClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
