@@ -2,6 +2,12 @@
 
 Each script prints one JSON object; a target names a dotted key in it, a comparison and a threshold.
 ``--results`` prints the table from the committed benchmarks/results/*.json without running anything.
+
+The scripts and their committed results live in a source checkout's ``benchmarks/`` folder (they use
+its ``tests/`` and ``results/``), not in the installed package, so the folder is looked for, not
+assumed next to the package: ``--dir``, else the working folder or one above it (a checkout you are
+in), else the checkout the package was imported from (an editable install). An installed package with
+no checkout in reach says so and how to fix it instead of printing a table of n/a.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 from agentloop.cli import UsageError
 
-REPO = Path(__file__).resolve().parents[2]
+MARKER = "store_bench.py"  # a folder holding this script is a benchmarks/ folder
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="run benchmarks/ and print their figures against the targets")
     p.add_argument("--results", action="store_true", help="use the committed results, run nothing")
     p.add_argument("--only", default=None, help="run only this script (e.g. store_bench.py)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="the benchmarks/ folder of a source checkout (default: found from the working folder up, "
+        "else next to the imported package)",
+    )
     p.set_defaults(func=run)
+
+
+def find_benchmarks(explicit: Path | None = None, cwd: Path | None = None) -> Path:
+    """The benchmarks/ folder to use (see the module docstring for the order); a UsageError if none."""
+    if explicit is not None:
+        folder = explicit.expanduser().resolve()
+        if not (folder / MARKER).is_file():
+            raise UsageError(f"--dir {str(explicit)!r} is not a benchmarks/ folder (it has no {MARKER})")
+        return folder
+    here = (cwd or Path.cwd()).resolve()
+    package_checkout = Path(__file__).resolve().parents[2]
+    candidates = [here, *here.parents, package_checkout]
+    for base in candidates:
+        for folder in (base / "benchmarks", base):
+            if (folder / MARKER).is_file():
+                return folder
+    raise UsageError(
+        f"no benchmarks/ folder found: agentloop bench runs the scripts of a source checkout (they use its "
+        f"tests/ and results/), and none is in {here}, a folder above it, or next to the installed package "
+        f"({package_checkout}); run it inside a checkout of agentloop or pass --dir PATH/TO/benchmarks"
+    )
 
 
 def lookup(doc: Any, key: str) -> Any:
@@ -146,9 +180,10 @@ def last_json_object(text: str) -> dict[str, Any] | None:
     return None
 
 
-def run_script(script: str) -> dict[str, Any] | None:
+def run_script(script: str, folder: Path) -> dict[str, Any] | None:
+    """Run ``folder/script`` from the checkout's root (the scripts import ``tests`` and ``benchmarks``)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script)], capture_output=True, text=True, cwd=REPO
+        [sys.executable, str(folder / script)], capture_output=True, text=True, cwd=folder.parent
     )
     if proc.returncode != 0:
         sys.stderr.write(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n")
@@ -160,14 +195,15 @@ def run(args: argparse.Namespace) -> int:
     scripts = sorted({t.script for t in TARGETS if args.only in (None, t.script) and t.runs_here})
     if not scripts:
         raise UsageError(f"no benchmark named {args.only!r}; have {sorted({t.script for t in TARGETS})}")
+    folder = find_benchmarks(getattr(args, "dir", None))
     docs: dict[str, dict[str, Any] | None] = {}
     for script in scripts:
         if not args.results:
             sys.stderr.write(f"running {script} ...\n")
-            docs[script] = run_script(script)
+            docs[script] = run_script(script, folder)
     for t in TARGETS:  # everything not run here comes from the committed results
         if args.only in (None, t.script) and (t.result not in docs):
-            path = REPO / "benchmarks" / "results" / t.result
+            path = folder / "results" / t.result
             docs.setdefault(t.result, json.loads(path.read_text()) if path.exists() else None)
     w = sys.stdout.write
     w(f"{'figure':<36} {'value':>12} {'target':>12}  ok\n")
