@@ -1,8 +1,8 @@
 """``agentloop inspect RUN``: a table of the rollouts (and app sessions) and one trajectory in colour.
 
 ``RUN`` is a training run folder (``store.db``), the SQLite file ``agentloop serve --store`` wrote
-(``agentloop-serve.db``; its sessions are read from ``agentloop-serve.sessions.jsonl`` beside it), a
-folder holding one such file, or a session log itself.
+(``agentloop-serve.db``: its app sessions are in it, beside the rollouts), or a folder holding one
+such file.
 
 In the trajectory, the prompt is dim, tokens the model produced (trained, mask 1) are green, and
 tokens it did not produce (tool output, later user turns: mask 0) are yellow. For a training rollout
@@ -27,7 +27,7 @@ from typing import Any
 
 import anyio
 
-from agentloop.proxy.sessions import SESSION_LOG_SUFFIX, SessionRecord, read_session_log, session_log_path
+from agentloop.proxy.sessions import SessionRecord, read_saved_sessions
 from agentloop.types import LLMCall, Reward, Rollout, Span, Triplet
 
 DIM, GREEN, YELLOW, BOLD, RESET = "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[1m", "\x1b[0m"
@@ -71,31 +71,20 @@ class InspectError(Exception):
     """A path or id that ``inspect`` cannot use; the message says what to give instead."""
 
 
-def locate(path: Path) -> tuple[Path | None, Path | None]:
-    """The SQLite store and the session log that ``path`` names (either may be None, not both)."""
-    db: Path | None
+def locate(path: Path) -> Path:
+    """The SQLite store that ``path`` names: the file itself, or the one store in the folder."""
     if path.is_file():
-        if path.name.endswith(SESSION_LOG_SUFFIX):
-            beside = path.with_name(path.name.removesuffix(SESSION_LOG_SUFFIX) + ".db")
-            return (beside if beside.is_file() else None), path
-        log = session_log_path(path)
-        return path, (log if log.is_file() else None)
+        return path
     if not path.is_dir():
         raise InspectError(f"{path} does not exist; give a run folder or the store `agentloop serve` wrote")
     if (path / "store.db").is_file():
-        db = path / "store.db"
-    else:
-        dbs = sorted(path.glob("*.db"))
-        if len(dbs) > 1:
-            names = ", ".join(d.name for d in dbs)
-            raise InspectError(f"{path} holds several stores ({names}); give one of them")
-        db = dbs[0] if dbs else None
-    if db is not None:
-        log = session_log_path(db)
-        return db, (log if log.is_file() else None)
-    logs = sorted(path.glob("*" + SESSION_LOG_SUFFIX))
-    if len(logs) == 1:
-        return None, logs[0]
+        return path / "store.db"
+    dbs = sorted(path.glob("*.db"))
+    if len(dbs) > 1:
+        names = ", ".join(d.name for d in dbs)
+        raise InspectError(f"{path} holds several stores ({names}); give one of them")
+    if dbs:
+        return dbs[0]
     raise InspectError(
         f"{path} has no store.db; give a run folder written by training, or the store file "
         "`agentloop serve` wrote (agentloop-serve.db by default, in the folder it ran in)"
@@ -192,10 +181,9 @@ async def trajectory(
 ) -> tuple[list[Triplet], Rollout, list[float | None]]:
     """The rollout's calls merged for display, the rollout, and each call's advantage (None when the
     trainer would not train on it, or the rollout is not a training rollout)."""
-    from agentloop.adapter import spans_to_triplets, triplets_for_rollouts
+    from agentloop.adapter import merge_turns, spans_to_triplets, triplets_for_rollouts
     from agentloop.types import RolloutStatus
     from trainer import TrainerConfig, sample_advantages  # the CLI is where agentloop reaches the trainer
-    from trainer.batch import merge_trajectory
 
     config = _config(run_dir)
     store = ReadOnlyStore(db if db is not None else run_dir / "store.db")
@@ -229,7 +217,7 @@ async def trajectory(
                 ]
     finally:
         await store.close()
-    return merge_trajectory(calls), rollout, advantages
+    return merge_turns(calls), rollout, advantages
 
 
 def render(tokenizer: Any, triplet: Triplet, color: bool) -> str:
@@ -262,26 +250,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    db, log = locate(args.run_dir)
-    run_dir = db.parent if db is not None else args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
-    rows = anyio.run(collect, db) if db is not None else []
-    server, sessions = read_session_log(log) if log is not None else ({}, [])
+    db = locate(args.run_dir)
+    run_dir = db.parent
+    rows = anyio.run(collect, db)
+    try:
+        server, sessions = read_saved_sessions(db)
+    except sqlite3.DatabaseError as exc:
+        raise InspectError(f"{db} is not an agentloop store ({exc})") from None
     color = not args.no_color and sys.stdout.isatty()
     w = sys.stdout.write
-    if db is not None:
-        w(f"{len(rows)} rollouts in {db if db.name != 'store.db' else run_dir}\n")
-        w(f"{'rollout':<14} {'mode':<5} {'status':<10} {'attempts':>8} {'calls':>5} {'reward':>7}  input\n")
-        for rollout, reward, calls in rows[-args.limit :]:
-            shown = json.dumps(rollout.input)[:60]
-            r = "-" if reward is None else f"{reward:.3f}"
-            rid = printable(rollout.rollout_id[:13])
-            w(
-                f"{rid:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
-            )
+    w(f"{len(rows)} rollouts in {db if db.name != 'store.db' else run_dir}\n")
+    w(f"{'rollout':<14} {'mode':<5} {'status':<10} {'attempts':>8} {'calls':>5} {'reward':>7}  input\n")
+    for rollout, reward, calls in rows[-args.limit :]:
+        shown = json.dumps(rollout.input)[:60]
+        r = "-" if reward is None else f"{reward:.3f}"
+        rid = printable(rollout.rollout_id[:13])
+        w(
+            f"{rid:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
+        )
     session_rewards = {rec.session_id: _session_reward(rec) for rec in sessions}
-    if log is not None:
+    if server or sessions:
         served = printable(str(server.get("model", "?")))
-        w(f"{len(sessions)} app sessions in {log} (served model {served})\n")
+        w(f"{len(sessions)} app sessions in {db} (served model {served})\n")
         w(f"{'session':<22} {'calls':>5} {'reward':>7}  first message\n")
         for rec in sessions[-args.limit :]:
             reward = session_rewards[rec.session_id]
@@ -317,13 +307,12 @@ def _run(args: argparse.Namespace) -> int:
         )
     (match,) = matches
     if match in session_rewards:
-        from agentloop.adapter import spans_to_triplets
-        from trainer.batch import merge_trajectory  # the CLI is where agentloop reaches the trainer
+        from agentloop.adapter import merge_turns, spans_to_triplets
 
         rec = next(r for r in sessions if r.session_id == match)
         session_calls = spans_to_triplets(_session_spans(rec)).triplets
         advantages: list[float | None] = [None] * len(session_calls)  # no groups outside training
-        triplets, title = merge_trajectory(session_calls), f"session {printable(match)}"
+        triplets, title = merge_turns(session_calls), f"session {printable(match)}"
         model = args.model or server.get("tokenizer") or server.get("model")
     else:
         triplets, _, advantages = anyio.run(trajectory, run_dir, match, db)
