@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import functools
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from enum import StrEnum
 from typing import Any
 
@@ -106,7 +106,7 @@ class EmbeddedServer:
         backlog: int = 4096,
         keep_alive_s: float = 30.0,
         graceful_s: float = 5.0,
-        background: Callable[[], Awaitable[None]] | None = None,
+        background: Callable[[], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import anyio
+
 from agentloop.resources import Resources
 from agentloop.types import (
     JSON,
@@ -85,3 +87,13 @@ class Store(Protocol):
     async def check_timeouts(self) -> list[Attempt]: ...
 
     async def close(self) -> None: ...
+
+
+class RolloutWaiter:
+    """One ``wait_for_rollouts`` call: the ids still pending and an event set when none are."""
+
+    __slots__ = ("event", "pending")
+
+    def __init__(self, pending: set[str]) -> None:
+        self.pending = pending
+        self.event = anyio.Event()

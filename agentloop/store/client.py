@@ -28,7 +28,7 @@ from agentloop.resources import Resources
 from agentloop.store import state
 from agentloop.store._keys import Key, plain_key
 from agentloop.store._wire import WireError, WirePool
-from agentloop.store.memory import (
+from agentloop.store.state import (
     parse_error,
     parse_ids,
     parse_limit,

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import anyio
-from pydantic import TypeAdapter, ValidationError
 
-from agentloop.errors import InvalidRequestError, NotFoundError
-from agentloop.resources import LLM, ProxyLLM, Resource, Resources
+from agentloop.errors import NotFoundError
+from agentloop.resources import Resources
 from agentloop.store import state
+from agentloop.store.base import RolloutWaiter
+from agentloop.store.state import (
+    parse_error,
+    parse_ids,
+    parse_limit,
+    parse_resources,
+    parse_span,
+    parse_statuses,
+    parse_version,
+)
 from agentloop.types import (
     JSON,
     Attempt,
@@ -24,115 +32,6 @@ from agentloop.types import (
     RolloutStatus,
     Span,
 )
-
-
-class _Waiter:
-    """One ``wait_for_rollouts`` call: the ids still pending and an event set when none are."""
-
-    __slots__ = ("event", "pending")
-
-    def __init__(self, pending: set[str]) -> None:
-        self.pending = pending
-        self.event = anyio.Event()
-
-
-def parse_ids(rollout_ids: Any) -> list[str]:
-    if isinstance(rollout_ids, str) or not isinstance(rollout_ids, list | tuple):
-        raise InvalidRequestError(f"rollout_ids must be a list of ids, got {type(rollout_ids).__name__}")
-    return list(dict.fromkeys(state.require_id("rollout_ids[]", rid) for rid in rollout_ids))
-
-
-def parse_statuses(status: Any) -> set[RolloutStatus] | None:
-    if status is None:
-        return None
-    if isinstance(status, str) or not isinstance(status, list | tuple | set):
-        raise InvalidRequestError(f"status must be a list of rollout statuses, got {type(status).__name__}")
-    try:
-        return {RolloutStatus(s) for s in status}
-    except ValueError:
-        allowed = [s.value for s in RolloutStatus]
-        raise InvalidRequestError(
-            f"status entries must be among {allowed}, got {list(status)!r:.120}"
-        ) from None
-
-
-def parse_limit(limit: Any) -> int | None:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise InvalidRequestError(f"limit must be an int >= 0 or None, got {limit!r:.80}")
-    return limit
-
-
-_RESOURCES_SHAPE = (
-    "a Resources, or a mapping of names to resources such as "
-    "{'main_llm': LLM(base_url='http://host/v1', model='m')} (LLM or ProxyLLM values)"
-)
-_RESOURCE = TypeAdapter(Resource)
-
-
-def _is_resource(value: Any) -> bool:
-    return isinstance(value, LLM | ProxyLLM) or (isinstance(value, Mapping) and "resource_type" in value)
-
-
-def _resource_problem(value: Any, exc: ValidationError) -> str:
-    if not isinstance(value, Mapping):
-        return f"got {type(value).__name__}: {value!r:.80}"
-    error = exc.errors()[0]
-    if error["type"] == "union_tag_not_found":
-        return f"the dict has no resource_type (keys: {sorted(map(str, value))})"
-    field = ".".join(str(part) for part in error["loc"][1:])  # loc[0] is the resource_type tag
-    return f"{field}: {error['msg']}" if field else str(error["msg"])
-
-
-def parse_resources(resources: Any) -> Resources:
-    """``resources`` as a Resources: given as one; as a mapping of names to LLM / ProxyLLM (or their dicts,
-    ``resource_type`` included), as Agent Lightning's ``add_resources({"main_llm": LLM(...)})``; or as a
-    Resources-shaped dict (``{"items": {...}}``, what JSON gives). Anything else is an InvalidRequestError
-    that shows the expected shape."""
-    if isinstance(resources, Resources):
-        return resources
-    if not isinstance(resources, Mapping):
-        raise InvalidRequestError(
-            f"resources must be {_RESOURCES_SHAPE}; got {type(resources).__name__}: {resources!r:.80}"
-        )
-    if not all(_is_resource(v) for v in resources.values()) and set(resources) <= set(Resources.model_fields):
-        return Resources.model_validate(dict(resources))  # {"items": {...}, "version": ...}
-    items: dict[str, LLM | ProxyLLM] = {}
-    for name, value in resources.items():
-        if not isinstance(name, str):
-            raise InvalidRequestError(
-                f"resources must be {_RESOURCES_SHAPE}; got the key {name!r:.80} ({type(name).__name__})"
-            )
-        try:
-            items[name] = _RESOURCE.validate_python(value)
-        except ValidationError as exc:
-            problem = _resource_problem(value, exc)
-            raise InvalidRequestError(
-                f"resources[{name!r}] must be an LLM or ProxyLLM (or a dict with resource_type 'llm' or "
-                f"'proxy_llm'): {problem}; resources must be {_RESOURCES_SHAPE}"
-            ) from None
-    return Resources(items=items)
-
-
-def parse_version(version: Any) -> int:
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise InvalidRequestError(f"version must be an int, got {version!r:.80}")
-    return version
-
-
-def parse_span(span: Any) -> Span:
-    if isinstance(span, Span):
-        return span
-    if isinstance(span, dict):
-        return Span.model_validate(span)
-    raise InvalidRequestError(f"span must be a Span or dict, got {type(span).__name__}")
-
-
-def parse_error(error: Any) -> ErrorInfo | None:
-    if error is None or isinstance(error, ErrorInfo):
-        return error
-    if isinstance(error, dict):
-        return ErrorInfo.model_validate(error)
-    raise InvalidRequestError(f"error must be an ErrorInfo, dict or None, got {type(error).__name__}")
 
 
 class MemoryStore:
@@ -149,7 +48,7 @@ class MemoryStore:
         self._queue: dict[str, None] = {}  # an ordered set: FIFO of rollout ids
         self._resources: list[Resources] = []
         self._watched: dict[str, tuple[str, float]] = {}  # attempt_id -> (rollout_id, watchdog deadline)
-        self._waiters: dict[str, list[_Waiter]] = {}
+        self._waiters: dict[str, list[RolloutWaiter]] = {}
 
     # ------------------------------------------------------------ internals
 
@@ -325,7 +224,7 @@ class MemoryStore:
         ids, timeout = parse_ids(rollout_ids), state.require_timeout(timeout)
         async with self._lock:
             pending = {rid for rid in ids if not self._rollout(rid).status.is_terminal}
-            waiter = _Waiter(pending)
+            waiter = RolloutWaiter(pending)
             if pending and timeout > 0:
                 for rid in pending:
                     self._waiters.setdefault(rid, []).append(waiter)

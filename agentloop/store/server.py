@@ -101,7 +101,6 @@ class ListBody(_Body):
     limit: int | None = Field(None, ge=0)
 
 
-
 class _HTTPError(Exception):
     def __init__(self, status: int, type_: str, message: str) -> None:
         super().__init__(message)

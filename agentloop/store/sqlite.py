@@ -34,8 +34,9 @@ import structlog
 from agentloop.errors import AgentLoopError, InvalidRequestError, NotFoundError
 from agentloop.resources import Resources
 from agentloop.store import state
-from agentloop.store.memory import (
-    _Waiter,
+from agentloop.store.base import RolloutWaiter
+from agentloop.store.sessions import SCHEMA as SESSION_SCHEMA
+from agentloop.store.state import (
     parse_error,
     parse_ids,
     parse_limit,
@@ -44,7 +45,6 @@ from agentloop.store.memory import (
     parse_statuses,
     parse_version,
 )
-from agentloop.store.sessions import SCHEMA as SESSION_SCHEMA
 from agentloop.types import (
     JSON,
     Attempt,
@@ -209,7 +209,7 @@ class SQLiteStore:
         self._worker = _Worker(str(path), synchronous, busy_timeout_s, max_batch=512)
         self._worker.start()
         self._closed = False
-        self._waiters: dict[str, list[_Waiter]] = {}
+        self._waiters: dict[str, list[RolloutWaiter]] = {}
         self._resources_cache: Resources | None = None  # read by the worker thread only
 
     async def _call(self, op: Op[T], mode: int = _DURABLE) -> T:
@@ -470,7 +470,7 @@ class SQLiteStore:
         seconds passed (0: at once). Wakes on this process's commits at once, and every
         ``poll_interval_s`` to see other processes' writes and run the watchdog."""
         ids, timeout = parse_ids(rollout_ids), state.require_timeout(timeout)
-        waiter = _Waiter(set(ids))
+        waiter = RolloutWaiter(set(ids))
         for rid in ids:  # registered before reading, so no commit in between is missed
             self._waiters.setdefault(rid, []).append(waiter)
         try:
