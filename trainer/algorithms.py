@@ -16,14 +16,17 @@ return) is compared with them. Without ``attempt_index`` each row is its own att
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
 from agentloop.errors import ConfigError
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "attempt-mean-token-mean")
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# the names are defined here once; trainer/config.py types its fields with these Literals
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "attempt-mean-token-mean"]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need several samples per group
 
 

@@ -20,14 +20,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agentloop.adapter import Strategy
 from agentloop.errors import ConfigError
 from agentloop.http_limits import is_loopback
 from agentloop.keys import KeyRef
-from trainer.algorithms import GROUP_ESTIMATORS, known_adv_estimators, known_policy_losses
+from trainer.algorithms import (
+    GROUP_ESTIMATORS,
+    KLKind,
+    LossAggMode,
+    known_adv_estimators,
+    known_policy_losses,
+)
 from trainer.rollout_correction import RolloutCorrectionConfig
 
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "attempt-mean-token-mean"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
@@ -360,7 +365,7 @@ class RunConfig(_Section):
 
 
 class AdapterConfig(_Section):
-    credit_assignment: Literal["identical", "per_call"] = Field(
+    credit_assignment: Strategy = Field(
         default="identical",
         description="identical: every call gets the final reward; per_call: its own reward.",
     )

@@ -59,6 +59,26 @@ def test_unknown_key_names_the_closest_valid_one_and_the_path() -> None:
         TrainerConfig.from_dict({"critic": {"ppo_epochs": 1}})
 
 
+@pytest.mark.parametrize(
+    ("key", "names"),
+    [
+        ("algorithm.kl_penalty", algorithms.KL_KINDS),
+        ("actor_rollout_ref.actor.kl_loss_type", algorithms.KL_KINDS),
+        ("actor_rollout_ref.actor.loss_agg_mode", algorithms.LOSS_AGG_MODES),
+    ],
+)
+def test_kl_and_aggregation_names_are_the_algorithms_own(key: str, names: tuple[str, ...]) -> None:
+    # the config's Literal types are the ones trainer/algorithms.py defines: every name is accepted,
+    # and a wrong one is refused with the list of valid names
+    for name in names:
+        TrainerConfig().with_overrides([f"{key}={name}"])
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig().with_overrides([f"{key}=nope"])
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: Input should be ") and msg.endswith("; got 'nope'"), msg
+    assert all(f"'{name}'" in msg for name in names), msg
+
+
 def test_bad_values_name_the_key_and_what_is_allowed() -> None:
     with pytest.raises(ConfigError) as e:
         TrainerConfig.from_dict(
