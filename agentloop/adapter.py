@@ -31,13 +31,15 @@ An attempt without any Reward span yields triplets with ``reward=None`` and is c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
 from agentloop.logging import get_logger
-from agentloop.store.base import Store
 from agentloop.types import LLMCall, Reward, Rollout, RolloutStatus, Span, Triplet
+
+if TYPE_CHECKING:  # the trainer imports this module: keep the store backends out of its imports
+    from agentloop.store.base import Store
 
 log = get_logger("agentloop.adapter")
 
