@@ -40,14 +40,15 @@ if TYPE_CHECKING:  # the real names for type checkers and IDEs; at run time __ge
     from agentloop.agent import Agent, emit_reward, rollout
     from agentloop.client import async_openai_client, openai_client
     from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
-    from agentloop.engine.models import load_engine
+    from agentloop.engine.factory import load_engine
     from agentloop.logging import configure_logging
     from agentloop.proxy import Proxy
     from agentloop.resources import LLM, ProxyLLM, Resources
     from agentloop.runner import Runner
     from agentloop.store.base import Store
-    from agentloop.store.http import StoreClient, StoreServer
+    from agentloop.store.client import StoreClient
     from agentloop.store.memory import MemoryStore
+    from agentloop.store.server import StoreServer
     from agentloop.store.sqlite import SQLiteStore
     from agentloop.tools import BaseTool, ToolResponse, function_tool
     from agentloop.tools.agent import ToolAgent
@@ -163,7 +164,7 @@ _LAZY: dict[str, str] = {
     "InferenceEngine": "agentloop.engine.base",
     "SamplingParams": "agentloop.engine.base",
     "TokenOutput": "agentloop.engine.base",
-    "load_engine": "agentloop.engine.models",
+    "load_engine": "agentloop.engine.factory",
     "Proxy": "agentloop.proxy",
     "openai_client": "agentloop.client",
     "async_openai_client": "agentloop.client",

@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
+from agentloop.device import pick_device
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.models import pick_device, resolve_model
+from agentloop.engine.models import resolve_model
 from agentloop.engine.torch_engine import TorchEngine
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
@@ -323,7 +324,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     if n_procs < 0:
         raise SystemExit(f"--agent-procs must be >= 0 (0: agents in this process), got {args.agent_procs}")
     if args.backend == "vllm":
-        from agentloop.engine.models import load_engine
+        from agentloop.engine.factory import load_engine
 
         device, dtype_name = "cuda", "bfloat16"
         engine: Any = load_engine(str(path), device="cuda", backend="vllm", dtype="bfloat16",

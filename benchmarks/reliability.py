@@ -49,7 +49,7 @@ def run_tests(report: Path) -> tuple[int, list[dict[str, Any]]]:
 async def load(agents: int, turns: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from agentloop.engine.models import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(Path(tmp) / "tiny"))

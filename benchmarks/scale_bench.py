@@ -44,7 +44,7 @@ def _model(args: argparse.Namespace) -> str:
         from random_model import build_random_model
 
         return str(build_random_model("qwen2-0.5b"))
-    from agentloop.engine.models import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     return str(build_tiny_model(Path(tempfile.gettempdir()) / "agentloop-scale-bench-tiny"))
 

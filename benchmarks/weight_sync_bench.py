@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu
 from random_model import RANDOM_CONFIGS, build_random_model
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.models import load_engine
+from agentloop.engine.factory import load_engine
 from agentloop.engine.vllm_engine import logprob_gap, reference_logprobs
 
 

@@ -132,7 +132,7 @@ def train(args: argparse.Namespace, agent: Any, tasks: Sequence[Any]) -> dict[st
 
 def run_cli(args: argparse.Namespace, agent: Any, tasks: Sequence[Any]) -> dict[str, Any]:
     """Load the engine, run the rollouts and print the summary as JSON (what the scripts call)."""
-    from agentloop.engine.models import load_engine
+    from agentloop.engine.factory import load_engine
 
     if args.rollouts < 1:
         raise SystemExit(f"--rollouts must be >= 1, got {args.rollouts}")

@@ -51,6 +51,6 @@ def ray_local() -> Iterator[None]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised Llama of SmolLM2's architecture (2 small layers) with the real
     SmolLM2 tokenizer and chat template, saved as a Hugging Face folder."""
-    from agentloop.engine.models import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

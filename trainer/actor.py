@@ -53,9 +53,11 @@ log = structlog.get_logger("agentloop.trainer.actor")
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """agentloop.device.pick_device as a torch.device, without its CUDA check (the driver names the
+    device of Ray workers that may run on another machine)."""
+    from agentloop.device import pick_device
+
+    return torch.device(pick_device(name, check=False))
 
 
 def load_policy(path: str | Path, device: torch.device) -> nn.Module:

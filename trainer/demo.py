@@ -232,7 +232,8 @@ def fit_and_save(
     Returns the FitResult, the seconds loading took and the seconds training took."""
     import anyio
 
-    from agentloop.engine.models import load_engine, resolve_model
+    from agentloop.engine.factory import load_engine
+    from agentloop.engine.models import resolve_model
     from trainer.ray_trainer import Trainer
 
     t_start = time.perf_counter()

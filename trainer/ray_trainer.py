@@ -211,7 +211,8 @@ class Trainer:
     ) -> FitResult:
         from secrets import token_urlsafe
 
-        from agentloop.engine.models import load_engine, resolve_model
+        from agentloop.engine.factory import load_engine
+        from agentloop.engine.models import resolve_model
         from agentloop.proxy import Proxy
         from agentloop.store.sqlite import SQLiteStore
 

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from agentloop.engine.models import load_engine
+    from agentloop.engine.factory import load_engine
     from agentloop.proxy import Proxy
     from agentloop.store.sqlite import SQLiteStore
 

@@ -1,4 +1,4 @@
-"""Token-level inference engines: the contract, the default torch engine and model resolution.
+"""Token-level inference engines: the contract, the default torch engine, model resolution and the factory.
 
 ``VLLMEngine`` (optional extra ``agentloop[vllm]``) is imported lazily, on first access.
 """
@@ -6,7 +6,8 @@
 from typing import Any
 
 from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
-from agentloop.engine.models import load_engine, resolve_model
+from agentloop.engine.factory import load_engine
+from agentloop.engine.models import resolve_model
 from agentloop.engine.torch_engine import TorchEngine
 
 __all__ = [

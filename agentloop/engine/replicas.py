@@ -50,7 +50,7 @@ class EngineReplica:
     def __init__(
         self, model_path: str, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None
     ) -> None:
-        from agentloop.engine.models import load_engine
+        from agentloop.engine.factory import load_engine
 
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray's CUDA_VISIBLE_DEVICES shows this actor its own GPU

@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve(model: str) -> str:
-    from agentloop.engine.models import build_tiny_model, resolve_model
+    from agentloop.engine.models import resolve_model
+    from tests.tiny_model import build_tiny_model
 
     if model == "tiny":
         return str(build_tiny_model(Path(tempfile.gettempdir()) / "agentloop-grpo-two-steps-tiny"))
@@ -70,7 +71,7 @@ def resolve(model: str) -> str:
 
 
 def make_engine(args: argparse.Namespace, model_path: str) -> Any:
-    from agentloop.engine.models import load_engine
+    from agentloop.engine.factory import load_engine
 
     if args.backend == "vllm":  # vLLM is imported only here
         engine = load_engine(model_path, device="cuda", backend="vllm", dtype=args.dtype,

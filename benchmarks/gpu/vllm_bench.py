@@ -31,7 +31,7 @@ async def bench_vllm(path: Path, args: Any) -> dict[str, Any]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from agentloop.engine.base import SamplingParams
-    from agentloop.engine.models import load_engine
+    from agentloop.engine.factory import load_engine
 
     n, m = args.prompts, args.new_tokens
     t0 = time.perf_counter()

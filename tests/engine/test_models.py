@@ -1,17 +1,15 @@
-"""Model resolution, the tiny test model, load_engine and (slow) the real SmolLM2 end to end."""
+"""Model resolution (agentloop.engine.models) and the tiny test model built on it (tests/tiny_model.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 
 from agentloop.engine import models
-from agentloop.engine.base import SamplingParams
-from agentloop.engine.models import build_tiny_model, cache_root, load_engine, resolve_model
-from agentloop.engine.torch_engine import TorchEngine
-from agentloop.errors import EngineError, ModelResolutionError
+from agentloop.engine.models import cache_root, resolve_model
+from agentloop.errors import ModelResolutionError
+from tests.tiny_model import build_tiny_model
 
 
 def test_tiny_model_has_smollm2_tokenizer_and_template(tiny_model_dir: Path) -> None:
@@ -82,46 +80,3 @@ def test_cache_dir_env_and_atomic_write(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert not target.exists() and list(target.parent.iterdir()) == []
     models._atomic_dir(target, lambda out: (out / "ok").write_text("1"))
     assert (target / "ok").read_text() == "1"
-
-
-async def test_load_engine(tiny_model_dir: Path) -> None:
-    eng = load_engine(str(tiny_model_dir), device="auto", max_batch_size=4)
-    assert isinstance(eng, TorchEngine)
-    try:
-        with anyio.fail_after(30):
-            out = await eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        assert len(out.token_ids) == 3
-    finally:
-        await eng.stop()
-    with pytest.raises(ValueError, match="backend"):
-        load_engine(str(tiny_model_dir), backend="onnx")
-    with pytest.raises(ValueError, match="device"):
-        load_engine(str(tiny_model_dir), device="tpu")
-
-
-def test_vllm_backend_without_vllm(tiny_model_dir: Path) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here")
-    with pytest.raises(EngineError, match="vllm"):
-        load_engine(str(tiny_model_dir), backend="vllm")
-
-
-@pytest.mark.slow
-async def test_real_smollm2_end_to_end() -> None:
-    eng = load_engine("smollm2-135m-instruct", device="cpu")
-    try:
-        tok = eng.tokenizer
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}],
-            add_generation_prompt=True,
-            return_dict=False,
-        )
-        with anyio.fail_after(120):
-            out = await eng.generate(list(ids), SamplingParams(temperature=0, max_tokens=24))
-        text = tok.decode(out.token_ids, skip_special_tokens=True)
-        assert "Paris" in text, text
-        assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
-    finally:
-        await eng.stop()

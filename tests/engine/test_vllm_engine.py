@@ -128,7 +128,7 @@ async def test_weights_version_moves_before_generation_resumes() -> None:
 
 def test_lazy_export_and_missing_vllm(tiny_model_dir: Path) -> None:
     from agentloop.engine import VLLMEngine
-    from agentloop.engine.models import load_engine
+    from agentloop.engine.factory import load_engine
 
     assert VLLMEngine.__name__ == "VLLMEngine"
     if vllm_available():

@@ -12,7 +12,7 @@ import pytest
 
 from agentloop.adapter import merge_turns, triplets_for_rollouts
 from agentloop.agent import emit_reward
-from agentloop.engine.models import load_engine
+from agentloop.engine.factory import load_engine
 from agentloop.errors import ToolDefinitionError
 from agentloop.proxy.server import Proxy
 from agentloop.resources import Resources
