@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -97,3 +98,8 @@ class Resources(_Resource):
         if not llms:
             raise KeyError(f"resources version {self.version} hold no LLM; have {sorted(self.items)}")
         return next(iter(llms.values()))
+
+
+# What add_resources takes: a Resources, or a mapping of names to resources (Agent Lightning's
+# ``add_resources({"main_llm": LLM(...)})``); dicts of the same shapes are accepted at run time too.
+ResourcesLike = Resources | Mapping[str, LLM | ProxyLLM]

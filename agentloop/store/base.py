@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import anyio
 
-from agentloop.resources import Resources
+from agentloop.resources import Resources, ResourcesLike
 from agentloop.types import (
     JSON,
     Attempt,
@@ -78,7 +78,7 @@ class Store(Protocol):
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float) -> list[Rollout]: ...
 
-    async def add_resources(self, resources: Resources) -> int: ...
+    async def add_resources(self, resources: ResourcesLike) -> int: ...
 
     async def get_latest_resources(self) -> Resources | None: ...
 

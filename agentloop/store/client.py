@@ -24,7 +24,7 @@ from agentloop.errors import (
     StaleAttemptError,
     StoreUnavailableError,
 )
-from agentloop.resources import Resources
+from agentloop.resources import Resources, ResourcesLike
 from agentloop.store import state
 from agentloop.store._keys import Key, plain_key
 from agentloop.store._wire import WireError, WirePool
@@ -215,7 +215,7 @@ class StoreClient:
     async def check_timeouts(self) -> list[Attempt]:
         return ATTEMPT_LIST.validate_json(await self._request("POST", "/v1/check_timeouts", {}))
 
-    async def add_resources(self, resources: Resources) -> int:
+    async def add_resources(self, resources: ResourcesLike) -> int:
         parsed = parse_resources(resources)
         data = await self._request("POST", "/v1/resources", parsed.model_dump(mode="json"))
         return int(TypeAdapter(dict[str, int]).validate_json(data)["version"])

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import anyio
 
 from agentloop.errors import NotFoundError
-from agentloop.resources import Resources
+from agentloop.resources import Resources, ResourcesLike
 from agentloop.store import state
 from agentloop.store.base import RolloutWaiter
 from agentloop.store.state import (
@@ -258,7 +258,7 @@ class MemoryStore:
 
     # ------------------------------------------------------------ resources
 
-    async def add_resources(self, resources: Resources) -> int:
+    async def add_resources(self, resources: ResourcesLike) -> int:
         parsed = parse_resources(resources)
         async with self._lock:
             version = len(self._resources) + 1

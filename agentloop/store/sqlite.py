@@ -32,7 +32,7 @@ import anyio
 import structlog
 
 from agentloop.errors import AgentLoopError, InvalidRequestError, NotFoundError
-from agentloop.resources import Resources
+from agentloop.resources import Resources, ResourcesLike
 from agentloop.store import state
 from agentloop.store.base import RolloutWaiter
 from agentloop.store.sessions import SCHEMA as SESSION_SCHEMA
@@ -502,7 +502,7 @@ class SQLiteStore:
 
     # ------------------------------------------------------------ resources
 
-    async def add_resources(self, resources: Resources) -> int:
+    async def add_resources(self, resources: ResourcesLike) -> int:
         parsed = parse_resources(resources)
 
         def op(conn: sqlite3.Connection) -> tuple[int, list[str]]:
