@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/agentloop demo
 
-test: $(STAMP)
-	$(BIN)/ruff check .
+# CI gate (.ci/run): lint first (ruff check, ruff format --check, mypy), then every test but `slow`.
+test: lint
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=15  # under 15 min on 2 cores
 
 test-slow: $(STAMP)
@@ -31,6 +31,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/agentloop bench
 
+# The same checks as .pre-commit-config.yaml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
