@@ -46,7 +46,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -100,6 +100,7 @@ class TorchEngine:
     the weights (about 2.4x their size). ``max_prefill_tokens``: most
     (padded) tokens one batched prefill forward takes. ``stall_warning_s``: a request older than
     this is logged with its state (``engine.slow_request``), and failed if the engine no longer holds it.
+    ``clock``: the monotonic seconds that request ages are measured in (tests pass a fake one).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class TorchEngine:
         cpu_decoder: bool = True,
         max_prefill_tokens: int = 8192,
         stall_warning_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,6 +154,7 @@ class TorchEngine:
         )
         self._max_prefill_tokens = max_prefill_tokens
         self._stall_warning_s = stall_warning_s
+        self._clock = clock
         self._next_watch = 0.0
         self._runner = ModelRunner(
             self._model,
@@ -231,7 +234,9 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         end_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
-        req = _Request(rid, prompt, sampling, loop.create_future(), loop, seed, end_ids)
+        req = _Request(
+            rid, prompt, sampling, loop.create_future(), loop, seed, end_ids, added_at=self._clock()
+        )
         await self.start()
         self._inflight[rid] = req
         self._inbox.put(("add", req))
@@ -294,7 +299,7 @@ class TorchEngine:
                 for kind, arg in cmds:
                     self._command(kind, arg)
                 self._step()
-                now = time.monotonic()
+                now = self._clock()
                 if now >= self._next_watch:
                     self._next_watch = now + min(1.0, self._stall_warning_s / 2)
                     self._watch(now)
