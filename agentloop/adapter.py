@@ -19,8 +19,10 @@ Strategies (``strategy=``):
 
 Every triplet's metadata names its attempt (``rollout_id``, ``attempt_id``, ``call_index``, ``num_calls``),
 the attempt's total reward (``attempt_reward``: the sum of its Reward spans, whatever the strategy; the
-trainer's group baselines give each attempt one vote with it) and the sampling ``temperature`` the call
-was made with (the trainer computes log-probs at that temperature).
+trainer's group baselines give each attempt one vote with it), the call's own reward (``call_reward``:
+the Reward spans that follow it before the next call, whatever the strategy; a value model's GAE places
+it on the call's last token and bootstraps across turns) and the sampling ``temperature`` the call was
+made with (the trainer computes log-probs at that temperature).
 
 An attempt without any Reward span yields triplets with ``reward=None`` and is counted in
 ``stats.attempts_without_reward``. LLM calls without token ids (an error such as
@@ -181,6 +183,10 @@ def spans_to_triplets(
             rewards.append((len(calls) - 1, span.payload.value))
     values, early = _assign(len(calls), rewards, strategy, gamma)
     attempt_reward = sum(v for _, v in rewards) if rewards else None
+    own = [0.0] * len(calls)  # each call's own rewards (the spans after it), whatever the strategy
+    for owner, value in rewards:
+        if calls:
+            own[min(max(owner, 0), len(calls) - 1)] += value
     stats = AdapterStats(
         rollouts=1,
         spans=len(ordered),
@@ -213,6 +219,7 @@ def spans_to_triplets(
             "weights_version": call.weights_version,
             "finish_reason": call.finish_reason,
             "attempt_reward": attempt_reward,
+            "call_reward": own[index] if rewards else None,
             "temperature": _temperature(call),
         }
         if rollout is not None:

@@ -146,6 +146,7 @@ def test_metadata_carries_ids_and_rollout_input() -> None:
         "weights_version": 7,
         "finish_reason": "stop",
         "attempt_reward": 1.0,  # the attempt's total: its one vote in a GRPO group
+        "call_reward": 1.0,  # the call's own reward: what GAE places on its last token
         "temperature": 0.7,  # what the trainer computes log-probs at
         "input": {"question": "2+2"},
         "mode": "val",

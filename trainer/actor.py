@@ -30,7 +30,7 @@ import structlog
 import torch
 from torch import nn
 
-from trainer.advantages import batch_advantages, loss_mask
+from trainer.advantages import attempt_gae, batch_advantages, loss_mask
 from trainer.algorithms import (
     agg_loss,
     attempt_row_weights,
@@ -42,6 +42,7 @@ from trainer.algorithms import (
 )
 from trainer.batch import Batch, split_by_groups, split_by_token_budget
 from trainer.config import TrainerConfig
+from trainer.critic import Critic
 from trainer.head import head_logprobs
 from trainer.rollout_correction import rollout_correction
 
@@ -114,6 +115,9 @@ class Actor:
             fused=self.device.type == "cuda",
         )
         self.step = 0
+        self.critic: Critic | None = None
+        if config.uses_critic:  # colocated with the policy, on the same device
+            self.critic = Critic(config, model_path, self.device, shared_prompts=self.shared_prompts)
 
     # ------------------------------------------------------------ forward passes
 
@@ -206,7 +210,12 @@ class Actor:
             if cfg.algorithm.use_kl_in_reward:
                 kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
                 metrics["actor/kl_in_reward"] = float(masked_mean(kl, mask.bool(), dim=-1).mean())
-        adv = batch_advantages(batch, cfg, kl)  # (B, R)
+        if self.critic is not None:  # PPO: values, GAE over each attempt, the critic fitted to the returns
+            values = self.critic.values(batch)  # (B, R)
+            adv, returns = attempt_gae(batch, values, cfg, kl)  # (B, R) each
+            metrics.update(self.critic.update(batch, values, returns, loss_mask(batch, cfg)))
+        else:
+            adv = batch_advantages(batch, cfg, kl)  # (B, R)
         batch.extras["advantages"] = adv
         metrics["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask.bool()))
         if batch.truncated is not None:
@@ -217,7 +226,9 @@ class Actor:
         sums: dict[str, float] = {}
         n_steps = 0
         self.model.train()
-        for _ in range(actor.ppo_epochs):
+        warming_up = self.critic is not None and self.step < cfg.trainer.critic_warmup
+        metrics["actor/critic_warmup"] = float(warming_up)  # the policy waits while the critic learns
+        for _ in range(0 if warming_up else actor.ppo_epochs):
             for mini in split_by_groups(batch, actor.ppo_mini_batch_size):
                 step_metrics = self._optimizer_step(mini)
                 for k, v in step_metrics.items():

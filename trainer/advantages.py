@@ -9,6 +9,13 @@ what its calls would get unmerged. The per-call advantages are then scattered ba
 
 ``sample_advantages(triplets, config)`` runs the same code on triplets, without a model, so users
 and tests can see what each sample will learn before training on it.
+
+With a value model (``gae``) the unit is the attempt, not the call: ``attempt_gae`` lays each
+attempt's calls end to end in call order (its model tokens only: tool results, later user turns and
+other masked tokens carry no value and no TD error, they are skipped as verl's multi-turn GAE skips
+observation tokens), places each call's own reward (``call_reward``) on the call's last token, and
+runs GAE over that one sequence, so the value after one turn bootstraps the turn before it. A call
+that truncation cut away hands its reward to the last token the attempt kept.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from agentloop.errors import ConfigError
 from agentloop.types import Triplet
-from trainer.algorithms import compute_advantage, scores_to_token_rewards
+from trainer.algorithms import compute_advantage, gae, scores_to_token_rewards
 from trainer.batch import Batch, build_batch
 from trainer.config import TrainerConfig
 
@@ -50,6 +57,68 @@ def batch_advantages(batch: Batch, config: TrainerConfig, kl: torch.Tensor | Non
         lam=algo.lam,
     )
     return calls.scatter(out.advantages, tuple(mask.shape)) * mask  # type: ignore[arg-type]
+
+
+def attempt_gae(
+    batch: Batch, values: torch.Tensor, config: TrainerConfig, kl: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) advantages (whitened over the batch's tokens) and returns (the critic's targets) by GAE
+    over each attempt's model tokens (module docstring); ``values`` (B, R) are the critic's, ``kl``
+    (B, R) a per-token penalty subtracted from the rewards (``use_kl_in_reward``). 0 off the mask."""
+    calls = batch.calls
+    if calls is None:
+        raise ValueError("GAE needs the batch build_batch made (a selection has no calls)")
+    mask = batch.response_mask.bool()  # (B, R)
+    shape = tuple(mask.shape)
+    flat, valid = calls.positions(shape[1])  # (C, L)
+    trainable = mask.reshape(-1)[flat] & valid  # (C, L): the call's tokens the mask keeps
+    attempt, source = calls.attempt.tolist(), calls.source.tolist()  # note: CPU-GPU sync on a GPU batch
+    streams: dict[int, list[torch.Tensor]] = {}
+    ends: dict[int, list[tuple[int, float]]] = {}  # attempt -> (offset of a call's last token, reward)
+    pending: dict[int, float] = {}  # rewards of calls with no token kept, for the next token kept
+    lengths: dict[int, int] = {}
+    for c in sorted(range(len(calls)), key=lambda c: (attempt[c], source[c])):
+        a = attempt[c]
+        idx = flat[c][trainable[c]]  # (n,)
+        reward = pending.pop(a, 0.0) + float(calls.step_reward[c])
+        if idx.numel() == 0:
+            pending[a] = reward
+            continue
+        streams.setdefault(a, []).append(idx)
+        lengths[a] = lengths.get(a, 0) + int(idx.numel())
+        ends.setdefault(a, []).append((lengths[a] - 1, reward))
+    for a, reward in pending.items():  # the attempt's last calls were cut away: its last kept token
+        if a in ends:
+            offset, before = ends[a][-1]
+            ends[a][-1] = (offset, before + reward)
+    order = list(streams)
+    if not order:
+        zeros = torch.zeros(shape, dtype=torch.float32, device=mask.device)
+        return zeros, zeros.clone()
+    width = max(lengths[a] for a in order)
+    index = torch.zeros((len(order), width), dtype=torch.long, device=mask.device)  # (A, L) flat (B*R)
+    tokens = torch.zeros((len(order), width), dtype=torch.bool, device=mask.device)  # (A, L)
+    rewards = torch.zeros((len(order), width), dtype=torch.float32, device=mask.device)  # (A, L)
+    for i, a in enumerate(order):
+        joined = torch.cat(streams[a])
+        index[i, : joined.numel()] = joined
+        tokens[i, : joined.numel()] = True
+        for offset, reward in ends[a]:
+            rewards[i, offset] += reward
+    if kl is not None:
+        rewards = rewards - config.algorithm.kl_ctrl.kl_coef * kl.reshape(-1)[index].masked_fill(~tokens, 0.0)
+    out = gae(
+        rewards,
+        tokens,
+        values=values.reshape(-1)[index].float(),
+        gamma=config.algorithm.gamma,
+        lam=config.algorithm.lam,
+    )
+    advantages = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=mask.device)
+    returns = torch.zeros_like(advantages)
+    advantages[index[tokens]] = out.advantages[tokens]
+    returns[index[tokens]] = out.returns[tokens]
+    return advantages.view(shape), returns.view(shape)
 
 
 def loss_mask(batch: Batch, config: TrainerConfig) -> torch.Tensor:

@@ -41,6 +41,7 @@ class Calls:
     start: torch.Tensor  # (C,) long
     length: torch.Tensor  # (C,) long, after truncation (0 when truncation cut the call away)
     reward: torch.Tensor  # (C,) float32, the call's return from the adapter's credit assignment
+    step_reward: torch.Tensor  # (C,) float32, the call's own reward (GAE's per-turn reward)
     group: torch.Tensor  # (C,) long, the task group (the attempts at one task in one step)
     attempt: torch.Tensor  # (C,) long, the attempt the call belongs to (numbered within the batch)
     attempt_reward: torch.Tensor  # (C,) float32, the attempt's total reward: its one vote in the group
@@ -189,7 +190,8 @@ def _group_key(metadata: dict[str, Any]) -> str | None:
 class _Span:
     start: int  # first response column of the call's own tokens in its row
     length: int
-    reward: float
+    reward: float  # the call's return (the adapter's credit assignment)
+    step_reward: float  # the call's own reward (``call_reward``): what GAE places on its last token
     source: int  # index in build_batch's input
 
 
@@ -224,7 +226,9 @@ def _rows(
         for start, length in where:
             i = next(sources)
             temps[start : start + length] = [_temperature(triplets[i], default_temperature)] * length
-            spans.append(_Span(start, length, _reward(triplets[i]), i))
+            spans.append(
+                _Span(start, length, _reward(triplets[i]), _step_reward(triplets[i], i == attempt[-1]), i)
+            )
         first, last = triplets[spans[0].source].metadata, triplets[spans[-1].source].metadata
         rows.append(
             _Row(
@@ -253,6 +257,16 @@ def _temperature(t: Triplet, default: float) -> float:
 
 def _reward(t: Triplet) -> float:
     return float(t.reward) if t.reward is not None else 0.0
+
+
+def _step_reward(t: Triplet, last_call: bool) -> float:
+    """The call's own reward: the adapter's ``call_reward``; for triplets without it (built by hand),
+    the reward on the attempt's last call and 0 on the others (either strategy gives the last call
+    the attempt's return)."""
+    own = t.metadata.get("call_reward")
+    if isinstance(own, int | float):
+        return float(own)
+    return _reward(t) if last_call else 0.0
 
 
 def _unusable(t: Triplet, max_prompt_length: int) -> str | None:
@@ -354,7 +368,9 @@ def build_batch(
     group_numbers = {k: n for n, k in enumerate(dict.fromkeys(group_keys))}
     group_ids = torch.tensor([group_numbers[group_keys[a]] for a, _ in rows], dtype=torch.long)  # (B,)
     attempt_ids = torch.tensor([a for a, _ in rows], dtype=torch.long)  # (B,)
-    call_cols: dict[str, list[float]] = {k: [] for k in ("row", "start", "length", "reward", "source")}
+    call_cols: dict[str, list[float]] = {
+        k: [] for k in ("row", "start", "length", "reward", "step", "source")
+    }
     call_attempts: list[int] = []
     for i, (attempt, row) in enumerate(rows):
         sample = row.sample
@@ -373,7 +389,12 @@ def build_batch(
             logprobs[i, :nr] = lp.masked_fill(mask == 0, 0.0)
         stats["no_trainable_tokens"] += int(not bool(mask.any()))
         for span in row.spans:
-            for k, v in (("row", i), ("start", min(span.start, nr)), ("reward", span.reward)):
+            for k, v in (
+                ("row", i),
+                ("start", min(span.start, nr)),
+                ("reward", span.reward),
+                ("step", span.step_reward),
+            ):
                 call_cols[k].append(v)
             call_cols["length"].append(max(0, min(span.start + span.length, nr) - span.start))
             call_cols["source"].append(span.source)
@@ -388,6 +409,7 @@ def build_batch(
         start=longs["start"],
         length=longs["length"],
         reward=torch.tensor(call_cols["reward"], dtype=torch.float32),
+        step_reward=torch.tensor(call_cols["step"], dtype=torch.float32),
         group=group_ids[longs["row"]] if b else torch.zeros(0, dtype=torch.long),
         attempt=attempt_of_call,
         attempt_reward=torch.tensor(attempt_rewards, dtype=torch.float32)[attempt_of_call]

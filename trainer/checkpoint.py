@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 WEIGHTS_FILE = "model.safetensors"  # in a checkpoint step folder
+CRITIC_DIR = "critic"  # a step folder's value model (PPO with gae): its weights and optimizer
 OPTIMIZER_FILE = "optimizer.pt"
 LEGACY_FILE = "actor.pt"  # model + optimizer in one torch.save (checkpoints before issue 15)
 RUN_FILE = "run.json"

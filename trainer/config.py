@@ -315,6 +315,9 @@ class RunConfig(_Section):
         default=None, ge=1, description="Stop after this many steps; None: epochs."
     )
     save_freq: int = Field(default=-1, ge=-1, description="Checkpoint every N steps; -1 or 0: never.")
+    critic_warmup: int = Field(
+        default=0, ge=0, description="Steps that train only the critic before the actor starts updating."
+    )
     test_freq: int = Field(default=-1, ge=-1, description="Validate every N steps; -1 or 0: never.")
     val_before_train: bool = Field(
         default=True,
@@ -420,6 +423,45 @@ class PlacementConfig(_Section):
 # ---------------------------------------------------------------- the whole config
 
 
+class CriticModelConfig(_Section):
+    path: str | None = Field(
+        default=None,
+        description="Value model's backbone; None: the actor's model (with a scalar value head).",
+    )
+    enable_gradient_checkpointing: bool = Field(
+        default=False, description="Recompute the critic's activations in backward (less memory)."
+    )
+
+
+class CriticConfig(_Section):
+    """A value model (PPO's critic) trained beside the actor; ``algorithm.adv_estimator=gae`` uses its
+    values. The batch keys default to the actor's (None)."""
+
+    enable: bool | None = Field(
+        default=None, description="Train a critic; None: exactly when algorithm.adv_estimator is gae."
+    )
+    model: CriticModelConfig = Field(default_factory=CriticModelConfig, description="The value model.")
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-5), description="The critic's optimizer (its own state)."
+    )
+    ppo_epochs: int | None = Field(
+        default=None, ge=1, description="Passes over each batch; None: the actor's."
+    )
+    ppo_mini_batch_size: int | None = Field(
+        default=None, ge=1, description="Prompts per critic optimizer step; None: the actor's."
+    )
+    ppo_max_token_len_per_gpu: int | None = Field(
+        default=None, ge=1, description="Tokens per critic micro-batch; None: the actor's."
+    )
+    cliprange_value: float = Field(
+        default=0.5,
+        gt=0,
+        description="Value clipping: a prediction moves at most this far from the old value.",
+    )
+    loss_agg_mode: LossAggMode = Field(default="token-mean", description="How the value loss is averaged.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm of the critic.")
+
+
 class TrainerConfig(_Section):
     """Everything the embedded trainer needs; keys follow verl's names."""
 
@@ -430,6 +472,7 @@ class TrainerConfig(_Section):
     )
     trainer: RunConfig = Field(default_factory=RunConfig, description="Loop, logging, checkpoints, devices.")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Spans to training samples.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model (PPO with gae).")
     placement: PlacementConfig = Field(
         default_factory=PlacementConfig, description="GPUs for training and rollout; remote runners."
     )
@@ -461,10 +504,20 @@ class TrainerConfig(_Section):
                 f"by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro})"
             )
         est = self.algorithm.adv_estimator
-        if est == "gae":
+        if est == "gae" and self.critic.enable is False:
             raise ValueError(
-                "algorithm.adv_estimator='gae' needs a value model (critic) to estimate values, and this "
-                "trainer has none yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline"
+                "algorithm.adv_estimator='gae' estimates advantages with a value model: set critic.enable "
+                "to true (or leave it out), or pick an estimator without one (grpo, rloo, reinforce_plus_plus)"
+            )
+        if est != "gae" and self.critic.enable:
+            raise ValueError(
+                f"critic.enable is true but algorithm.adv_estimator={est!r} does not use a value model; "
+                "set algorithm.adv_estimator=gae to train with the critic, or leave critic.enable out"
+            )
+        critic_mbs = self.critic.ppo_mini_batch_size
+        if critic_mbs is not None and tbs % critic_mbs:
+            raise ValueError(
+                f"data.train_batch_size ({tbs}) must be divisible by critic.ppo_mini_batch_size ({critic_mbs})"
             )
         if est in GROUP_ESTIMATORS and n < 2:
             raise ValueError(
@@ -472,6 +525,11 @@ class TrainerConfig(_Section):
                 f"actor_rollout_ref.rollout.n must be >= 2, got {n}"
             )
         return self
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether a value model trains beside the actor (``critic.enable``, or gae when it is None)."""
+        return self.algorithm.adv_estimator == "gae" if self.critic.enable is None else self.critic.enable
 
     def rollout_is_level(self) -> str | None:
         """The rollout correction's IS level after resolving ``auto``: token-level truncated IS whenever

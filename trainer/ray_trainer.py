@@ -74,6 +74,10 @@ class TrainerWorker:
         """Weights (safetensors) and optimizer state into a checkpoint's step folder."""
         rank = self.actor.config.actor_rollout_ref.model.lora_rank
         ck.save_policy(self.actor.model, self.actor.optimizer, self.actor.step, rank, Path(path))
+        critic = self.actor.critic
+        if critic is not None:  # its own weights and optimizer state, in the step's critic/ folder
+            (Path(path) / ck.CRITIC_DIR).mkdir(exist_ok=True)
+            ck.save_policy(critic.model, critic.optimizer, critic.step, 0, Path(path) / ck.CRITIC_DIR)
 
     def load_checkpoint(self, path: str) -> int:
         rank = self.actor.config.actor_rollout_ref.model.lora_rank
@@ -84,6 +88,16 @@ class TrainerWorker:
             self.actor.load_state(got)
         else:
             self.actor.step = got
+        critic = self.actor.critic
+        if critic is not None:
+            saved = Path(path) / ck.CRITIC_DIR
+            if not (saved / ck.WEIGHTS_FILE).exists():
+                raise ValueError(
+                    f"the checkpoint {path} has no critic (it was written by a run without a value model); "
+                    "resume with the same algorithm.adv_estimator, or start afresh with trainer.resume=disable"
+                )
+            got_critic = ck.load_policy_state(critic.model, critic.optimizer, 0, saved, critic.device)
+            critic.step = int(got_critic) if not isinstance(got_critic, dict) else 0
         return self.actor.step
 
     def save_model(self, model_path: str, out_dir: str, adapter_dir: str | None) -> None:

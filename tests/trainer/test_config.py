@@ -53,10 +53,8 @@ def test_unknown_key_names_the_closest_valid_one_and_the_path() -> None:
     assert isinstance(e.value, AgentLoopError) and isinstance(e.value, ValueError)
     with pytest.raises(ConfigError, match=r"unknown key 'trainer.loger'; did you mean 'logger'\?"):
         TrainerConfig.from_dict({"trainer": {"loger": ["console"]}})
-    with pytest.raises(
-        ConfigError, match=r"unknown key 'critic'; valid keys here: actor_rollout_ref, adapter"
-    ):
-        TrainerConfig.from_dict({"critic": {"ppo_epochs": 1}})
+    with pytest.raises(ConfigError, match=r"unknown key 'reward_model'; valid keys here: actor_rollout_ref"):
+        TrainerConfig.from_dict({"reward_model": {"enable": True}})
 
 
 @pytest.mark.parametrize(
