@@ -517,6 +517,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="data split and sampling seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument(
+        "--estimator", choices=("grpo", "gae"), default="grpo",
+        help="grpo: group baselines; gae: PPO with a critic (a value model trained beside the policy)",
+    )  # fmt: skip
+    p.add_argument(
+        "--critic-lr", type=float, default=5e-5, help="the critic's learning rate (--estimator gae)"
+    )
+    p.add_argument(
+        "--critic-warmup",
+        type=int,
+        default=1,
+        help="steps that train only the critic first (--estimator gae)",
+    )
     return p
 
 
@@ -530,6 +543,13 @@ def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> 
     config["data"]["max_response_length"] = args.max_turns * args.max_tokens + (args.max_turns - 1) * 64
     config["data"]["max_prompt_length"] = 1024  # system + tools block + examples: ~420 tokens
     config["adapter"] = {"trajectory": args.trajectory}
+    if getattr(args, "estimator", "grpo") == "gae":  # PPO: advantages from a critic's values, GAE per attempt
+        config["algorithm"]["adv_estimator"] = "gae"
+        config["critic"] = {
+            "optim": {"lr": args.critic_lr, "weight_decay": 0.0},
+            "ppo_max_token_len_per_gpu": config["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"],
+        }
+        config["trainer"]["critic_warmup"] = args.critic_warmup
     return config
 
 
@@ -537,8 +557,12 @@ def _check_args(args: argparse.Namespace) -> None:
     for key in ("steps", "batch_size", "n", "max_tokens", "max_turns", "train_size", "val_size"):
         if getattr(args, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if args.n < 2:
+    if args.n < 2 and getattr(args, "estimator", "grpo") == "grpo":
         raise ValueError(f"--n must be >= 2 (GRPO compares the attempts at one problem), got {args.n}")
+    if getattr(args, "estimator", "grpo") == "gae" and not (args.critic_lr > 0 and args.critic_warmup >= 0):
+        raise ValueError(
+            f"--critic-lr must be > 0 and --critic-warmup >= 0, got {args.critic_lr}, {args.critic_warmup}"
+        )
     if args.max_turns < 2:
         raise ValueError(f"--max-turns must be >= 2 (a tool call, then the answer), got {args.max_turns}")
     if not args.lr > 0:

@@ -164,7 +164,8 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
-def test_one_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_one_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path, estimator: str) -> None:
     sizes = [
         "--steps",
         "1",
@@ -190,6 +191,10 @@ def test_one_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path) ->
             *sizes,
             "--train-size",
             "4",
+            "--estimator",
+            estimator,
+            "--critic-warmup",
+            "0",
         ]
     )
     summary = run_tools_demo(args)
@@ -213,3 +218,7 @@ def test_one_step_run_writes_every_file(tmp_path: Path, tiny_model_dir: Path) ->
     )
     config = json.loads((run_dir / "config.json").read_text())
     assert config["adapter"]["trajectory"] is True
+    assert config["algorithm"]["adv_estimator"] == estimator
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in steps if "actor/pg_loss" in m or "critic/vf_loss" in m]
+    assert trained and all(("critic/vf_loss" in m) == (estimator == "gae") for m in trained)
