@@ -117,7 +117,11 @@ class Actor:
         self.step = 0
         self.critic: Critic | None = None
         if config.uses_critic:  # colocated with the policy, on the same device
-            self.critic = Critic(config, model_path, self.device, shared_prompts=self.shared_prompts)
+            self.critic = self._make_critic(model_path)
+
+    def _make_critic(self, model_path: str | Path) -> Critic:
+        """The value model beside this policy (trainer/dp.py makes a sharded one)."""
+        return Critic(self.config, model_path, self.device, shared_prompts=self.shared_prompts)
 
     # ------------------------------------------------------------ forward passes
 

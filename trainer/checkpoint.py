@@ -174,6 +174,17 @@ def read_policy_state(path: Path) -> dict[str, Any]:
     }
 
 
+def read_critic_state(path: Path) -> dict[str, Any]:
+    """The critic of a checkpoint's step folder as full state dicts (``critic/``); a clear error when the
+    checkpoint was written by a run without one."""
+    if not (path / CRITIC_DIR / WEIGHTS_FILE).exists():
+        raise ValueError(
+            f"the checkpoint {path} has no critic (it was written by a run without a value model); "
+            "resume with the same algorithm.adv_estimator, or start afresh with trainer.resume=disable"
+        )
+    return read_policy_state(path / CRITIC_DIR)
+
+
 def load_policy_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, lora_rank: int, path: Path, device: torch.device
 ) -> int | dict[str, Any]:

@@ -43,7 +43,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def response_values(self, mb: Batch, shared_prompts: bool = False) -> torch.Tensor:
+    def forward(self, mb: Batch, shared_prompts: bool = False) -> torch.Tensor:
         """Values (b, R) at the positions that score the response tokens (float32)."""
         from trainer.actor import shared_prompt_hidden
 
@@ -136,7 +136,7 @@ class Critic:
     def _forward(self, mb: Batch) -> torch.Tensor:
         cuda = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            return self.model.response_values(mb, self.shared_prompts)
+            return cast(torch.Tensor, self.model(mb, self.shared_prompts))  # forward: FSDP's hooks run
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

@@ -41,10 +41,12 @@ from trainer.actor import Actor, _micro_batches
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import Batch
 from trainer.config import TrainerConfig
+from trainer.critic import Critic
 
 log = structlog.get_logger("agentloop.trainer.dp")
 
 _SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl", "actor/kl_loss")
+_CRITIC_SUMMED = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
 
 
 def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -65,13 +67,117 @@ def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
     return [sorted(p) for p in out]
 
 
+def rank_micro_batches(
+    batch: Batch, budget: int, rank: int, world_size: int, device: torch.device
+) -> list[tuple[Batch, torch.Tensor]]:
+    """This rank's token-budget micro-batches of ``batch`` (row indices into it), padded to the most any
+    rank has with zero-mask rows (empty index) so every rank runs the same forwards (a collective)."""
+    parts = balance_by_tokens(batch.sequence_lengths().tolist(), world_size)  # CPU-GPU sync
+    rows = parts[rank]
+    mine: list[tuple[Batch, torch.Tensor]] = []
+    if rows:
+        index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+        mine = [(mb, index[r]) for mb, r in _micro_batches(batch.select(rows), budget)]
+    count = torch.tensor([len(mine)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if int(count) > len(mine) and len(batch):
+        pad = batch.select([0])
+        pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
+        empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+        mine += [(pad, empty)] * (int(count) - len(mine))
+    return mine
+
+
+def shard(model: nn.Module, layers: Any) -> None:
+    """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
+    gradients summed over ranks, not averaged (the losses use the whole batch's denominators)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in layers or []:
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def _sum_over_ranks(
+    totals: dict[str, float], keys: tuple[str, ...], device: torch.device
+) -> dict[str, float]:
+    present = [k for k in keys if k in totals]
+    summed = torch.tensor([totals[k] for k in present], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)  # each rank's share of the global loss terms
+    totals.update(zip(present, summed.tolist(), strict=True))
+    return totals
+
+
+def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=opts),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=opts),
+    }
+
+
+def _load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
+
+
+class ShardedCritic(Critic):
+    """The Critic's update, sharded like ``ShardedActor`` (FSDP2 over the same ranks)."""
+
+    def __init__(
+        self, config: TrainerConfig, model_path: str | Path, device: torch.device, rank: int, world_size: int
+    ) -> None:
+        super().__init__(config, model_path, device, shared_prompts=False)
+        self.rank, self.world_size = rank, world_size
+        shard(self.model, getattr(self.model.decoder, "layers", None))
+        optim = config.critic.optim
+        self.optimizer = torch.optim.AdamW(  # over the DTensor shards now
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        )
+
+    def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
+        return rank_micro_batches(batch, self.token_budget, self.rank, self.world_size, self.device)
+
+    def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out)  # each row was filled by exactly one rank
+        return out
+
+    def _optimizer_step(self, mini: Batch) -> dict[str, float]:
+        totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
+        return _sum_over_ranks(totals, _CRITIC_SUMMED, self.device)
+
+    def state(self) -> dict[str, Any]:
+        return {**_full_state(self.model, self.optimizer), "step": self.step}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        _load_full_state(self.model, self.optimizer, state)
+        self.step = int(state["step"])
+
+
 class ShardedActor(Actor):
     """The Actor's update, sharded over a torch.distributed group of ``world_size`` ranks with FSDP2."""
 
     def __init__(
         self, config: TrainerConfig, model_path: str, device: str, rank: int, world_size: int
     ) -> None:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if config.actor_rollout_ref.model.lora_rank > 0:
             raise ValueError(
@@ -80,23 +186,18 @@ class ShardedActor(Actor):
             )
         if not dist.is_initialized():
             raise RuntimeError("ShardedActor needs torch.distributed initialised (see DPWorker.setup)")
-        super().__init__(config, model_path, device)
         self.rank, self.world_size = rank, world_size
+        super().__init__(config, model_path, device)
         self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        for layer in layers or []:  # one FSDP unit per decoder layer: all-gather one layer at a time
-            fully_shard(layer)
-        fully_shard(self.model)  # the root unit: embeddings, final norm, (tied) LM head
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
-                if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
-                    module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+        shard(self.model, getattr(getattr(self.model, "model", None), "layers", None))
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
         self.optimizer = torch.optim.AdamW(
             params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
+
+    def _make_critic(self, model_path: str | Path) -> Critic:
+        return ShardedCritic(self.config, model_path, self.device, self.rank, self.world_size)
 
     # ------------------------------------------------------------ forward passes
 
@@ -122,23 +223,8 @@ class ShardedActor(Actor):
         return logprobs, (entropy_from_logits(logits) if entropy else None)
 
     def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
-        """This rank's token-budget micro-batches (row indices into ``batch``), padded to the most any
-        rank has with zero-mask rows (empty index) so every rank runs the same forwards."""
         budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        parts = balance_by_tokens(batch.sequence_lengths().tolist(), self.world_size)  # CPU-GPU sync
-        rows = parts[self.rank]
-        mine: list[tuple[Batch, torch.Tensor]] = []
-        if rows:
-            index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
-            mine = [(mb, index[r]) for mb, r in _micro_batches(batch.select(rows), budget)]
-        count = torch.tensor([len(mine)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if int(count) > len(mine) and len(batch):
-            pad = batch.select([0])
-            pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
-            empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
-            mine += [(pad, empty)] * (int(count) - len(mine))
-        return mine
+        return rank_micro_batches(batch, budget, self.rank, self.world_size, self.device)
 
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)  # each row was filled by exactly one rank: the sum is the whole (B, R)
@@ -146,11 +232,7 @@ class ShardedActor(Actor):
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
-        keys = [k for k in _SUMMED_METRICS if k in totals]
-        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(summed)  # each rank's share of the global loss terms
-        totals.update(zip(keys, summed.tolist(), strict=True))
-        return totals
+        return _sum_over_ranks(totals, _SUMMED_METRICS, self.device)
 
     # ------------------------------------------------------------ weights and checkpoints
 
@@ -166,30 +248,10 @@ class ShardedActor(Actor):
         return out
 
     def state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "model": get_model_state_dict(self.model, options=opts),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
-            "step": self.step,
-            "world_size": self.world_size,
-        }
+        return {**_full_state(self.model, self.optimizer), "step": self.step, "world_size": self.world_size}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        _load_full_state(self.model, self.optimizer, state)
         self.step = int(state["step"])
 
 
@@ -245,14 +307,22 @@ class DPWorker:
         worker writes them; gathered to rank 0, which writes."""
         actor = self._ready()
         state = actor.state()  # collective
+        critic = actor.critic.state() if actor.critic is not None else None  # collective
         if self.rank == 0:
             ck.save_policy_state(state["model"], state["optimizer"], actor.step, 0, Path(path))
+            if critic is not None:
+                (Path(path) / ck.CRITIC_DIR).mkdir(exist_ok=True)
+                ck.save_policy_state(
+                    critic["model"], critic["optimizer"], critic["step"], 0, Path(path) / ck.CRITIC_DIR
+                )
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> int:
         """Load a checkpoint's step folder (``save_checkpoint``'s files, or an older ``actor.pt``)."""
         actor = self._ready()
         actor.load_state(ck.read_policy_state(Path(path)))
+        if actor.critic is not None:
+            actor.critic.load_state(ck.read_critic_state(Path(path)))
         return actor.step
 
     def save_model(self, model_path: str, out_dir: str, adapter_dir: str | None) -> None:

@@ -15,9 +15,11 @@ from trainer.config import TrainerConfig
 from trainer.dp import DataParallelGroup, balance_by_tokens
 
 
-def _config(model_dir: Path, token_budget: int) -> TrainerConfig:
+def _config(model_dir: Path, token_budget: int, estimator: str = "grpo") -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
+            "algorithm": {"adv_estimator": estimator},
+            "critic": {"optim": {"lr": 1e-3, "weight_decay": 0.0}, "ppo_max_token_len_per_gpu": token_budget},
             "data": {"train_batch_size": 3, "max_prompt_length": 32, "max_response_length": 16},
             "actor_rollout_ref": {
                 "model": {"path": str(model_dir)},
@@ -114,6 +116,40 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir: Path, ray_local: No
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=pg_atol), key
 
 
+def test_two_ranks_train_the_critic_as_one(tiny_model_dir: Path, ray_local: None) -> None:
+    """PPO with a critic (gae): the sharded critic's values, loss and update equal one device's."""
+    cfg = _config(tiny_model_dir, token_budget=40, estimator="gae")
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    single = Actor(cfg, tiny_model_dir, "cpu")
+    one = [single.update(batch) for _ in range(2)]
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
+    try:
+        import anyio
+
+        async def steps() -> list[dict[str, float]]:
+            return [await group.update.remote(batch) for _ in range(2)]
+
+        two = anyio.run(steps)
+    finally:
+        group.shutdown()
+    # step 1 starts from the zero head: values 0, loss 0.5 * mean(G^2); step 2's values come from the
+    # critic each side trained in step 1, so equal values there mean equal critic updates. fp32 sums in
+    # other orders: relative error ~ sqrt(n) * eps per value, far under 1e-4
+    assert one[0]["critic/values_mean"] == two[0]["critic/values_mean"] == 0.0
+    assert abs(one[1]["critic/values_mean"]) > 1e-4, (
+        "the critic must move for the comparison to mean something"
+    )
+    for key in (
+        "critic/vf_loss",
+        "critic/values_mean",
+        "critic/returns_mean",
+        "critic/grad_norm",
+        "critic/vf_clipfrac",
+    ):
+        for a, b in zip(one, two, strict=True):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
 def test_lora_is_refused_with_a_clear_error(tiny_model_dir: Path) -> None:
     import torch.distributed as dist
 
@@ -131,45 +167,50 @@ def test_lora_is_refused_with_a_clear_error(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_ranks_checkpoint_in_safetensors_and_resume_the_same_step(
-    tiny_model_dir: Path, ray_local: None, tmp_path: Path
+    tiny_model_dir: Path, ray_local: None, tmp_path: Path, estimator: str
 ) -> None:
     """2 ranks write a checkpoint as one device does (model.safetensors + optimizer.pt, no actor.pt) and
     the final model as a Hugging Face folder; a fresh group resumes from it and takes the same next step."""
     import anyio
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(tiny_model_dir, token_budget=40)
+    cfg = _config(tiny_model_dir, token_budget=40, estimator=estimator)
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     path, final = tmp_path / "global_step_1", tmp_path / "final_model"
     path.mkdir()
 
-    async def first() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    async def first() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
         await group.update.remote(batch)
         await group.save_checkpoint.remote(str(path))
         await group.save_model.remote(str(tiny_model_dir), str(final), None)
         saved = await group.named_weights.remote()
-        await group.update.remote(batch)
-        return saved, await group.named_weights.remote()
+        metrics = await group.update.remote(batch)
+        return saved, await group.named_weights.remote(), metrics
 
-    async def resumed() -> tuple[int, dict[str, torch.Tensor]]:
+    async def resumed() -> tuple[int, dict[str, torch.Tensor], dict[str, float]]:
         step = await group.load_checkpoint.remote(str(path))
-        await group.update.remote(batch)
-        return step, await group.named_weights.remote()
+        metrics = await group.update.remote(batch)
+        return step, await group.named_weights.remote(), metrics
 
     group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
     try:
-        saved, expected = anyio.run(first)
+        saved, expected, going_on = anyio.run(first)
     finally:
         group.shutdown()
-    assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", "optimizer.pt"]
+    files = ["model.safetensors", "optimizer.pt"] + (["critic"] if estimator == "gae" else [])
+    assert sorted(p.name for p in path.iterdir()) == sorted(files)
     model = AutoModelForCausalLM.from_pretrained(final)
     assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved if k in model.state_dict())
     group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
     try:
-        step, got = anyio.run(resumed)
+        step, got, again = anyio.run(resumed)
     finally:
         group.shutdown()
     assert step == 1
     # the same ranks, the same data, the same restored weights and Adam moments: the same step exactly
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+    if estimator == "gae":  # the critic too: the same values, loss and update after the resume
+        for key in ("critic/vf_loss", "critic/values_mean", "critic/grad_norm", "actor/pg_loss"):
+            assert again[key] == going_on[key], key
