@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -101,6 +102,76 @@ def check_cluster(plan: Plan, resources: dict[str, float], alive_nodes: int) -> 
         )
 
 
+GiB = 1024**3
+# bytes per parameter a trained model holds on its rank: fp32 weights, fp32 gradients, AdamW's two fp32
+# moments (bf16 autocast keeps the master weights in fp32); a frozen reference model: fp32 weights only
+_TRAINED_BYTES, _FROZEN_BYTES = 16, 4
+
+
+def model_parameters(model_path: str | Path) -> int:
+    """Parameters of the Hugging Face folder ``model_path``, from its safetensors headers (no weights
+    are read); 0 when the folder has none (the memory check is then skipped)."""
+    import json
+    import struct
+
+    total = 0
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in info["shape"]:
+                    count *= int(dim)
+                total += count
+    return total
+
+
+def state_memory(config: TrainerConfig, model_path: str | Path, ranks: int) -> dict[str, float]:
+    """GiB of model state per trainer rank (FSDP2 shards it over ``ranks``): the actor, the critic when
+    one is configured (its own weights, gradients and AdamW moments, colocated with the actor), the
+    frozen reference model when a KL term needs it. Activations come on top (they depend on the
+    micro-batch token budget)."""
+    actor = model_parameters(model_path)
+    critic_path = config.critic.model.path
+    critic = (model_parameters(critic_path) if critic_path else actor) if config.uses_critic else 0
+    arr = config.actor_rollout_ref
+    ref = actor if (arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward) else 0
+    share = max(ranks, 1)
+    out = {
+        "actor_gib": actor * _TRAINED_BYTES / share / GiB,
+        "critic_gib": critic * _TRAINED_BYTES / share / GiB,
+        "ref_gib": ref * _FROZEN_BYTES / share / GiB,
+    }
+    out["total_gib"] = sum(out.values())
+    return out
+
+
+def check_memory(
+    config: TrainerConfig, model_path: str | Path, plan: Plan, gpu_gib: float
+) -> dict[str, float]:
+    """Raise PlacementError when one trainer rank's model state cannot fit its GPU (``gpu_gib``; with
+    ``placement.colocate`` and vLLM the engine's ``gpu_memory_utilization`` share is taken first)."""
+    need = state_memory(config, model_path, plan.train_ranks)
+    rollout = config.actor_rollout_ref.rollout
+    engine_share = (
+        rollout.gpu_memory_utilization if plan.colocate and rollout.engine_backend == "vllm" else 0.0
+    )
+    have = gpu_gib * (1.0 - engine_share)
+    if need["total_gib"] > have:
+        parts = ", ".join(
+            f"{k.removesuffix('_gib')} {v:.1f}" for k, v in need.items() if k != "total_gib" and v
+        )
+        raise PlacementError(
+            f"one trainer rank needs {need['total_gib']:.1f} GiB of model state ({parts}; weights, gradients "
+            f"and AdamW moments in fp32, sharded over {plan.train_ranks} rank(s)) but has {have:.1f} GiB of "
+            f"its GPU{' after the engine share' if engine_share else ''}; use more trainer ranks "
+            "(trainer.n_gpus_per_node), a smaller critic.model.path, or placement.colocate=false"
+        )
+    return need
+
+
 def init_ray(config: TrainerConfig) -> None:
     """Join ``trainer.ray_address`` (or start a local Ray) unless Ray is already initialised."""
     import ray
@@ -142,6 +213,15 @@ def place(config: TrainerConfig, model_path: str, device: str, *, engine_given: 
 
     plan = plan_placement(config, device)
     layout = Layout(plan)
+    if plan.gpu:
+        import torch
+
+        if torch.cuda.is_available():  # the driver's GPU stands for the ranks' (one kind of card per run)
+            gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+            need = check_memory(config, model_path, plan, gpu_gib)
+            log.info(
+                "placement.memory", gpu_gib=round(gpu_gib, 1), **{k: round(v, 2) for k, v in need.items()}
+            )
     if not plan.scaled:
         return layout
     init_ray(config)

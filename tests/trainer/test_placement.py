@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from transformers import AutoModelForCausalLM
 
 from trainer.config import TrainerConfig
 from trainer.placement import PlacementError, check_cluster, plan_placement
@@ -42,3 +45,26 @@ def test_placement_config_is_validated() -> None:
     assert plan_placement(cfg.with_overrides(["placement.train_ranks=2"]), "cpu").train_ranks == 2
     with pytest.raises(TypeError, match="takes a TrainerConfig"):
         plan_placement({}, "cpu")  # type: ignore[arg-type]
+
+
+def test_memory_counts_the_critic_beside_the_actor(tiny_model_dir: Path) -> None:
+    from trainer.placement import check_memory, model_parameters, state_memory
+
+    params = model_parameters(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert params == sum(p.numel() for p in model.parameters())  # a tied head counted once
+    grpo = TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"n": 2}}})
+    ppo = TrainerConfig.from_dict(
+        {"algorithm": {"adv_estimator": "gae"}, "actor_rollout_ref": {"rollout": {"n": 2}}}
+    )
+    gib = 1024**3
+    assert state_memory(grpo, tiny_model_dir, 1) == {
+        "actor_gib": params * 16 / gib, "critic_gib": 0.0, "ref_gib": 0.0, "total_gib": params * 16 / gib
+    }  # fmt: skip
+    two = state_memory(ppo, tiny_model_dir, 2)  # the critic doubles the state; two ranks halve it
+    assert two["critic_gib"] == two["actor_gib"] == params * 8 / gib
+    plan = plan_placement(ppo, "cuda")
+    tight = 1.5 * params * 16 / gib  # the actor alone fits, actor + critic do not
+    check_memory(grpo, tiny_model_dir, plan, tight)
+    with pytest.raises(PlacementError, match=r"actor .*critic .*more trainer ranks"):
+        check_memory(ppo, tiny_model_dir, plan, tight)
