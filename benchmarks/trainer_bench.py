@@ -5,7 +5,9 @@
 
 One update = old-logprob recompute (a forward) + a PPO forward/backward + AdamW, as Trainer.fit runs it.
 ``--same-prompt --group 8``: GRPO's shape, 8 attempts sharing each prompt, which the actor runs once
-(``actor.shared_prompt_forward``; ``--no-shared-prompt`` for the A/B). ``tokens_per_s`` counts the
+(``actor.shared_prompt_forward``; ``--no-shared-prompt`` for the A/B). ``--critic``: PPO with a value
+model (``algorithm.adv_estimator=gae``): each update also computes the critic's values (a forward) and
+trains it (a forward/backward and its AdamW), so its FLOPs count too. ``tokens_per_s`` counts the
 tokens learned from, ``computed_tokens_per_s`` those run; MFU counts what ran.
 FLOPs per token follow the PaLM count: training 6N + 12·L·d·T, a forward alone 2N + 4·L·d·T, with N the
 body's matmul parameters; the LM head (V·d) counts on response positions only, where the actor runs it. MFU = achieved FLOP/s / the card's dense bf16 peak.
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=False (A/B)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed updates (compilation, allocator)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N CUDA kernels of one update")
+    ap.add_argument("--critic", action="store_true", help="PPO with a critic (adv_estimator=gae)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,6 +102,8 @@ def main() -> None:
                     },
                 },
                 "trainer": {"device": args.device},
+                "algorithm": {"adv_estimator": "gae" if args.critic else "grpo"},
+                "critic": {"ppo_max_token_len_per_gpu": args.token_budget},
             }
         )
         actor = Actor(config, path, args.device)
@@ -146,6 +151,8 @@ def main() -> None:
     computed = (prompts_run * args.prompt + args.batch * args.response) * args.steps
     # train step (6x) + old-logprob forward (2x); the LM head runs on response positions only
     flops_per_token = 8 * body + 16 * attn + 8 * head * args.batch * args.response * args.steps / computed
+    if actor.critic is not None:  # the critic's values forward (2x) and its train step (6x); no LM head
+        flops_per_token += 8 * body + 16 * attn
     card, peak = peak_flops(actor.device)
     achieved = computed * flops_per_token / elapsed
     result = {
@@ -157,6 +164,7 @@ def main() -> None:
         "card": card,
         "dtype": "bf16 autocast, fp32 master weights" if actor.device.type == "cuda" else "fp32",
         "torch_compile": actor.compiled,
+        "critic": actor.critic is not None,
         "group": args.group,
         "same_prompt": args.same_prompt,
         "shared_prompt_forward": actor.shared_prompts,

@@ -91,6 +91,11 @@ class Critic:
         self.model = load_value_model(cc.model.path or model_path, device)
         if cc.model.enable_gradient_checkpointing:
             cast(Any, self.model.decoder).gradient_checkpointing_enable()
+        # torch.compile (inductor, CUDA only) of each decoder layer, as the actor's
+        self.compiled = config.actor_rollout_ref.actor.use_torch_compile and device.type == "cuda"
+        if self.compiled:
+            for layer in getattr(self.model.decoder, "layers", None) or []:
+                layer.compile(dynamic=True)
         # the actor checked that the shared-prompt forward is exact for its model; the critic's decoder is
         # the same network when it uses the actor's model, and the checkpointed decoder has no KV cache
         self.shared_prompts = (
