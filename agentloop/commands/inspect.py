@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from agentloop.proxy.sessions import SessionRecord, read_saved_sessions
-from agentloop.types import LLMCall, Reward, Rollout, Span, Triplet
+from agentloop.types import Reward, Rollout, Span, Triplet
 
 DIM, GREEN, YELLOW, BOLD, RESET = "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[1m", "\x1b[0m"
 
@@ -91,17 +91,8 @@ def locate(path: Path) -> Path:
     )
 
 
-def _session_spans(rec: SessionRecord) -> list[Span]:
-    """A session's calls and rewards as the spans of one attempt (rewards after the calls)."""
-    payloads: list[LLMCall | Reward] = [*rec.calls, *rec.rewards]
-    return [
-        Span(rollout_id=rec.session_id, attempt_id=rec.session_id, sequence_id=i, payload=payload)
-        for i, payload in enumerate(payloads, start=1)
-    ]
-
-
 def _session_reward(rec: SessionRecord) -> float | None:
-    return sum(r.value for r in rec.rewards) if rec.rewards else None
+    return rec.total_reward
 
 
 def _reward(spans: list[Any]) -> float | None:
@@ -310,7 +301,7 @@ def _run(args: argparse.Namespace) -> int:
         from agentloop.adapter import merge_turns, spans_to_triplets
 
         rec = next(r for r in sessions if r.session_id == match)
-        session_calls = spans_to_triplets(_session_spans(rec)).triplets
+        session_calls = spans_to_triplets(rec.spans()).triplets
         advantages: list[float | None] = [None] * len(session_calls)  # no groups outside training
         triplets, title = merge_turns(session_calls), f"session {printable(match)}"
         model = args.model or server.get("tokenizer") or server.get("model")

@@ -45,7 +45,7 @@ import orjson
 
 from agentloop.proxy.schemas import ProxyError
 from agentloop.store.sessions import SavedSession, SessionJournal, read_sessions
-from agentloop.types import LLMCall, Reward
+from agentloop.types import LLMCall, Reward, Span
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MiB = 1024 * 1024
@@ -97,6 +97,20 @@ class SessionRecord:
     def calls(self) -> CallsView:
         """The calls as LLMCalls, each parsed when read (``len`` parses nothing)."""
         return CallsView(self.call_json)
+
+    @property
+    def total_reward(self) -> float | None:
+        """The sum of the session's rewards; None when it has none."""
+        return sum(r.value for r in self.rewards) if self.rewards else None
+
+    def spans(self) -> list[Span]:
+        """The calls and rewards as the spans of one attempt (id: the session's), rewards after the calls:
+        what ``agentloop.adapter.spans_to_triplets`` turns into training samples."""
+        payloads: list[LLMCall | Reward] = [*self.calls, *self.rewards]
+        return [
+            Span(rollout_id=self.session_id, attempt_id=self.session_id, sequence_id=i, payload=payload)
+            for i, payload in enumerate(payloads, start=1)
+        ]
 
     def summary(self) -> dict[str, object]:
         """What ``GET /v1/sessions`` lists for this session."""
