@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from agentloop.commands import bench, inspect, runner, serve, train
+from agentloop.commands import bench, inspect, rollback, runner, serve, train
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    for module in (train, serve, inspect, bench, runner):
+    for module in (train, serve, rollback, inspect, bench, runner):
         module.register(sub)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 from pydantic import SecretStr
@@ -40,30 +42,104 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=Path("agentloop-serve.db"),
         help="SQLite store for the recorded app sessions (calls and rewards)",
     )
+    p.add_argument(
+        "--train",
+        type=Path,
+        default=None,
+        metavar="CONFIG.yaml",
+        help="also train online from the apps' rewarded sessions, with a promotion gate (trainer keys plus "
+        "an `online:` section; see README)",
+    )
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="with --train: where versions and promotions.jsonl go"
+    )
     p.set_defaults(func=run)
 
 
+def read_online_config(path: Path) -> dict[str, Any]:
+    """The ``--train`` file as a dict; ``online.eval_tasks`` and a file ``online.eval_reward`` are
+    taken relative to the file's folder."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"--train {path}: cannot read it: {exc}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"--train {path}: expected a mapping of config sections, got {type(raw).__name__}")
+    online = raw.get("online") or {}
+    if isinstance(online, dict) and isinstance(online.get("eval_tasks"), str):
+        online["eval_tasks"] = str((path.parent / online["eval_tasks"]).resolve())
+    reward = online.get("eval_reward") if isinstance(online, dict) else None
+    if isinstance(reward, str) and reward.partition(":")[0].endswith(".py"):  # a file beside the config
+        file, _, attr = reward.partition(":")
+        online["eval_reward"] = f"{(path.parent / file).resolve()}:{attr}"
+    return raw
+
+
+async def _online(args: argparse.Namespace, proxy: Any, model_path: str, device: str) -> Any:
+    """The OnlineTrainer for ``--train`` (its admin routes added to the proxy before it starts)."""
+    from agentloop.proxy.admin import add_admin_routes
+    from trainer.online import OnlineTrainer, jsonl_evaluator, online_trainer_config
+
+    try:
+        config, online = online_trainer_config(read_online_config(args.train), model_path, device)
+    except ValueError as exc:
+        raise UsageError(f"--train {args.train}: {exc}") from None
+    evaluate = None
+    if online.eval_tasks or online.eval_reward:
+        if not (online.eval_tasks and online.eval_reward):
+            raise UsageError(f"--train {args.train}: online.eval_tasks and online.eval_reward go together")
+        evaluate = jsonl_evaluator(
+            online.eval_tasks, online.eval_reward, max_tokens=online.eval_max_tokens,
+            concurrency=online.eval_concurrency,
+        )  # fmt: skip
+    run_dir = args.run_dir or Path("runs") / "online" / time.strftime("%Y%m%d-%H%M%S")
+    trainer = OnlineTrainer(proxy, config, online, model_path, run_dir, evaluate=evaluate)
+    add_admin_routes(proxy.app, trainer, proxy.api_key)
+    return trainer
+
+
 async def serve(args: argparse.Namespace) -> None:
+    from agentloop.device import pick_device
     from agentloop.engine.factory import load_engine
+    from agentloop.engine.models import resolve_model
     from agentloop.proxy import Proxy
     from agentloop.store.sqlite import SQLiteStore
 
     engine = load_engine(args.model, device=args.device)
     store = SQLiteStore(args.store)
     proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.key)
+    trainer = None
+    if args.train is not None:
+        trainer = await _online(args, proxy, str(resolve_model(args.model)), pick_device(args.device))
     await proxy.start()
+    online = (
+        f"  online training:          {trainer.online.sessions_per_update} rewarded sessions per update, "
+        f"{'gate: ' + str(trainer.online.eval_tasks) if trainer.evaluate else 'no gate (every update served)'}; "
+        f"run folder {trainer.run_dir}\n  admin:                    {proxy.url}/v1/admin/versions, "
+        "agentloop rollback --to N\n"
+        if trainer is not None
+        else ""
+    )
     sys.stdout.write(
         f"agentloop proxy serving {args.model}; key {args.key_source}\n"
         f"  OpenAI base URL (apps):   {proxy.session_base_url}\n"
         f"  per-attempt template:     {proxy.url_template}\n"
         f"  model name:               {proxy.model_name}\n"
-        f"  store (app sessions too): {args.store}\nCtrl-C to stop.\n"
+        f"  store (app sessions too): {args.store}\n{online}Ctrl-C to stop.\n"
     )
     sys.stdout.flush()
     try:
-        await anyio.sleep_forever()
+        if trainer is None:
+            await anyio.sleep_forever()
+        else:
+            await trainer.run()
+            await anyio.sleep_forever()  # online.max_updates reached: serve on
     finally:
         with anyio.CancelScope(shield=True):
+            if trainer is not None:
+                await trainer.close()
             await proxy.stop()
             await engine.stop()
             await store.close()
