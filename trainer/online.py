@@ -16,8 +16,8 @@ beside it in the same event loop:
    importance sampling (``algorithm.rollout_correction``) is on, from the engine's log-probs.
 3. **Gate.** The candidate weights go into a second, private engine and the evaluation runs against it
    (``online.eval_tasks`` + ``online.eval_reward``, or any ``evaluate(base_url, model, api_key)``
-   coroutine): they are promoted into the serving engine only if the score is at least the promoted
-   version's minus ``online.margin``. The engine loads them between decode steps once the requests in
+   coroutine): they are promoted into the serving engine only if the score is at least the best
+   promoted version's minus ``online.margin`` (the best, so small drops cannot add up over promotions). The engine loads them between decode steps once the requests in
    flight finish on the old weights (none is dropped); every response records its ``weights_version``.
    A refused candidate leaves no trace: the policy goes back to the promoted weights and its AdamW
    moments are cleared.
@@ -240,7 +240,8 @@ class OnlineTrainer:
 
     async def _gate(self, weights: dict[str, torch.Tensor], metrics: dict[str, float]) -> bool:
         """Promote ``weights`` if the evaluation does not drop more than the margin; else restore the policy."""
-        baseline = self._versions[self.current]["score"]
+        scored = [v["score"] for v in self._versions if v["score"] is not None]
+        baseline = max(scored) if scored else None  # the best promoted: drops within the margin never add up
         score = await self._score(weights)
         promote = score is None or baseline is None or score >= baseline - self.online.margin
         if not promote:
