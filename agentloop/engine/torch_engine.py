@@ -87,6 +87,7 @@ class _Request:
     num_cached: int = 0
     added_at: float = field(default_factory=time.monotonic)
     warned: bool = False
+    finished: bool = False  # the engine thread answered it (the loop may not have run the answer yet)
 
 
 class TorchEngine:
@@ -310,8 +311,8 @@ class TorchEngine:
         held = {id(r) for r in (*self._waiting, *self._running)}
         for req in list(self._inflight.values()):
             age = now - req.added_at
-            if age < self._stall_warning_s or req.future.done():
-                continue
+            if age < self._stall_warning_s or req.future.done() or req.finished:
+                continue  # finished: its answer is queued on a busy event loop, not lost
             if id(req) not in held and not self._inbox.qsize():
                 log.error("engine.request_lost", request_id=req.request_id, age_s=round(age, 1))
                 self._stats["lost"] += 1
@@ -525,12 +526,14 @@ class TorchEngine:
             weights_version=self._weights_version,
             num_cached_prompt_tokens=req.num_cached,
         )
+        req.finished = True
         req.loop.call_soon_threadsafe(_resolve, req.future, out, None)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         self._release(req)
         self._stats["failed"] += 1
         err = EngineError(f"engine step failed for request {req.request_id}: {type(exc).__name__}: {exc}")
+        req.finished = True
         req.loop.call_soon_threadsafe(_resolve, req.future, None, err)
 
     def _apply_updates(self) -> None:
