@@ -89,6 +89,7 @@ class SessionRecord:
     session_id: str
     call_json: list[bytes] = field(default_factory=list)
     rewards: list[Reward] = field(default_factory=list)
+    reward_after: list[int] = field(default_factory=list)  # calls the session had when each reward came
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     nbytes: int = 0  # bytes of call_json
@@ -104,9 +105,22 @@ class SessionRecord:
         return sum(r.value for r in self.rewards) if self.rewards else None
 
     def spans(self) -> list[Span]:
-        """The calls and rewards as the spans of one attempt (id: the session's), rewards after the calls:
+        """The calls and rewards as the spans of one attempt (id: the session's), each reward after the
+        calls the session had when it was posted (so ``per_call`` credit gives it to the call before it):
         what ``agentloop.adapter.spans_to_triplets`` turns into training samples."""
-        payloads: list[LLMCall | Reward] = [*self.calls, *self.rewards]
+        calls = self.calls[:]
+        after = (
+            self.reward_after
+            if len(self.reward_after) == len(self.rewards)
+            else [len(calls)] * len(self.rewards)
+        )
+        payloads: list[LLMCall | Reward] = []
+        for i, call in enumerate([None, *calls]):
+            if call is not None:
+                payloads.append(call)
+            payloads += [
+                r for r, n in zip(self.rewards, after, strict=True) if min(max(n, 0), len(calls)) == i
+            ]
         return [
             Span(rollout_id=self.session_id, attempt_id=self.session_id, sequence_id=i, payload=payload)
             for i, payload in enumerate(payloads, start=1)
@@ -138,8 +152,12 @@ def record_from_saved(saved: SavedSession) -> SessionRecord:
     rec.call_json = list(saved.calls)
     rec.nbytes = sum(len(raw) for raw in rec.call_json)
     for reward in saved.rewards:
-        with contextlib.suppress(ValueError):
-            rec.rewards.append(Reward.model_validate(reward))
+        fields = dict(reward)
+        after = fields.pop("after_calls", len(rec.call_json))
+        with contextlib.suppress(ValueError, TypeError):
+            n, value = int(after), Reward.model_validate(fields)
+            rec.rewards.append(value)
+            rec.reward_after.append(n)
     return rec
 
 
@@ -302,8 +320,13 @@ class SessionTable:
         now = self.clock()
         rec = self._touch(session_id, now)
         rec.rewards.append(reward)
+        rec.reward_after.append(len(rec.call_json))
         if self.journal is not None:
-            self.journal.rewards(session_id, [r.model_dump(mode="json") for r in rec.rewards], at=now)
+            saved = [
+                {**r.model_dump(mode="json"), "after_calls": n}
+                for r, n in zip(rec.rewards, rec.reward_after, strict=True)
+            ]
+            self.journal.rewards(session_id, saved, at=now)
         return rec
 
     async def flush(self) -> None:

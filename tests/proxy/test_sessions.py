@@ -231,3 +231,24 @@ async def test_a_store_failure_is_answered_503_not_a_lost_answer(tokenizer: Any,
             assert "session call" in r.json()["error"]["message"]
     finally:
         await store.close()
+
+
+def test_a_reward_belongs_to_the_calls_before_it_also_after_a_restart(tmp_path: Path) -> None:
+    from agentloop.adapter import spans_to_triplets
+
+    path = tmp_path / "s.db"
+    with _journal(path) as journal:
+        table = SessionTable(journal=journal)
+        table.add_call("s", _call(text="first"))
+        table.add_reward("s", Reward(value=0.5))  # for the first answer
+        table.add_call("s", _call(text="second"))
+        table.add_reward("s", Reward(value=1.0))  # for the second
+        live = table.get("s")
+    with _journal(path) as journal:
+        restarted = SessionTable(journal=journal).get("s")
+    for rec in (live, restarted):
+        assert rec is not None
+        kinds = [type(span.payload).__name__ for span in rec.spans()]
+        assert kinds == ["LLMCall", "Reward", "LLMCall", "Reward"]
+        triplets = spans_to_triplets(rec.spans(), strategy="per_call").triplets
+        assert [t.metadata["call_reward"] for t in triplets] == [0.5, 1.0]
