@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-slow demo test bench lint venv clean
+.PHONY: test-fast test-slow demo test bench lint venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,9 @@ demo: $(STAMP)
 # CI gate (.ci/run): lint first (ruff check, ruff format --check, mypy), then every test but `slow`.
 test: lint
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=15  # under 15 min on 2 cores
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not slow and not e2e" --durations=10  # the inner loop: every test but slow and e2e
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)

@@ -34,6 +34,16 @@ def _collect_clients_outside_the_loop() -> Iterator[None]:
     gc.collect()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_what_outlives_the_tests() -> None:
+    """Before a module's tests, freeze what is alive (imports: torch, transformers, ray, the packages;
+    session fixtures): the collector never scans it again. The full collection after every test (above)
+    then costs ~0 s instead of ~0.4 s on 2 cores (6 of the suite's 15 minutes). Everything the tests and
+    module fixtures create is still collected; the previous module's fixtures are gone by now."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
     """A local Ray with 2 CPUs for the module's tests (joins one already running, and leaves it)."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import agentloop as al
 from agentloop import errors
 
@@ -92,6 +94,7 @@ def test_unknown_name_raises_attribute_error() -> None:
         raise AssertionError("expected AttributeError")
 
 
+@pytest.mark.e2e
 def test_cli_version_and_help() -> None:
     out = subprocess.run([sys.executable, "-m", "agentloop.cli", "version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"agentloop {al.__version__}"

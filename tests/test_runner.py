@@ -405,6 +405,7 @@ def test_run_sync() -> None:
     [(signal.SIGTERM, "async"), (signal.SIGINT, "async"), (signal.SIGTERM, "sync")],
     ids=["SIGTERM-async", "SIGINT-async", "SIGTERM-sync"],
 )
+@pytest.mark.e2e
 async def test_signal_stops_runner_process_cleanly(sig: signal.Signals, kind: str, tmp_path: Path) -> None:
     """A real runner process on a SQLite store gets a real signal: it exits 0 (also with sync agents
     stuck in threads) and leaves no attempt running."""

@@ -26,6 +26,7 @@ def _load_bench() -> ModuleType:
     return module
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("agent_procs", [2, 0], ids=["agents-in-2-processes", "agents-in-process"])
 async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path, agent_procs: int) -> None:
     bench = _load_bench()
@@ -64,6 +65,7 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path,
     assert gc.isenabled()  # the bench leaves the collector on
 
 
+@pytest.mark.e2e
 async def test_agent_processes_fail_loudly() -> None:
     """An agent process that fails or exits says so (its traceback, or its pid and exit code) instead
     of hanging the bench."""

@@ -50,18 +50,21 @@ def _figure_line(out: subprocess.CompletedProcess[str]) -> str:
     return line
 
 
+@pytest.mark.e2e
 def test_installed_inside_a_checkout_reads_its_benchmarks(installed: Path) -> None:
     out = _bench(installed, ROOT / "examples")  # a folder below the checkout's root
     assert out.returncode in (0, 1), out.stderr  # 1: a figure misses its target; the table prints either way
     assert "n/a" not in _figure_line(out)
 
 
+@pytest.mark.e2e
 def test_installed_with_dir_from_anywhere(installed: Path, tmp_path: Path) -> None:
     out = _bench(installed, tmp_path, "--dir", str(ROOT / "benchmarks"))
     assert out.returncode in (0, 1), out.stderr
     assert "n/a" not in _figure_line(out)
 
 
+@pytest.mark.e2e
 def test_installed_with_no_checkout_says_how_to_fix_it(installed: Path, tmp_path: Path) -> None:
     out = _bench(installed, tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr

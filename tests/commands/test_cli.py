@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.e2e  # every test runs the CLI in a subprocess
+
 AGENT_MODULE = """
 import openai
 import agentloop as al

@@ -50,6 +50,7 @@ def test_bad_agent_spec_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
     assert load_object("tests.commands.test_runner_cmd:hang_on_first_attempt") is hang_on_first_attempt
 
 
+@pytest.mark.e2e
 async def test_killed_runner_loses_no_rollout() -> None:
     store = MemoryStore()
     config = RolloutConfig(unresponsive_s=1.5, max_attempts=2)
@@ -78,6 +79,7 @@ async def test_killed_runner_loses_no_rollout() -> None:
     assert [a.status.value for a in attempts] == ["unresponsive", "succeeded"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_a_signal_stops_the_runner_with_one_line_and_its_exit_code(signum: signal.Signals) -> None:
     store = MemoryStore()
@@ -110,6 +112,7 @@ async def answer(task: dict, llm: object) -> float:
     return float(task["value"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("source", ["environment", "file"])
 async def test_the_store_key_never_goes_on_the_command_line(source: str, tmp_path: Path) -> None:
     """`agentloop runner` reads the store's key from $AGENTLOOP_STORE_API_KEY or `--api-key file:PATH`."""
@@ -135,6 +138,7 @@ async def test_the_store_key_never_goes_on_the_command_line(source: str, tmp_pat
         assert done and done[0].status is RolloutStatus.SUCCEEDED
 
 
+@pytest.mark.e2e
 async def test_a_runner_runs_with_its_own_key_from_runner_key(tmp_path: Path) -> None:
     """`agentloop runner-key NAME` prints the runner's key; a runner with it runs its attempts, and the
     key cannot do the admin's work (enqueue)."""

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.e2e  # every test runs `agentloop serve` in a subprocess
+
 KEY = "serve-key-3b1f9a"
 
 

@@ -41,6 +41,7 @@ def test_pool_validates_input() -> None:
         EngineReplicaPool([])
 
 
+@pytest.mark.e2e
 async def test_calls_of_one_attempt_stay_on_one_replica(pool: EngineReplicaPool) -> None:
     before = list(pool.stats()["routed"])
     with anyio.fail_after(60):
@@ -51,6 +52,7 @@ async def test_calls_of_one_attempt_stay_on_one_replica(pool: EngineReplicaPool)
     assert sorted(delta) == [0, 5], delta
 
 
+@pytest.mark.e2e
 async def test_new_attempts_go_to_the_least_loaded_replica(pool: EngineReplicaPool) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
     with anyio.fail_after(120):
@@ -75,6 +77,7 @@ async def test_new_attempts_go_to_the_least_loaded_replica(pool: EngineReplicaPo
     assert pool.stats()["in_flight"] == [0, 0]
 
 
+@pytest.mark.e2e
 async def test_update_weights_reaches_every_replica(pool: EngineReplicaPool, tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +99,7 @@ async def test_update_weights_reaches_every_replica(pool: EngineReplicaPool, tin
         await pool.update_weights({})
 
 
+@pytest.mark.e2e
 async def test_replica_errors_keep_their_type(pool: EngineReplicaPool) -> None:
     with anyio.fail_after(30), pytest.raises(ContextLengthExceededError):
         await pool.generate([3] * 300, GREEDY, request_id="rollout-e/attempt-1/req-0")
@@ -104,6 +108,7 @@ async def test_replica_errors_keep_their_type(pool: EngineReplicaPool) -> None:
     assert await pool.abort("not-in-flight") is False
 
 
+@pytest.mark.e2e
 async def test_a_burst_goes_out_in_one_stream_and_cancelling_one_aborts_only_it(
     pool: EngineReplicaPool,
 ) -> None:

@@ -120,6 +120,7 @@ async def test_scripted_calculator_run_scores_and_masks(tiny_model_dir: Path) ->
     assert counts == {"calls": 2, "samples": 1, "masked": summary["masked_tokens"]}
 
 
+@pytest.mark.e2e
 def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path, capsys: Any) -> None:
     db = tmp_path / "calc.db"
     argv = ["--model", str(tiny_model_dir), "--rollouts", "3", "--device", "cpu", "--max-tokens", "12",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import pytest
 
 from agentloop.store.memory import MemoryStore
 from agentloop.store.sqlite import SQLiteStore
@@ -27,6 +28,7 @@ async def test_scripted_answers_are_scored(tiny_model_dir: Path) -> None:
     assert (await check_exact_tokens(store, summary["rollout_ids"]))["samples"] == 2
 
 
+@pytest.mark.e2e
 def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     argv = ["--model", str(tiny_model_dir), "--rollouts", "3", "--device", "cpu", "--max-tokens", "8",
             "--store", str(tmp_path / "s.db")]  # fmt: skip
@@ -43,6 +45,7 @@ def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert anyio.run(check) == {"calls": 3, "samples": 3, "masked": 0}
 
 
+@pytest.mark.e2e
 def test_cli_train_flag_runs_trainer_fit(tiny_model_dir: Path, tmp_path: Path) -> None:
     argv = ["--model", str(tiny_model_dir), "--rollouts", "4", "--device", "cpu", "--max-tokens", "4",
             "--train", "1", "--run-dir", str(tmp_path / "run")]  # fmt: skip

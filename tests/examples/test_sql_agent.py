@@ -84,6 +84,7 @@ async def test_scripted_graph_run_answers_correctly(tiny_model_dir: Path, db: Pa
     assert counts["masked"] == summary["masked_tokens"] > 0
 
 
+@pytest.mark.e2e
 def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     argv = ["--model", str(tiny_model_dir), "--rollouts", "2", "--device", "cpu", "--max-tokens", "12",
             "--db", str(tmp_path / "c.db"), "--store", str(tmp_path / "s.db")]  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.integrations.test_langgraph import Multiplier
 
 
@@ -17,6 +19,7 @@ class Scored(Multiplier):
         return min(len(str(last)), 40) / 40
 
 
+@pytest.mark.e2e
 def test_react_agent_loop_trains_two_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
     from trainer import Trainer
 

@@ -164,6 +164,7 @@ async def test_a_timed_out_call_is_sent_once(tokenizer: Any) -> None:
 # ---------------------------------------------------------------- the trainer
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_trainer_keys_its_proxy_and_keeps_keys_out_of_the_run(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch

@@ -23,6 +23,7 @@ from tests.reliability.attacks import (
 from tests.reliability.report import record
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("name", "attack"), STORE_ATTACKS, ids=[a.__name__ for _, a in STORE_ATTACKS])
 async def test_the_store_holds(tmp_path: Path, name: str, attack: Attack) -> None:
     async with store_process(tmp_path) as target:
@@ -34,6 +35,7 @@ async def test_the_store_holds(tmp_path: Path, name: str, attack: Attack) -> Non
 @pytest.mark.skipif(
     "limits" not in inspect.signature(Proxy).parameters, reason="the proxy has no connection limits yet"
 )
+@pytest.mark.e2e
 @pytest.mark.parametrize(("name", "attack"), PROXY_ATTACKS, ids=[a.__name__ for _, a in PROXY_ATTACKS])
 async def test_the_proxy_holds(tmp_path: Path, tiny_model_dir: Path, name: str, attack: Attack) -> None:
     async with proxy_process(tmp_path, tiny_model_dir) as target:

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import openai
+import pytest
 
 from agentloop.adapter import triplets_for_rollouts
 from agentloop.agent import rollout
@@ -57,6 +58,7 @@ def _llm_calls(spans: list[Span]) -> list[Span]:
     return [s for s in spans if s.payload.kind == "llm_call"]
 
 
+@pytest.mark.e2e
 async def test_sigkilled_runner_is_retried_once_without_duplicate_triplets(
     tmp_path: Path, tokenizer: Any
 ) -> None:
@@ -188,6 +190,7 @@ async def test_proxy_restart_while_agents_wait(tmp_path: Path, tokenizer: Any) -
     record("fault", name="proxy restarted while agents wait", survived=True, lost_rollouts=0)
 
 
+@pytest.mark.e2e
 async def test_sqlite_store_process_killed_and_restarted(tmp_path: Path) -> None:
     db, url_file = tmp_path / "store.db", tmp_path / "url"
     child = _spawn("store", str(db), "0", str(url_file))

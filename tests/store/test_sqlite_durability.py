@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import pytest
 
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import RolloutStatus
@@ -39,6 +40,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.e2e
 async def test_sigkill_loses_no_finished_rollout(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     proc = subprocess.Popen(

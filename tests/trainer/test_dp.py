@@ -65,6 +65,7 @@ def test_balance_by_tokens_is_greedy_and_deterministic() -> None:
         balance_by_tokens([1], 0)
 
 
+@pytest.mark.e2e
 def test_two_ranks_take_the_same_step_as_one(tiny_model_dir: Path, ray_local: None) -> None:
     cfg = _config(tiny_model_dir, token_budget=40)  # several micro-batches per rank, uneven counts
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
@@ -116,6 +117,7 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir: Path, ray_local: No
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=pg_atol), key
 
 
+@pytest.mark.e2e
 def test_two_ranks_train_the_critic_as_one(tiny_model_dir: Path, ray_local: None) -> None:
     """PPO with a critic (gae): the sharded critic's values, loss and update equal one device's."""
     cfg = _config(tiny_model_dir, token_budget=40, estimator="gae")

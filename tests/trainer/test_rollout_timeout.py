@@ -29,6 +29,7 @@ async def hangs_on_its_first_attempt(task: dict, llm: al.LLM, rollout: Attempted
     return float(bool(resp.choices[0].message.content))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_hung_agent_times_out_and_is_retried_in_training_and_validation(
     tmp_path: Path, tiny_model_dir: Path, ray_local: None

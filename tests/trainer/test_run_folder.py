@@ -77,6 +77,7 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_rerun_of_a_finished_run_returns_at_once_and_never_hangs(
     tmp_path: Path, tiny_model_dir: Path, ray_local: None
@@ -100,6 +101,7 @@ def test_rerun_of_a_finished_run_returns_at_once_and_never_hangs(
     assert (resumed.model_dir / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_fit_writes_a_loadable_model_and_safetensors_checkpoints(
     tmp_path: Path, tiny_model_dir: Path, ray_local: None
@@ -132,6 +134,7 @@ def test_fit_writes_a_loadable_model_and_safetensors_checkpoints(
     assert set(result.metrics) >= {"reward/mean", "step"} and result.metrics["step"] == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_lora_run_writes_the_merged_model_and_the_peft_adapter(
     tmp_path: Path, tiny_model_dir: Path, ray_local: None
@@ -183,6 +186,7 @@ def test_a_failed_start_leaves_no_folder(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_empty_batch_error_lists_the_attempts_errors_with_counts(
     tmp_path: Path, tiny_model_dir: Path, ray_local: None
@@ -197,6 +201,7 @@ def test_empty_batch_error_lists_the_attempts_errors_with_counts(
     assert "4 x AgentError: agent <agent failing_agent> returned a builtins.str" in message, message
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_validation_is_greedy_and_runs_before_and_after_training(
     tmp_path: Path, tiny_model_dir: Path, ray_local: None
@@ -226,6 +231,7 @@ def test_validation_is_greedy_and_runs_before_and_after_training(
     assert anyio.run(temperatures, "train") == {1.0}
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_waiting_for_rollouts_has_a_deadline(tmp_path: Path, tiny_model_dir: Path, ray_local: None) -> None:
     cfg = config(tiny_model_dir, tmp_path / "run", timeouts={"rollouts_s": 2})

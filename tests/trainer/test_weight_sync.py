@@ -182,6 +182,7 @@ def _ipc_child(handles: list, queue: object) -> None:  # runs in a spawned proce
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA IPC needs a GPU; CPU runs test the packing only"
 )
+@pytest.mark.e2e
 def test_ipc_handles_open_in_another_process() -> None:
     import torch.multiprocessing as mp
     from torch.multiprocessing.reductions import reduce_tensor
