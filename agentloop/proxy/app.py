@@ -1,12 +1,15 @@
 """The FastAPI app: OpenAI routes per rollout attempt (``/rollout/{rid}/attempt/{aid}/v1/...``) and
 for app sessions (``/v1/...``, session id in the ``X-Session-Id`` header).
 
-Routes (each under both prefixes): ``POST chat/completions``, ``POST completions``, ``GET models``.
+Routes (each under both prefixes): ``POST chat/completions``, ``POST completions``, ``GET models``,
+``POST messages`` (the Anthropic Messages API, anthropic.py) and ``POST responses`` (the OpenAI
+Responses API, openai_responses.py); both become chat requests and take the chat path (service.py).
 Sessions only: ``POST /v1/sessions/{id}/reward`` (``{"value": 1.0}`` or ``{"reward": 1.0}``, optional
 ``"name"``), ``GET /v1/sessions/{id}`` (its calls with token ids, and rewards), ``GET /v1/sessions``
 (every session held: id, number of calls, rewards). ``GET /health``.
 
-Every error answers with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
+Every error answers with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``
+(``messages``: Anthropic's ``{"type": "error", "error": {"type", "message"}}``):
 400 bad input (``context_length_exceeded`` included), 401 missing/wrong bearer token (and the
 connection is closed: a client without the key holds no socket), 404 unknown
 rollout/attempt/session/route (``model_not_found``: a session request naming a model not served),
@@ -34,10 +37,11 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from agentloop.proxy import responses
+from agentloop.proxy import anthropic, openai_responses, responses
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    JSONDict,
     ProxyError,
     RewardRequest,
     bad_request,
@@ -61,11 +65,16 @@ def request_key(request: Request) -> str | None:
     return key[:256] if key else None
 
 
-def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> Response:
+ErrorShape = Callable[[ProxyError], JSONDict]  # a protocol's error body
+
+
+def error_response(
+    exc: ProxyError, headers: dict[str, str] | None = None, shape: ErrorShape = ProxyError.body
+) -> Response:
     if exc.status == 401:  # then the connection closes: a client without the key holds no socket
         headers = {**(headers or {}), "Connection": "close"}
     return Response(
-        orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json", headers=headers
+        orjson.dumps(shape(exc)), status_code=exc.status, media_type="application/json", headers=headers
     )
 
 
@@ -74,22 +83,27 @@ def _json(body: bytes, headers: dict[str, str] | None = None) -> Response:
 
 
 class BearerAuth:
-    """Checks ``Authorization: Bearer <key>`` in constant time. Holds the key where a traceback that
-    prints local variables cannot show it (its repr names no key)."""
+    """Checks ``Authorization: Bearer <key>`` (or ``X-Api-Key: <key>``, which the anthropic client
+    sends) in constant time. Holds the key where a traceback that prints local variables cannot show
+    it (its repr names no key)."""
 
-    __slots__ = ("_expected",)
+    __slots__ = ("_expected", "_key")
 
     def __init__(self, key: SecretStr | str | None) -> None:
         secret = key.get_secret_value() if isinstance(key, SecretStr) else key
         self._expected = f"Bearer {secret}".encode() if secret else None
+        self._key = secret.encode() if secret else None
 
     @property
     def required(self) -> bool:
         return self._expected is not None
 
     def allows(self, request: Request) -> bool:
-        if self._expected is None:
+        if self._expected is None or self._key is None:
             return True
+        api_key = request.headers.get("x-api-key")
+        if api_key is not None and "authorization" not in request.headers:
+            return hmac.compare_digest(api_key.encode(), self._key)
         return hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected)
 
     def __repr__(self) -> str:
@@ -97,8 +111,8 @@ class BearerAuth:
 
 
 def _unauthorized() -> ProxyError:
-    return ProxyError(401, "missing or wrong bearer token (Authorization: Bearer <api_key>)",
-                      "authentication_error", code="invalid_api_key")  # fmt: skip
+    return ProxyError(401, "missing or wrong bearer token (Authorization: Bearer <api_key>, or "
+                      "X-Api-Key: <api_key>)", "authentication_error", code="invalid_api_key")  # fmt: skip
 
 
 def build_app(
@@ -159,7 +173,9 @@ def build_app(
 
     Handler = Callable[[Request, Target, dict[str, str]], Awaitable[Response]]
 
-    def guarded(handler: Handler, session: bool) -> Callable[..., Awaitable[Response]]:
+    def guarded(
+        handler: Handler, session: bool, shape: ErrorShape = ProxyError.body
+    ) -> Callable[..., Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             headers: dict[str, str] = {}
             try:
@@ -170,12 +186,13 @@ def build_app(
                     target = Target(rollout_id=params["rollout_id"], attempt_id=params["attempt_id"])
                 return await handler(request, target, headers)
             except ProxyError as exc:
-                return error_response(exc, headers)
+                return error_response(exc, headers, shape)
             except Exception as exc:  # never a 500: log it and say the service is unavailable
                 log.exception("unexpected proxy error", path=request.url.path, error=repr(exc)[:300])
                 return error_response(
                     ProxyError(503, f"internal proxy error: {type(exc).__name__}", "service_unavailable"),
                     headers,
+                    shape,
                 )
 
         return endpoint
@@ -209,6 +226,36 @@ def build_app(
             )
         return _json(responses.completion_json(gen, service.tokenizer, lps, ids), headers)
 
+    async def messages(request: Request, target: Target, headers: dict[str, str]) -> Response:
+        body = await read_json(request)
+        req, chat_req, chat_messages = anthropic.parse(body)
+        gen = await service.chat(
+            target,
+            chat_req,
+            chat_messages,
+            request_key=request_key(request),
+            client_gone=request.is_disconnected,
+        )
+        ids, stops = want_ids(request, body), req.stop_sequences or []
+        if req.stream:
+            return _stream(anthropic.message_events(gen, service.tokenizer, stops, ids), headers)
+        return _json(anthropic.message_json(gen, service.tokenizer, stops, ids), headers)
+
+    async def responses_api(request: Request, target: Target, headers: dict[str, str]) -> Response:
+        body = await read_json(request)
+        req, chat_req, chat_messages = openai_responses.parse(body)
+        gen = await service.chat(
+            target,
+            chat_req,
+            chat_messages,
+            request_key=request_key(request),
+            client_gone=request.is_disconnected,
+        )
+        ids = want_ids(request, body)
+        if req.stream:
+            return _stream(openai_responses.response_events(gen, req, service.tokenizer, ids), headers)
+        return _json(openai_responses.response_json(gen, req, ids), headers)
+
     async def models(request: Request, target: Target, headers: dict[str, str]) -> Response:
         if not auth.allows(request):
             raise _unauthorized()
@@ -224,6 +271,10 @@ def build_app(
         app.add_route(f"{prefix}/chat/completions", guarded(chat, session), methods=["POST"])
         app.add_route(f"{prefix}/completions", guarded(completions, session), methods=["POST"])
         app.add_route(f"{prefix}/models", guarded(models, session), methods=["GET"])
+        app.add_route(
+            f"{prefix}/messages", guarded(messages, session, anthropic.error_body), methods=["POST"]
+        )
+        app.add_route(f"{prefix}/responses", guarded(responses_api, session), methods=["POST"])
 
     async def post_reward(request: Request) -> Response:
         session_id = request.path_params["session_id"]

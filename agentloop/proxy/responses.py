@@ -128,7 +128,7 @@ def _sse(obj: JSONDict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _pieces(gen: Generation, tokenizer: Any) -> Iterator[tuple[str, list[int], list[float]]]:
+def text_pieces(gen: Generation, tokenizer: Any) -> Iterator[tuple[str, list[int], list[float]]]:
     """(text delta, token ids, their logprobs) per token that completes text; the rest goes last."""
     content = gen.content or ""
     dec = IncrementalDecoder(tokenizer)
@@ -175,7 +175,7 @@ def chat_chunks(
         yield _sse(chunk(delta, gen.token_ids, lp))
         yield _sse(chunk({}, [], [], gen.finish_reason))
     else:
-        pieces = list(_pieces(gen, tokenizer))
+        pieces = list(text_pieces(gen, tokenizer))
         for text, ids, lps in pieces[:-1]:
             yield _sse(chunk({"content": text}, ids, lps))
         text, ids, lps = pieces[-1]
@@ -189,7 +189,7 @@ def completion_chunks(
     gen: Generation, tokenizer: Any, want_ids: bool, include_usage: bool
 ) -> Iterator[bytes]:
     head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.model}
-    pieces = list(_pieces(gen, tokenizer))
+    pieces = list(text_pieces(gen, tokenizer))
     for i, (text, ids, _) in enumerate(pieces):
         last = i == len(pieces) - 1
         choice: JSONDict = {

@@ -54,27 +54,29 @@ def from_validation_error(exc: ValidationError, what: str) -> ProxyError:
     return bad_request(f"invalid {what}: {param or 'body'}: {err['msg']}{got_text}", param=param)
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """Strict types (``"1"`` is not a number); unknown fields are kept and ignored."""
+
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class FunctionCallIn(_Strict):
+class FunctionCallIn(Strict):
     name: str
     arguments: str | JSONDict = "{}"
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ContentPart(_Strict):
+class ContentPart(Strict):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -83,18 +85,18 @@ class ChatMessage(_Strict):
     reasoning_content: str | None = None
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: JSONDict | None = None
 
 
-class ToolSpec(_Strict):
+class ToolSpec(Strict):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(Strict):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -161,7 +163,7 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-class RewardRequest(_Strict):
+class RewardRequest(Strict):
     """``{"value": 1.0}`` (or ``{"reward": 1.0}``, the usual first guess), with an optional ``name``."""
 
     value: float

@@ -1,0 +1,323 @@
+"""The Anthropic Messages API on the proxy, through the official ``anthropic`` client: tool
+conversations record the engine's exact token ids and extend the token ledger, per attempt and per
+session, streamed or not; bad input gets a 4xx in Anthropic's error shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anthropic
+import anyio
+import httpx
+import pytest
+
+from agentloop.proxy.server import Proxy
+from agentloop.store.memory import MemoryStore
+from agentloop.types import LLMCall
+from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
+from tests.proxy.engines import EchoEngine
+
+TOOLS: Any = [{"name": "calc", "description": "evaluate arithmetic",
+               "input_schema": {"type": "object", "properties": {"expr": {"type": "string"}}}}]  # fmt: skip
+CALL_TEXT = 'Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
+
+
+def scripted(replies: list[str]) -> Any:
+    it = iter(replies)
+    return lambda prompt_ids, sampling: next(it)
+
+
+@pytest.fixture
+async def claude() -> AsyncIterator[Callable[..., anthropic.AsyncAnthropic]]:
+    """Makes AsyncAnthropic clients (no retries) and closes them while the event loop still runs."""
+    clients: list[anthropic.AsyncAnthropic] = []
+
+    def make(base_url: str, **kwargs: Any) -> anthropic.AsyncAnthropic:
+        client = anthropic.AsyncAnthropic(base_url=base_url, api_key="x", max_retries=0, **kwargs)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+async def _ask(client: anthropic.AsyncAnthropic, stream: bool, **kwargs: Any) -> Any:
+    if not stream:
+        return await client.messages.create(**kwargs)
+    async with client.messages.stream(**kwargs) as events:
+        return await events.get_final_message()
+
+
+async def _recorded(proxy: Proxy, store: MemoryStore, where: str, rollout_id: str) -> list[LLMCall]:
+    if where == "session":
+        rec = proxy.sessions.get("app-7")
+        assert rec is not None
+        return list(rec.calls)
+    return [s.payload for s in await store.query_spans(rollout_id)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("where", ["attempt", "session"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_two_turn_tool_conversation_records_exact_tokens(
+    tokenizer: Any, claude: Any, stream: bool, where: str
+) -> None:
+    engine, store = EchoEngine(tokenizer, reply=scripted([CALL_TEXT, "It is 5."])), MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        att = await new_attempt(store)
+        base = attempt_url(proxy, att) if where == "attempt" else proxy.session_base_url
+        client = claude(base.removesuffix("/v1"), default_headers={"X-Session-Id": "app-7"})
+        messages: list[Any] = [{"role": "user", "content": "What is 2+3?"}]
+        ask = {"model": proxy.model_name, "max_tokens": 64, "system": "You add.", "tools": TOOLS}
+        with anyio.fail_after(30):
+            first = await _ask(client, stream, messages=messages, **ask)
+            assert first.stop_reason == "tool_use"
+            assert [b.type for b in first.content] == ["text", "tool_use"]
+            assert first.content[0].text == "Let me compute."
+            use = first.content[1]
+            assert use.name == "calc" and use.input == {"expr": "2+3"} and use.id.startswith("toolu_")
+            messages += [
+                {"role": "assistant", "content": first.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]},
+            ]
+            second = await _ask(client, stream, messages=messages, **ask)
+    assert second.stop_reason == "end_turn" and second.content[0].text == "It is 5."
+    calls = await _recorded(proxy, store, where, att.rollout_id)
+    assert len(calls) == 2
+    for call, engine_call, answer in zip(calls, engine.calls, (first, second), strict=True):
+        assert engine_call.output is not None
+        assert call.prompt_ids == engine_call.prompt_ids and call.response_ids == engine_call.output.token_ids
+        assert call.response_logprobs == engine_call.output.logprobs
+        assert answer.usage.input_tokens == len(call.prompt_ids)
+        assert answer.usage.output_tokens == len(call.response_ids)
+        assert call.ledger_break is None and not call.tool_call_parse_error
+    one, two = calls
+    assert one.response_ids[-1] == tokenizer.eos_token_id
+    head = one.prompt_ids + one.response_ids  # the ledger: turn two extends turn one's exact tokens
+    assert two.prompt_ids[: len(head)] == head
+    assert tokenizer.decode(two.prompt_ids[len(head) :]) == (
+        "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert "<tools>" in tokenizer.decode(one.prompt_ids) and one.messages[0]["content"] == "You add."
+    assert two.messages[-1] == {"role": "tool", "tool_call_id": use.id, "content": "5", "name": "calc"}
+    assert one.response_message is not None and one.response_message["content"] == "Let me compute."
+
+
+async def test_streaming_and_not_give_the_same_tokens_and_text(tokenizer: Any, claude: Any) -> None:
+    # multi-byte words (日本, 🙂, é) span several tokens: the stream must hold partial bytes back
+    engine = EchoEngine(tokenizer, reply=lambda p, s: "日本 🙂 été naïve 🙂🙂 done STOP never sent")
+    store = MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        att = await new_attempt(store)
+        client = claude(attempt_url(proxy, att).removesuffix("/v1"))
+        ask: Any = {"model": "m", "max_tokens": 64, "stop_sequences": ["STOP", "never"],
+                    "messages": [{"role": "user", "content": "Say it."}], "extra_body": {"return_token_ids": True}}  # fmt: skip
+        with anyio.fail_after(30):
+            full = await client.messages.create(**ask)
+            deltas: list[str] = []
+            async with client.messages.stream(**ask) as events:
+                async for event in events:
+                    if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                        deltas.append(event.delta.text)
+                    if event.type == "message_delta":
+                        streamed_ids = (event.model_extra or {})["token_ids"]
+                streamed = await events.get_final_message()
+    text = "日本 🙂 été naïve 🙂🙂 done "
+    assert full.content[0].text == streamed.content[0].text == "".join(deltas) == text
+    assert len(deltas) > 1 and all("\ufffd" not in d for d in deltas)
+    assert (full.stop_reason, full.stop_sequence) == (streamed.stop_reason, streamed.stop_sequence)
+    assert (full.stop_reason, full.stop_sequence) == ("stop_sequence", "STOP")
+    assert full.model_extra is not None and full.model_extra["token_ids"] == streamed_ids
+    spans = await store.query_spans(att.rollout_id)
+    assert [s.payload.response_ids for s in spans] == [streamed_ids, streamed_ids]  # type: ignore[union-attr]
+    assert full.usage.output_tokens == streamed.usage.output_tokens == len(streamed_ids)
+
+
+async def test_max_tokens_and_sampling_reach_the_engine(tokenizer: Any, claude: Any) -> None:
+    engine = EchoEngine(tokenizer, reply=lambda p, s: "one two three four five six seven")
+    async with running_proxy(engine) as proxy:
+        client = claude(proxy.url)
+        with anyio.fail_after(30):
+            cut = await client.messages.create(
+                model=proxy.model_name,
+                max_tokens=3,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    }
+                ],
+                extra_body={"temperature": 0.5, "top_k": 7},  # the client has no arguments for them
+            )
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+    used = engine.calls[0].sampling
+    assert (used.max_tokens, used.temperature, used.top_k) == (3, 0.5, 7)
+    assert tokenizer.decode(engine.calls[0].prompt_ids).endswith(
+        "user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+OK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+BAD: list[tuple[Any, str]] = [
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"model": "m", "max_tokens": 8, "messages": []}, "messages"),
+    (
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AA"},
+                        }
+                    ],
+                }
+            ],
+        },
+        "content blocks of type 'image' are not supported",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        },
+        "prefill",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+        },
+        "only client tools",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": {"type": "tool"},
+        },
+        'needs the tool\'s "name"',
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [
+                {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "calc", "input": {}}]}
+            ],
+        },
+        "tool_use blocks belong in assistant messages",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "temperature": "0.5",
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        "temperature",
+    ),
+    ([1, 2], "must be a JSON object"),
+]
+
+
+async def test_bad_input_gets_a_4xx_in_anthropics_shape(tokenizer: Any, claude: Any) -> None:
+    store = MemoryStore()
+    async with running_proxy(EchoEngine(tokenizer, max_context=64), store) as proxy:
+        att = await new_attempt(store)
+        url = attempt_url(proxy, att) + "/messages"
+        async with httpx.AsyncClient(timeout=20) as http:
+            with anyio.fail_after(30):
+                answers = [await http.post(url, json=body) for body, _ in BAD]
+                not_json = await http.post(url, content=b"{oops")
+                too_long = await http.post(url, json={"model": "m", "max_tokens": 8,
+                                                      "messages": [{"role": "user", "content": "word " * 200}]})  # fmt: skip
+                unknown = await http.post(f"{proxy.url}/rollout/ro-nope/attempt/at-nope/v1/messages", json=OK)
+                wrong_model = await http.post(f"{proxy.session_base_url}/messages", json={
+                    "model": "claude-opus", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        # the official client raises its typed errors from these bodies
+        client = claude(proxy.url)
+        with anyio.fail_after(30), pytest.raises(anthropic.BadRequestError, match="prefill"):
+            await client.messages.create(model=proxy.model_name, max_tokens=8, messages=BAD[4][0]["messages"])
+    for (_, needle), answer in zip(BAD, answers, strict=True):
+        assert answer.status_code == 400, answer.text
+        body = answer.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert needle in body["error"]["message"]
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
+    assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    assert (
+        wrong_model.status_code == 404
+        and "'claude-opus' does not exist" in wrong_model.json()["error"]["message"]
+    )
+    assert len(await store.query_spans(att.rollout_id)) == 1  # only the over-context call, flagged
+    assert (await store.query_spans(att.rollout_id))[0].payload.error == "context_length_exceeded"  # type: ignore[union-attr]
+
+
+async def test_the_anthropic_client_key_header_is_accepted(tokenizer: Any) -> None:
+    async with running_proxy(EchoEngine(tokenizer), api_key="s3cret-key") as proxy:
+        ask: Any = {
+            "model": proxy.model_name,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        async with (
+            anthropic.AsyncAnthropic(base_url=proxy.url, api_key="s3cret-key", max_retries=0) as good,
+            anthropic.AsyncAnthropic(base_url=proxy.url, api_key="wrong", max_retries=0) as bad,
+        ):
+            with anyio.fail_after(30):
+                answer = await good.messages.create(**ask)
+                with pytest.raises(anthropic.AuthenticationError) as refused:
+                    await bad.messages.create(**ask)
+    assert answer.content and refused.value.status_code == 401
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+async def test_a_retry_with_the_same_idempotency_key_is_answered_once(tokenizer: Any) -> None:
+    async with (
+        running_proxy(EchoEngine(tokenizer), model_name="m") as proxy,
+        httpx.AsyncClient(timeout=20) as http,
+    ):
+        headers = {"Idempotency-Key": "k-1", "X-Session-Id": "app-3"}
+        with anyio.fail_after(30):
+            a, b = [
+                (await http.post(f"{proxy.url}/v1/messages", json=OK, headers=headers)).json() for _ in "ab"
+            ]
+            other = await http.post(f"{proxy.url}/v1/messages", json={**OK, "max_tokens": 9}, headers=headers)
+    assert a == b and a["id"].startswith("msg_")
+    assert other.status_code == 409 and other.json()["type"] == "error"
+    rec = proxy.sessions.get("app-3")
+    assert rec is not None and len(rec.calls) == 1
+
+
+async def test_an_edited_assistant_turn_is_a_flagged_ledger_break(tokenizer: Any, claude: Any) -> None:
+    engine, store = EchoEngine(tokenizer, reply=scripted(["Paris.", "Yes."])), MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        att = await new_attempt(store)
+        client = claude(attempt_url(proxy, att).removesuffix("/v1"))
+        messages: list[Any] = [{"role": "user", "content": "Capital of France?"}]
+        with anyio.fail_after(30):
+            first = await client.messages.create(model="m", max_tokens=16, messages=messages)
+            assert first.content[0].text == "Paris."
+            edited = [
+                *messages,
+                {"role": "assistant", "content": "Lyon."},
+                {"role": "user", "content": "Sure?"},
+            ]
+            await client.messages.create(model="m", max_tokens=16, messages=edited)
+    _, two = [s.payload for s in await store.query_spans(att.rollout_id)]
+    assert isinstance(two, LLMCall) and two.ledger_break is not None and "differs" in two.ledger_break
+    assert two.prompt_ids == engine.calls[1].prompt_ids  # a full render: still the exact prompt sent
+    assert tokenizer.decode(two.prompt_ids).endswith(
+        "Lyon.<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
+    )
