@@ -530,7 +530,11 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if g.numel() < 2:
         return float("nan")
     var_g = g.var(unbiased=False)
-    return float(1.0 - (g - v).var(unbiased=False) / var_g) if var_g > 0 else float("nan")
+    # returns that do not vary (every attempt scored the same) leave nothing to explain; rounding noise in
+    # their variance would otherwise give a ratio like -1e14
+    if var_g <= 1e-12 * max(1.0, float(g.abs().max()) ** 2):
+        return float("nan")
+    return float(1.0 - (g - v).var(unbiased=False) / var_g)
 
 
 def compute_advantage(

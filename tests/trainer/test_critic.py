@@ -7,6 +7,7 @@ real build_batch and adapter metadata; the GAE and loss cases are computed by ha
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,8 @@ def test_explained_variance() -> None:
     returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     assert explained_variance(returns, returns, mask) == 1.0
     assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == 0.0  # the mean: no better
+    same = torch.full_like(returns, 0.1) + torch.tensor([[0.0, 1e-9, 0.0, 0.0]])  # only rounding varies
+    assert math.isnan(explained_variance(torch.zeros_like(returns), same, mask))
 
 
 def test_gae_needs_a_critic_and_a_critic_needs_gae(tiny_model_dir: Path) -> None:
