@@ -1,4 +1,4 @@
-"""The OpenAI-compatible proxy: chat templating, the token ledger, recording LLM calls."""
+"""The proxy: OpenAI Chat, Anthropic Messages and OpenAI Responses APIs over one token ledger, recording LLM calls."""
 
 from agentloop.proxy.ledger import LedgerEntry, PromptPlan, TokenLedger
 from agentloop.proxy.schemas import ProxyError
