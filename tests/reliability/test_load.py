@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.reliability.load import run_load
 from tests.reliability.report import record
 
 
+@pytest.mark.e2e
 async def test_100_agents_x_5_turns(tmp_path: Path, tokenizer: Any) -> None:
     figures = await run_load(tokenizer, tmp_path / "load.db", agents=100, turns=5)
     assert figures["succeeded"] == figures["runner_succeeded"] == 100 and figures["lost_rollouts"] == 0

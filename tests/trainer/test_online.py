@@ -49,6 +49,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k].float(), b[k].float()) for k in shared)
 
 
+@pytest.mark.e2e
 async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
