@@ -113,6 +113,7 @@ def attempt_gae(
         values=values.reshape(-1)[index].float(),
         gamma=config.algorithm.gamma,
         lam=config.algorithm.lam,
+        std_floor=config.algorithm.gae_std_floor,
     )
     advantages = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=mask.device)
     returns = torch.zeros_like(advantages)

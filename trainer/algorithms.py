@@ -123,15 +123,18 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return x.sum(dim) / m.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, std_floor: float = 0.0
+) -> torch.Tensor:
     """(x - mean) / std over the masked positions of the whole batch (unbiased std, like verl);
-    0 at masked positions. With fewer than two valid values the std is taken as 0."""
+    0 at masked positions. With fewer than two valid values the std is taken as 0. ``std_floor``: never
+    divide by less (a batch whose values barely vary is centred, not blown up to unit scale)."""
     m = _check_mask(x, mask)
     x = x.masked_fill(~m, 0.0)
     n = m.sum()
     mean = x.sum() / n.clamp(min=1)
     sq = ((x - mean) ** 2).masked_fill(~m, 0.0).sum()
-    var = sq / (n - 1).clamp(min=1)
+    var = (sq / (n - 1).clamp(min=1)).clamp(min=std_floor**2)
     return ((x - mean) * torch.rsqrt(var + eps)).masked_fill(~m, 0.0)
 
 
@@ -464,12 +467,14 @@ def gae(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    std_floor: float = 0.0,
     **_: Any,
 ) -> AdvantageOutput:
     """Generalised advantage estimation with a value head; masked tokens are skipped.
 
     delta_t = r_t + gamma * V_next - V_t ; A_t = delta_t + gamma * lam * A_next ; returns = A + V.
-    Advantages are whitened over the batch's valid tokens; returns are not."""
+    Advantages are whitened over the batch's valid tokens (divided by at least ``std_floor``); returns
+    are not."""
     if values is None:
         raise ValueError("gae needs values: the value head's (B, T) predictions")
     m = _check_mask(values, response_mask, "values")
@@ -484,7 +489,7 @@ def gae(
         next_v = torch.where(m[:, t], v[:, t], next_v)
         adv[:, t] = last
     returns = (adv + v).masked_fill(~m, 0.0)
-    return AdvantageOutput(masked_whiten(adv, m), returns)
+    return AdvantageOutput(masked_whiten(adv, m, std_floor=std_floor), returns)
 
 
 class ValueLossOutput(NamedTuple):

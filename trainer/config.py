@@ -66,6 +66,13 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLCtrlConfig = Field(default_factory=KLCtrlConfig, description="KL-in-reward coefficient.")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount for reinforce_plus_plus and gae.")
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
+    gae_std_floor: float = Field(
+        default=0.1,
+        ge=0,
+        description="GAE advantages are divided by their std, but never by less (reward units): a batch "
+        "where every attempt failed holds only the critic's noise, which whitening would train on at full "
+        "strength.",
+    )
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig,
         description="Truncated importance sampling and rejection masks against the engine's log-probs.",

@@ -211,3 +211,26 @@ def test_a_resumed_critic_gives_the_same_next_step(tiny_model_dir: Path, tmp_pat
     again = resumed.update(_ppo_batch()[1])
     for key in ("critic/vf_loss", "critic/values_mean", "critic/vf_explained_var", "actor/pg_loss"):
         assert again[key] == pytest.approx(going_on[key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_batch_without_reward_signal_is_not_blown_up_to_unit_advantages() -> None:
+    """Every attempt failed (returns 0): the advantages are only the critic's spread of values. Plain
+    whitening divides them by that small std and trains on noise at full strength (|A| ~ 0.8 in the tools
+    demo); with the std floor (0.1 reward units) they stay a tenth as large as the values' spread."""
+    triplets, _ = _attempt(merge=False)
+    for t in triplets:
+        t.metadata["call_reward"] = 0.0
+    batch, _ = build_batch(triplets, max_prompt_length=16, max_response_length=16)
+    values = torch.zeros(batch.response_mask.shape)
+    values[batch.response_mask.bool()] = torch.tensor([0.04, 0.06, 0.05])  # spread 0.01
+    adv, _ = attempt_gae(batch, values, _config())
+    m = batch.response_mask.bool()
+    # centred -V: 0.01, -0.01, 0 -> divided by the floor 0.1 (their std is 0.01): 0.1, -0.1, 0
+    torch.testing.assert_close(adv[m], torch.tensor([0.1, -0.1, 0.0]))
+    floorless = TrainerConfig.from_dict(
+        {
+            "algorithm": {"adv_estimator": "gae", "gae_std_floor": 0.0},
+            "actor_rollout_ref": {"rollout": {"n": 1}},
+        }
+    )
+    assert float(attempt_gae(batch, values, floorless)[0][m].abs().max()) == pytest.approx(1.0, rel=1e-3)
