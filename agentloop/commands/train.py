@@ -34,7 +34,7 @@ from agentloop.commands.runner import load_object
 JOB_KEYS = ("agent", "train_data", "val_data")
 # TrainerConfig's top-level sections, named here so that `agentloop train --help` does not import torch;
 # tests/commands/test_train_cmd.py checks this list against TrainerConfig.
-CONFIG_SECTIONS = ("algorithm", "data", "actor_rollout_ref", "trainer", "adapter", "placement")
+CONFIG_SECTIONS = ("algorithm", "data", "actor_rollout_ref", "critic", "trainer", "adapter", "placement")
 
 EPILOG = f"""\
 The job file (every path in it is relative to the file):
