@@ -25,10 +25,10 @@ demo: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=15  # under 15 min on 2 cores
 
-# The inner loop: every test but slow and e2e, on one OpenMP thread: on 2 cores shared with another
-# busy process, a second thread spin-waiting made the tiny-model engine tests 5x slower (130 s vs 25 s).
+# The inner loop: every test but slow and e2e, in two pytest-xdist workers of one OpenMP thread each
+# (a second thread per process spin-waits against the other worker: 5x slower tiny-model engine tests).
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x -m "not slow and not e2e" --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x -n 2 -m "not slow and not e2e" --durations=10
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)
