@@ -136,6 +136,18 @@ def save_policy(
         fsync_file(path / name)
 
 
+def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` detached and contiguous, each tensor that shares storage with an earlier one copied
+    (tied weights: safetensors wants each tensor in storage of its own)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
+        seen.add(ptr)
+    return out
+
+
 def save_policy_state(
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
@@ -146,13 +158,7 @@ def save_policy_state(
     """``save_policy``'s files from full state dicts (data-parallel ranks gather them to rank 0)."""
     from safetensors.torch import save_file
 
-    seen: set[int] = set()
-    weights = {}
-    for name, tensor in model_state.items():  # tied weights share storage: safetensors wants copies
-        ptr = tensor.untyped_storage().data_ptr()
-        weights[name] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
-        seen.add(ptr)
-    save_file(weights, str(path / WEIGHTS_FILE))
+    save_file(untied(model_state), str(path / WEIGHTS_FILE))
     torch.save({"optimizer": optimizer_state, "step": step, "lora_rank": lora_rank}, path / OPTIMIZER_FILE)
     for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
         fsync_file(path / name)

@@ -361,14 +361,10 @@ class OnlineTrainer:
 def _save(weights: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
-    seen: set[int] = set()
-    out = {}
-    for name, t in weights.items():  # tied tensors: safetensors wants separate storage
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.detach().clone().contiguous() if ptr in seen else t.detach().contiguous()
-        seen.add(ptr)
+    from trainer.checkpoint import untied
+
     tmp = path.with_suffix(".tmp")
-    save_file(out, str(tmp))
+    save_file(untied(weights), str(tmp))
     tmp.replace(path)
 
 
