@@ -34,6 +34,7 @@ import anyio.from_thread
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
+from agentloop import tracing
 from agentloop.agent import Agent, FunctionAgent, attempt_context, check_reward
 from agentloop.errors import InvalidTransitionError, StoreUnavailableError
 from agentloop.logging import get_logger
@@ -284,6 +285,9 @@ class Runner:
         finally:
             self._scopes.pop(aid, None)
             slots.release()
+        # off by default: returns at once; on, it reads the finished rollout back for its trace
+        name = getattr(self.agent, "name", None) or type(self.agent).__name__
+        await tracing.export_rollout(self.store, rollout.rollout_id, attempt_id=aid, agent_name=name)
 
     async def _execute(self, rollout: AttemptedRollout) -> _Outcome | None:
         """Run the agent; an _Outcome to report, or None when the store ended the attempt first."""

@@ -1,0 +1,543 @@
+"""OpenTelemetry export: each finished rollout as one trace, through the official SDK (off by default).
+
+Turn it on in the process that runs the :class:`~agentloop.runner.Runner` (the trainer's process
+for ``Trainer.fit``; each ``agentloop runner`` process for remote runners)::
+
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from agentloop import tracing
+
+    tracing.configure(exporter=OTLPSpanExporter())    # or tracer_provider=..., or nothing: the global one
+    ...                                               # run / train as usual
+    tracing.shutdown()                                # flush what is queued
+
+or with the standard variables and no code: ``OTEL_TRACES_EXPORTER=otlp`` (or ``console``; any name an
+installed package registers), ``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_ENDPOINT``, ...
+
+The trace of one rollout, built from what the store recorded when the rollout finishes::
+
+    agentloop.rollout                  enqueue -> end; status, mode, attempts, reward
+    ├── agentloop.attempt              start -> end of attempt 1; status -> span status, reward events
+    │   ├── chat <model>               one per LLM call: GenAI attributes (model, token counts, finish reason)
+    │   ├── execute_tool <name>        one per ToolCall span (ToolAgent records them)
+    │   └── chat <model>
+    └── agentloop.attempt              attempt 2 (a retry)
+
+Why from the store: the proxy, the runner and the trainer may live in different processes; the store
+has every timestamp (LLM call and tool spans carry their end time and latency), so the runner that
+ends a rollout reads it back once and hands it to the SDK. The rollout's trace appears when the
+rollout is finished, and only then; a rollout that ends without a runner reporting it (its runner
+died and the watchdog ended it; cancelled before any attempt) is not exported: call
+:func:`export_rollout` for those yourself.
+
+Costs and faults: when off, nothing is imported (``import agentloop`` never imports opentelemetry) and
+the runner does one check per attempt. When on, the runner does 2 + attempts store reads per
+finished rollout on the event loop (bounded by ``timeout_s``) and puts the result on a bounded queue;
+one daemon thread builds the spans (``configure(exporter=...)`` ends them into a
+``BatchSpanProcessor``). A slow or failing exporter never stalls or fails a rollout: the queue drops
+with a warning when full, and errors are logged, never raised.
+
+Content: prompts, completions, tool arguments and results, the task, log fields and tracebacks stay out
+of spans unless ``capture_content=True`` (or ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
+Token ids never go into spans; their counts do.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from agentloop.logging import get_logger
+from agentloop.types import (
+    Attempt,
+    AttemptStatus,
+    LLMCall,
+    Log,
+    Reward,
+    Rollout,
+    RolloutStatus,
+    Span,
+    ToolCall,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Tracer, TracerProvider
+
+    from agentloop.store.base import Store
+
+log = get_logger("agentloop.tracing")
+
+__all__ = ["configure", "enabled", "export_rollout", "force_flush", "shutdown"]
+
+_MAX_QUEUED = 256  # finished rollouts waiting for the span thread; each holds its spans (token ids too)
+_MAX_TEXT = 1000  # characters of an error message in a span status
+_SAMPLING_ATTRS = {  # LLMCall.sampling key -> GenAI request attribute
+    "temperature": "gen_ai.request.temperature",
+    "top_p": "gen_ai.request.top_p",
+    "top_k": "gen_ai.request.top_k",
+    "max_tokens": "gen_ai.request.max_tokens",
+    "seed": "gen_ai.request.seed",
+    "stop": "gen_ai.request.stop_sequences",
+}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One finished rollout, as the store holds it."""
+
+    rollout: Rollout
+    attempts: list[Attempt]
+    spans: list[list[Span]]  # per attempt, in sequence order
+    agent_name: str | None
+
+
+class _Pipeline:
+    """The configuration in force: a tracer, what to record, and the thread that turns jobs into spans."""
+
+    def __init__(
+        self, tracer: Tracer, provider: Any, owned: bool, capture_content: bool, timeout_s: float
+    ) -> None:
+        self.tracer, self.provider, self.owned = tracer, provider, owned
+        self.capture_content, self.timeout_s = capture_content, timeout_s
+        self.queue: queue.Queue[_Job | None] = queue.Queue(maxsize=_MAX_QUEUED)
+        self.dropped = 0
+        self.failed = 0
+        # daemon: an exporter that hangs must not keep the process alive at exit
+        self.thread = threading.Thread(target=self._work, name="agentloop-tracing", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _Job) -> bool:
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning(
+                    "trace_dropped",
+                    reason=f"{_MAX_QUEUED} finished rollouts already wait for the span thread (slow exporter?)",
+                    dropped=self.dropped,
+                )
+            return False
+        return True
+
+    def _work(self) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                _emit(self.tracer, job, self.capture_content)
+            except Exception as exc:  # a broken tracer or processor: log, keep going
+                self.failed += 1
+                if self.failed == 1 or self.failed % 1000 == 0:
+                    log.warning("trace_export_failed", error=repr(exc), failed=self.failed)
+            finally:
+                self.queue.task_done()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until the queued rollouts are spans and the provider has exported them."""
+        deadline = time.monotonic() + timeout_s
+        with self.queue.all_tasks_done:
+            while self.queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.queue.all_tasks_done.wait(left)
+        flush = getattr(self.provider, "force_flush", None)  # an SDK provider; the API one has none
+        left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+        return bool(flush(left_ms)) if flush is not None else True
+
+    def close(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        self.flush(timeout_s)
+        try:
+            self.queue.put(None, timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Full:
+            pass  # the thread is stuck in an exporter; it is a daemon and dies with the process
+        self.thread.join(max(deadline - time.monotonic(), 0.01))
+        if self.owned:
+            self.provider.shutdown()
+
+
+# The pipeline in force (None: off). Module state like logging's configuration: a process exports its
+# rollouts to one place; configure() replaces it, shutdown() ends it.
+_pipeline: _Pipeline | None = None
+_env_checked = False  # OTEL_TRACES_EXPORTER is read once, at the first check, unless configure() came first
+_lock = threading.Lock()
+
+
+def configure(
+    tracer_provider: TracerProvider | None = None,
+    *,
+    exporter: SpanExporter | None = None,
+    capture_content: bool | None = None,
+    timeout_s: float = 10.0,
+) -> None:
+    """Export every rollout this process's runners finish as an OpenTelemetry trace.
+
+    ``exporter``: a ``SpanExporter`` (OTLP, console, in-memory); agentloop makes a ``TracerProvider``
+    (service name ``agentloop`` unless ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` set one)
+    with a ``BatchSpanProcessor`` around it, and shuts it down in :func:`shutdown`.
+    ``tracer_provider``: yours, used as is (give it a ``BatchSpanProcessor``: a ``SimpleSpanProcessor``
+    exports on agentloop's span thread, one span at a time). Neither: the global provider
+    (``opentelemetry.trace.set_tracer_provider``, or the one ``opentelemetry-instrument`` set up).
+    ``capture_content``: put messages, completions, tool arguments and results, the task and tracebacks
+    in spans; None reads ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (default: off).
+    ``timeout_s``: how long the runner may spend reading one finished rollout from the store.
+    Calling it again replaces the configuration (the previous one is flushed first).
+    """
+    global _pipeline, _env_checked
+    if tracer_provider is not None and exporter is not None:
+        raise ValueError(
+            "configure takes a tracer_provider or an exporter, not both; "
+            "add the exporter to your provider (provider.add_span_processor(BatchSpanProcessor(exporter)))"
+        )
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if capture_content is None:
+        capture_content = _env_flag("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")
+    from opentelemetry import trace
+
+    owned = False
+    if exporter is not None:
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider: Any = _new_provider()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        owned = True
+    elif tracer_provider is not None:
+        if not callable(getattr(tracer_provider, "get_tracer", None)):
+            raise TypeError(
+                f"tracer_provider must be an opentelemetry TracerProvider, got {type(tracer_provider).__name__}"
+            )
+        provider = tracer_provider
+    else:
+        provider = trace.get_tracer_provider()
+    from agentloop import __version__
+
+    tracer = provider.get_tracer("agentloop", __version__)
+    new = _Pipeline(tracer, provider, owned, bool(capture_content), float(timeout_s))
+    with _lock:
+        old, _pipeline, _env_checked = _pipeline, new, True
+    # at exit, flush the queue into the provider before the provider's own exit hook (registered when it
+    # was made, earlier) shuts it down: hooks run last-registered first
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+    if old is not None:
+        old.close(timeout_s)
+
+
+def shutdown(timeout_s: float = 30.0) -> None:
+    """Flush the queued rollouts and stop exporting (a provider made from ``exporter=`` is shut down;
+    one you passed stays yours). Blocks up to ``timeout_s``: call it from sync code, after the run."""
+    global _pipeline, _env_checked
+    with _lock:
+        old, _pipeline, _env_checked = _pipeline, None, True
+    if old is not None:
+        old.close(timeout_s)
+
+
+def _at_exit() -> None:
+    shutdown(timeout_s=5.0)
+
+
+def force_flush(timeout_s: float = 30.0) -> bool:
+    """Wait until every finished rollout handed over so far is exported; False if ``timeout_s`` ran out.
+    Blocks: from async code, ``await anyio.to_thread.run_sync(tracing.force_flush)``."""
+    pipeline = _pipeline
+    return pipeline.flush(timeout_s) if pipeline is not None else True
+
+
+def enabled() -> bool:
+    """Whether finished rollouts are exported (``configure`` was called, or ``OTEL_TRACES_EXPORTER`` is set)."""
+    return _active() is not None
+
+
+async def export_rollout(
+    store: Store, rollout_id: str, *, attempt_id: str | None = None, agent_name: str | None = None
+) -> bool:
+    """Hand the trace of a finished rollout to the SDK; True if it was queued for export.
+
+    Nothing happens (False) when tracing is off, the rollout is not finished, or ``attempt_id`` is
+    given and is not the rollout's last attempt (only the runner of the last attempt exports, so each
+    rollout is exported once). Store errors and timeouts are logged, never raised. The Runner calls
+    this after each attempt; call it yourself for rollouts that ended without a runner.
+    """
+    pipeline = _active()
+    if pipeline is None:
+        return False
+    try:
+        with anyio.fail_after(pipeline.timeout_s):
+            rollout = await store.get_rollout(rollout_id)
+            if not rollout.status.is_terminal:
+                return False
+            attempts = sorted(await store.list_attempts(rollout_id), key=lambda a: a.sequence_id)
+            if attempt_id is not None and (not attempts or attempts[-1].attempt_id != attempt_id):
+                return False
+            spans = [await store.query_spans(rollout_id, a.attempt_id) for a in attempts]
+    except Exception as exc:  # TimeoutError included: the trace is lost, the rollout is not
+        log.warning("trace_read_failed", rollout_id=rollout_id, error=repr(exc))
+        return False
+    return pipeline.submit(_Job(rollout, attempts, spans, agent_name))
+
+
+# ---------------------------------------------------------------- configuration helpers
+
+
+def _active() -> _Pipeline | None:
+    global _env_checked
+    if _pipeline is not None or _env_checked:
+        return _pipeline
+    with _lock:
+        if _env_checked:
+            return _pipeline
+        _env_checked = True
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not names or names == ["none"] or _env_flag("OTEL_SDK_DISABLED"):
+        return None
+    try:
+        _configure_from_environment(names)
+    except Exception as exc:  # a bad variable must not stop the runner: say so once, stay off
+        log.warning("tracing_not_configured", OTEL_TRACES_EXPORTER=",".join(names), error=str(exc))
+    return _pipeline
+
+
+def _configure_from_environment(names: list[str]) -> None:
+    from importlib.metadata import entry_points
+
+    from opentelemetry import trace
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        configure()  # someone (opentelemetry-instrument) already built the pipeline from the variables
+        return
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = _new_provider()
+    for name in names:
+        found = entry_points(group="opentelemetry_traces_exporter", name=name)
+        if not found:
+            raise ValueError(
+                f"no installed package provides the span exporter {name!r} "
+                "(otlp: pip install opentelemetry-exporter-otlp; console comes with opentelemetry-sdk)"
+            )
+        provider.add_span_processor(BatchSpanProcessor(next(iter(found)).load()()))
+    configure(provider)
+    assert _pipeline is not None
+    _pipeline.owned = True  # made here: shutdown() shuts it down
+
+
+def _new_provider() -> Any:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "agentloop"}))
+    return TracerProvider(resource=resource)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+# ---------------------------------------------------------------- spans (on the span thread)
+
+
+def _ns(t: float) -> int:
+    return int(t * 1e9)
+
+
+def _attrs(**pairs: Any) -> dict[str, Any]:
+    """``a__b_c=`` -> ``a.b_c``; None values are left out (OTel attributes have no null)."""
+    return {k.replace("__", "."): v for k, v in pairs.items() if v is not None}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _emit(tracer: Tracer, job: _Job, capture: bool) -> None:
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    r = job.rollout
+    ends = [a.end_time for a in job.attempts if a.end_time is not None]
+    end = r.end_time or max(ends, default=None) or time.time()
+    rewards = [_reward(spans) for spans in job.spans]
+    root = tracer.start_span(
+        "agentloop.rollout",
+        kind=SpanKind.INTERNAL,
+        start_time=_ns(r.enqueue_time),
+        attributes=_attrs(
+            agentloop__rollout__id=r.rollout_id,
+            agentloop__rollout__mode=r.mode,
+            agentloop__rollout__status=r.status.value,
+            agentloop__rollout__attempts=len(job.attempts),
+            agentloop__resources__version=r.resources_version,
+            agentloop__reward=rewards[-1] if rewards else None,
+            agentloop__rollout__input=_json(r.input) if capture else None,
+        ),
+    )
+    parent = trace.set_span_in_context(root)
+    for attempt, spans, reward in zip(job.attempts, job.spans, rewards, strict=True):
+        _emit_attempt(tracer, parent, attempt, spans, reward, job.agent_name, capture)
+    if r.status is RolloutStatus.SUCCEEDED:
+        root.set_status(Status(StatusCode.OK))
+    elif r.status is RolloutStatus.FAILED:
+        last = job.attempts[-1].error if job.attempts else None
+        root.set_status(Status(StatusCode.ERROR, _describe(last.type, last.message) if last else "failed"))
+    root.end(end_time=_ns(end))
+
+
+def _reward(spans: list[Span]) -> float | None:
+    """The attempt's return: the sum of its Reward spans (the adapter's ``identical`` strategy)."""
+    values = [s.payload.value for s in spans if isinstance(s.payload, Reward)]
+    return sum(values) if values else None
+
+
+def _describe(kind: str, message: str) -> str:
+    text = f"{kind}: {message}" if message else kind
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
+
+
+def _emit_attempt(
+    tracer: Tracer,
+    parent: Context,
+    a: Attempt,
+    spans: list[Span],
+    reward: float | None,
+    agent_name: str | None,
+    capture: bool,
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    end = a.end_time or max((s.timestamp for s in spans), default=a.start_time)
+    span = tracer.start_span(
+        "agentloop.attempt",
+        context=parent,
+        kind=SpanKind.INTERNAL,
+        start_time=_ns(a.start_time),
+        attributes=_attrs(
+            gen_ai__operation__name="invoke_agent",
+            gen_ai__agent__name=agent_name,
+            agentloop__rollout__id=a.rollout_id,
+            agentloop__attempt__id=a.attempt_id,
+            agentloop__attempt__sequence_id=a.sequence_id,
+            agentloop__attempt__status=a.status.value,
+            agentloop__worker__id=a.worker_id,
+            agentloop__reward=reward,
+        ),
+    )
+    context = trace.set_span_in_context(span)
+    for s in spans:
+        p = s.payload
+        if isinstance(p, LLMCall):
+            _emit_llm_call(tracer, context, s, p, capture)
+        elif isinstance(p, ToolCall):
+            _emit_tool_call(tracer, context, s, p, capture)
+        elif isinstance(p, Reward):
+            span.add_event(
+                "agentloop.reward",
+                _attrs(agentloop__reward__value=p.value, agentloop__reward__name=p.name),
+                timestamp=_ns(s.timestamp),
+            )
+        elif isinstance(p, Log):
+            fields = _json(p.fields) if capture and p.fields else None
+            span.add_event(
+                "agentloop.log",
+                _attrs(
+                    agentloop__log__message=p.message,
+                    agentloop__log__level=p.level,
+                    agentloop__log__fields=fields,
+                ),
+                timestamp=_ns(s.timestamp),
+            )
+    if a.status is AttemptStatus.SUCCEEDED:
+        span.set_status(Status(StatusCode.OK))
+    elif a.status.is_terminal:
+        err = a.error
+        kind = err.type if err else a.status.value
+        span.set_attribute("error.type", kind)
+        span.add_event(
+            "exception",
+            _attrs(
+                exception__type=kind,
+                exception__message=err.message if err else None,
+                exception__stacktrace=err.traceback if err and capture else None,
+            ),
+            timestamp=_ns(end),
+        )
+        span.set_status(Status(StatusCode.ERROR, _describe(kind, err.message if err else "")))
+    span.end(end_time=_ns(end))
+
+
+def _emit_llm_call(tracer: Tracer, parent: Context, s: Span, call: LLMCall, capture: bool) -> None:
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    operation = "chat" if call.messages else "text_completion"
+    attrs = _attrs(
+        gen_ai__operation__name=operation,
+        gen_ai__provider__name="agentloop",
+        gen_ai__request__model=call.model,
+        gen_ai__usage__input_tokens=len(call.prompt_ids),
+        gen_ai__usage__output_tokens=len(call.response_ids),
+        gen_ai__response__finish_reasons=[call.finish_reason] if call.finish_reason else None,
+        agentloop__weights_version=call.weights_version,
+        agentloop__ledger_break=call.ledger_break,
+        agentloop__tool_call_parse_error=call.tool_call_parse_error or None,
+    )
+    for key, name in _SAMPLING_ATTRS.items():
+        value = call.sampling.get(key)
+        if key == "top_k" and value == 0:
+            continue  # 0: top-k off, not "keep no token"
+        if isinstance(value, str | int | float) or (isinstance(value, list) and value):
+            attrs[name] = value
+    if capture:
+        attrs["gen_ai.input.messages"] = _json(call.messages) if call.messages else None
+        attrs["gen_ai.output.messages"] = _json([call.response_message]) if call.response_message else None
+        attrs["gen_ai.tool.definitions"] = _json(call.tools) if call.tools else None
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+    start = s.timestamp - (call.latency_s or 0.0)
+    span = tracer.start_span(
+        f"{operation} {call.model}" if call.model else operation,
+        context=parent,
+        kind=SpanKind.CLIENT,
+        start_time=_ns(start),
+        attributes=attrs,
+    )
+    if call.error:
+        span.set_attribute("error.type", call.error)
+        span.set_status(Status(StatusCode.ERROR, call.error))
+    span.end(end_time=_ns(s.timestamp))
+
+
+def _emit_tool_call(tracer: Tracer, parent: Context, s: Span, call: ToolCall, capture: bool) -> None:
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    attrs = _attrs(
+        gen_ai__operation__name="execute_tool", gen_ai__tool__name=call.name, gen_ai__tool__type="function"
+    )
+    if capture:
+        attrs["gen_ai.tool.call.arguments"] = _json(call.arguments)
+        attrs["gen_ai.tool.call.result"] = _json(call.result)
+    span = tracer.start_span(
+        f"execute_tool {call.name}",
+        context=parent,
+        kind=SpanKind.INTERNAL,
+        start_time=_ns(s.timestamp - (call.latency_s or 0.0)),
+        attributes=attrs,
+    )
+    if call.error:
+        span.set_attribute("error.type", call.error)
+        span.set_status(Status(StatusCode.ERROR, call.error))
+    span.end(end_time=_ns(s.timestamp))
