@@ -22,6 +22,7 @@ from agentloop.errors import (
     ImportObjectError,
     InvalidRequestError,
     InvalidTransitionError,
+    JudgeError,
     ModelResolutionError,
     NotFoundError,
     RequestAbortedError,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the real names for type checkers and IDEs; at run time __ge
     from agentloop.client import async_openai_client, openai_client
     from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
     from agentloop.engine.factory import load_engine
+    from agentloop.judge import RewardJudge, judge_reward
     from agentloop.logging import configure_logging
     from agentloop.proxy import Proxy
     from agentloop.resources import LLM, ProxyLLM, Resources
@@ -88,6 +90,7 @@ __all__ = [
     "InferenceEngine",
     "InvalidRequestError",
     "InvalidTransitionError",
+    "JudgeError",
     "LLMCall",
     "Log",
     "MemoryStore",
@@ -98,6 +101,7 @@ __all__ = [
     "RequestAbortedError",
     "Resources",
     "Reward",
+    "RewardJudge",
     "Rollout",
     "RolloutConfig",
     "RolloutContextError",
@@ -126,6 +130,7 @@ __all__ = [
     "configure_logging",
     "emit_reward",
     "function_tool",
+    "judge_reward",
     "load_engine",
     "openai_client",
     "rollout",
@@ -172,6 +177,8 @@ _LAZY: dict[str, str] = {
     "BaseTool": "agentloop.tools",
     "ToolResponse": "agentloop.tools",
     "ToolAgent": "agentloop.tools.agent",
+    "judge_reward": "agentloop.judge",
+    "RewardJudge": "agentloop.judge",
 }
 
 

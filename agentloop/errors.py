@@ -18,6 +18,7 @@
     ├── ConfigError              a trainer config key or value is not valid (also a ValueError)
     ├── EmptyBatchError          no usable training sample in a batch (also a ValueError)
     ├── TrainerTimeoutError      a wait in the training loop passed its deadline (also a TimeoutError)
+    ├── JudgeError               an LLM judge gave no usable scores after its retries (agentloop/judge.py)
     └── ToolError                a tool was defined, looked up or called wrongly
         ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
         ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)
@@ -38,6 +39,7 @@ __all__ = [
     "ImportObjectError",
     "InvalidRequestError",
     "InvalidTransitionError",
+    "JudgeError",
     "ModelResolutionError",
     "NotFoundError",
     "RequestAbortedError",
@@ -141,3 +143,8 @@ class EmptyBatchError(AgentLoopError, ValueError):
 class TrainerTimeoutError(AgentLoopError, TimeoutError):
     """A wait in the training loop (rollouts, runner, engine, update, weight sync, checkpoint) passed its
     deadline; the message names what it waited for and the ``trainer.timeouts`` key that sets it."""
+
+
+class JudgeError(AgentLoopError):
+    """An LLM judge (``al.judge_reward``) gave no usable scores for a group after its retries, or its
+    endpoint refused the request; the message shows the judge's last answer and why it was refused."""

@@ -105,8 +105,9 @@ def parser(description: str, rollouts: int = 4) -> argparse.ArgumentParser:
     return p
 
 
-def train(args: argparse.Namespace, agent: Any, tasks: Sequence[Any]) -> dict[str, Any]:
-    """``--train STEPS``: GRPO with the embedded trainer on ``tasks`` (batch = min(4, len(tasks)))."""
+def train(args: argparse.Namespace, agent: Any, tasks: Sequence[Any], reward: Any = None) -> dict[str, Any]:
+    """``--train STEPS``: GRPO with the embedded trainer on ``tasks`` (batch = min(4, len(tasks)));
+    ``reward``: an ``al.judge_reward`` that scores the attempts instead of the agent."""
     from trainer import Trainer
 
     batch = min(4, len(tasks))
@@ -124,7 +125,7 @@ def train(args: argparse.Namespace, agent: Any, tasks: Sequence[Any]) -> dict[st
             "device": args.device,
         },
     }
-    result = Trainer(cfg).fit(agent, list(tasks))
+    result = Trainer(cfg).fit(agent, list(tasks), reward=reward)
     summary = {"steps": len(result.history), "run_dir": str(result.run_dir), "history": result.history}
     print(json.dumps(summary, indent=2, default=str))  # the script's output: a JSON summary
     return summary

@@ -75,7 +75,7 @@ class _CheckFit(ast.NodeTransformer):
         return node
 
 
-def _check_fit(trainer: Any, agent: Any, train: Any, val_dataset: Any = None) -> Any:
+def _check_fit(trainer: Any, agent: Any, train: Any, val_dataset: Any = None, reward: Any = None) -> Any:
     import agentloop as al
     from integrations.langgraph import ReactAgentLoop
     from trainer import Trainer
@@ -83,6 +83,7 @@ def _check_fit(trainer: Any, agent: Any, train: Any, val_dataset: Any = None) ->
 
     assert isinstance(trainer, Trainer), f".fit is called on a {type(trainer).__name__}, not a Trainer"
     assert isinstance(agent, al.Agent), f"the agent is a {type(agent).__name__}, not an al.Agent"
+    assert reward is None or isinstance(reward, al.RewardJudge), f"reward is a {type(reward).__name__}"
     tasks = list(train) + list(val_dataset or [])
     assert len(train) >= trainer.config.data.train_batch_size, "fewer tasks than data.train_batch_size"
     for task in tasks:

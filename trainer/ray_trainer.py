@@ -137,6 +137,9 @@ class Trainer:
     def __init__(self, config: dict[str, Any] | TrainerConfig | None = None) -> None:
         self.config = TrainerConfig.from_dict(config)
         self._weight_sync: Any = None  # a trainer.weight_sync.WeightSync while ranks feed a replica pool
+        self._reward: Any = None  # fit(reward=...): an agentloop.judge.RewardJudge
+        self._judge: Any = None  # this run's copy of it (verdicts kept in <run folder>/judge.jsonl)
+        self._served: Any = None  # (the proxy's session route as an LLM, the engine): a judge without llm
 
     # ------------------------------------------------------------ entry point
 
@@ -148,9 +151,14 @@ class Trainer:
         *,
         store: Store | None = None,
         engine: Any = None,
+        reward: Any = None,
     ) -> FitResult:
         """Train ``agent``'s model on ``train_dataset`` (a list of JSON tasks); validate on ``val_dataset``
         before the first step and after the last (greedy, ``rollout.val_kwargs``).
+
+        ``reward=al.judge_reward(...)``: once a step's rollouts finished, an LLM judge scores the
+        attempts at each task relative to each other and each score is stored as a Reward span (see
+        agentloop/judge.py); the agent returns None, or a value added to the judge's score.
 
         Returns the run folder, the metrics and ``model_dir``: the trained model as a Hugging Face folder
         (``<run folder>/final_model``). The run folder follows the one-run-one-folder rule of
@@ -162,13 +170,14 @@ class Trainer:
         agent = _as_agent(agent)
         train = _check_dataset(train_dataset, "train_dataset")
         val = _check_dataset(val_dataset, "val_dataset") if val_dataset is not None else None
+        self._reward = _check_reward(reward)
         bs = self.config.data.train_batch_size
         if len(train) < bs:
             raise ValueError(f"train_dataset has {len(train)} tasks, fewer than data.train_batch_size ({bs})")
         _quiet_defaults(self.config)
         cfg = self.config
         dump = cfg.model_dump(mode="json")
-        identity = ck.run_identity(dump, train, val)
+        identity = ck.run_identity(dump, train, val, *([reward.describe()] if reward is not None else []))
         plan = ck.plan_run(cfg.trainer.run_dir, cfg.trainer.resume, identity, dump)
         if plan.action == "finished":
             log.warning("run already finished; returning its result", run_dir=str(plan.run_dir))
@@ -239,6 +248,7 @@ class Trainer:
         )  # before the folder: a bad path leaves none
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        self._judge = self._reward.for_run(run_dir / "judge.jsonl") if self._reward is not None else None
         record: dict[str, Any] = {"identity": state.identity, "status": "running", "step": plan.step}
         ck.write_run(run_dir, record)
         device = str(resolve_device(cfg.trainer.device))
@@ -295,10 +305,12 @@ class Trainer:
             api_key=token_urlsafe(32),
             max_body_bytes=32 * 1024 * 1024,
             default_max_tokens=cfg.data.max_response_length,
+            record_sessions=self._judge is None,  # the judge's calls (session route) are no app sessions
         )
         store_server = await serve_store(cfg, store)  # None unless placement.store_server (remote runners)
         try:
             await _deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
+            self._served = (_served_llm(proxy), engine)
             step = await self._resume(ckpt, worker, engine, cursor, store, plan)
             rollout_cfg = cfg.actor_rollout_ref.rollout
             sampling = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p}
@@ -449,6 +461,7 @@ class Trainer:
         finished = await _wait_all(store, pending.rollout_ids, limits.rollouts_s, f"step {pending.step + 1}")
         rollout_s = time.perf_counter() - pending.enqueued_at
         wait_s = time.perf_counter() - t_wait
+        judged = await self._judge_rollouts(store, pending.rollout_ids)  # Reward spans, before the triplets
         adapted = await triplets_for_rollouts(store, pending.rollout_ids, cfg.adapter.credit_assignment)
         triplets = adapted.triplets
         batch, batch_stats = build_batch(
@@ -469,6 +482,7 @@ class Trainer:
             **{f"batch/{k}": float(v) for k, v in batch_stats.items() if k.startswith("dropped")},
             "timing/rollout_s": rollout_s,
             "timing/wait_s": wait_s,
+            **judged,
         }
         metrics.update(_attempt_metrics(triplets))
         versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]
@@ -523,6 +537,16 @@ class Trainer:
         metrics["timing/step_s"] = time.perf_counter() - t_wait
         return metrics
 
+    async def _judge_rollouts(self, store: Store, rollout_ids: list[str]) -> dict[str, float]:
+        """fit(reward=judge): the judge scores each task's succeeded attempts and the scores become Reward
+        spans (the triplets are built from them); its own llm, else the served model (its weights version
+        joins the cache key). A JudgeError stops the run, unless the judge has on_failure='skip'."""
+        if self._judge is None:
+            return {}
+        llm, engine = self._served
+        version = None if self._judge.llm is not None else getattr(engine, "weights_version", None)
+        return dict(await self._judge.judge_rollouts(store, rollout_ids, llm=llm, version=version))
+
     async def _sync_weights(self, worker: Any, engine: Any) -> tuple[int, dict[str, float]]:
         """New weights into the engine: data-parallel ranks straight into a replica pool (CUDA IPC /
         NCCL, trainer/weight_sync.py), else through the driver (``engine.update_weights``)."""
@@ -568,6 +592,7 @@ class Trainer:
             )
         finally:
             await store.add_resources(Resources(items=resources.items))
+        judged = await self._judge_rollouts(store, ids)
         rewards = []
         for rollout in finished:
             if rollout.status is RolloutStatus.SUCCEEDED:
@@ -591,6 +616,7 @@ class Trainer:
             "val/failed": float(failed),
             "timing/val_s": time.perf_counter() - t0,
             "val/step": float(step),
+            **{f"val/{k}": v for k, v in judged.items() if k.startswith("judge/")},
         }
         log.info("validation", step=step, **{k: round(v, 4) for k, v in metrics.items()})
         if step == 0:
@@ -741,6 +767,25 @@ def _attempt_metrics(triplets: list[Triplet]) -> dict[str, float]:
         "rollout/calls_per_attempt": len(triplets) / len(attempts),
         "response/length_mean": sum(len(t.response_ids) for t in triplets) / len(triplets),
     }
+
+
+def _check_reward(reward: Any) -> Any:
+    from agentloop.judge import RewardJudge
+
+    if reward is not None and not isinstance(reward, RewardJudge):
+        raise TypeError(
+            f"reward must be al.judge_reward(...) (a RewardJudge) or None, got {type(reward).__name__}; "
+            "a reward the agent computes itself is returned by the agent"
+        )
+    return reward
+
+
+def _served_llm(proxy: Any) -> Any:
+    """The served model on the proxy's session route (recorded as no rollout): what a judge without
+    its own llm calls."""
+    from agentloop.resources import LLM
+
+    return LLM(base_url=proxy.session_base_url, model=proxy.model_name, api_key=proxy.as_resource().api_key)
 
 
 def _pad_id(engine: Any) -> int:

@@ -7,7 +7,8 @@ Semantics shared by every backend (the state machine lives in :mod:`agentloop.st
   rollout records the latest resources version. Requeued rollouts go to the back of the queue.
 - ``add_span`` assigns the next per-attempt sequence number when the span has none; the first span
   moves the attempt to running and every span counts as a heartbeat. Spans from an attempt that is
-  not the latest one, or that already finished, raise ``StaleAttemptError``.
+  not the latest one, or that already finished, raise ``StaleAttemptError``; the one exception is a
+  Reward span for the latest attempt of a succeeded rollout (a late score: an LLM judge's).
 - ``update_attempt`` with a terminal status propagates to the rollout: succeeded -> succeeded; a
   status in ``retry_on`` with attempts left -> requeued (back of the queue); otherwise failed.
 - A watchdog (``check_timeouts``, also run on every dequeue) marks attempts timeout (older than

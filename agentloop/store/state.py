@@ -34,6 +34,7 @@ from agentloop.types import (
     AttemptedRollout,
     AttemptStatus,
     ErrorInfo,
+    Reward,
     Rollout,
     RolloutConfig,
     RolloutStatus,
@@ -252,13 +253,24 @@ def accept_span(
     next_sequence_id: int,
     now: float,
 ) -> tuple[Attempt, Span]:
-    """``Store.add_span``: check the attempt is current, number the span, heartbeat, maybe start running."""
+    """``Store.add_span``: check the attempt is current, number the span, heartbeat, maybe start running.
+
+    One write after the end is allowed: a Reward span on the latest attempt of a succeeded rollout (a
+    score computed once the attempt finished, such as an LLM judge's over the attempts at one task,
+    agentloop/judge.py); it changes nothing else on the attempt."""
     if span.rollout_id != rollout.rollout_id:
         raise InvalidRequestError(
             f"span.rollout_id {span.rollout_id} does not match rollout {rollout.rollout_id}"
         )
-    ensure_current(rollout, attempt, latest_attempt_id)
-    update: dict[str, Any] = {"last_heartbeat_time": now}
+    late_reward = (
+        isinstance(span.payload, Reward)
+        and rollout.status is R.SUCCEEDED
+        and attempt.status is A.SUCCEEDED
+        and attempt.attempt_id == latest_attempt_id
+    )
+    if not late_reward:
+        ensure_current(rollout, attempt, latest_attempt_id)
+    update: dict[str, Any] = {} if late_reward else {"last_heartbeat_time": now}
     if attempt.status is A.PREPARING:
         update["status"] = A.RUNNING
     if span.sequence_id is None:
