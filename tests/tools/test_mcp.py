@@ -12,14 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from mcp import ClientSession, StdioServerParameters
+from mcp import ClientSession, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 
 from agentloop.errors import ToolDefinitionError, ToolError
@@ -57,33 +56,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@asynccontextmanager
-async def http_server_process() -> AsyncIterator[tuple[HttpServer, subprocess.Popen[bytes]]]:
-    """The test server over streamable HTTP on a free loopback port, killed at exit."""
+def start_http_server() -> tuple[HttpServer, subprocess.Popen[bytes]]:
+    """The test server over streamable HTTP on a free loopback port, once it accepts connections."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, str(SERVER), "http", str(port)], stderr=subprocess.DEVNULL)
-    try:
-        with anyio.fail_after(30):
-            while True:
-                assert proc.poll() is None, "the HTTP MCP server exited at start"
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                        break
-                except OSError:
-                    await anyio.sleep(0.05)
-        yield HttpServer(url=f"http://127.0.0.1:{port}/mcp", name="test-http"), proc
-    finally:
-        proc.kill()
-        proc.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, "the HTTP MCP server exited at start"
+        assert time.monotonic() < deadline, "the HTTP MCP server did not listen within 30 s"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return HttpServer(url=f"http://127.0.0.1:{port}/mcp", name="test-http"), proc
+        except OSError:
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def http_server() -> Iterator[HttpServer]:
+    """One HTTP server for the module (each test opens its own session; a server start costs ~2 s)."""
+    srv, proc = start_http_server()
+    yield srv
+    proc.kill()
+    proc.wait()
 
 
 @pytest.fixture(params=["stdio", "http"])
-async def server(request: pytest.FixtureRequest) -> AsyncIterator[MCPServer]:
-    if request.param == "stdio":
-        yield stdio()
-        return
-    async with http_server_process() as (srv, _):
-        yield srv
+def server(request: pytest.FixtureRequest) -> MCPServer:
+    return stdio() if request.param == "stdio" else request.getfixturevalue("http_server")
 
 
 @pytest.fixture(scope="module")
@@ -246,18 +245,29 @@ async def test_a_stdio_server_that_dies_gives_clear_errors() -> None:
 
 
 async def test_an_http_server_killed_mid_session_gives_clear_errors() -> None:
-    async with http_server_process() as (srv, proc), mcp_tools(srv, timeout_s=30) as tools:
-        assert (await tool_text(tools, "add", {"a": 1, "b": 2})) == "3"
+    srv, proc = await anyio.to_thread.run_sync(start_http_server)  # this test kills its own server
+    try:
+        async with mcp_tools(srv, timeout_s=30) as tools:
+            assert (await tool_text(tools, "add", {"a": 1, "b": 2})) == "3"
+            proc.kill()
+            proc.wait()
+            start = time.monotonic()
+            with anyio.fail_after(20):
+                lost = await by_name(tools)["add"].execute("i", {"a": 1, "b": 2})
+                again = await by_name(tools)["add"].execute("i", {"a": 1, "b": 2})
+    finally:
         proc.kill()
         proc.wait()
-        start = time.monotonic()
-        with anyio.fail_after(20):
-            lost = await by_name(tools)["add"].execute("i", {"a": 1, "b": 2})
-            again = await by_name(tools)["add"].execute("i", {"a": 1, "b": 2})
     assert time.monotonic() - start < 10  # the transport's failure ends the call, not its 30 s deadline
     for result in (lost, again):
         assert result.metrics["error"] == "connection_lost", result
         assert "MCP server 'test-http' is not" in (result.response.text or ""), result.response.text
+
+
+async def test_a_tool_the_server_no_longer_has_gives_an_error_result() -> None:
+    spec = types.Tool(name="ghost", inputSchema={"type": "object"})  # listed once, gone now
+    result = await MCPTool(spec, stdio()).execute("i", {})
+    assert result.metrics["error"] == "tool_error" and result.response.text == "Error: Unknown tool: ghost"
 
 
 async def test_tools_of_a_closed_connection_say_so() -> None:
