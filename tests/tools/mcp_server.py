@@ -6,7 +6,7 @@ Run as ``python mcp_server.py stdio`` (the client starts it and talks over its s
 Its tools cover what a client must handle: typed arguments with defaults, enums and nested objects
 (``search``), text, structured and image results, a tool that raises (``boom``: an ``isError``
 result), one that hangs until cancelled (``sleep``, which counts its cancellations for ``stats``),
-one that kills the server (``crash``), large output (``big``) and per-session state (``counter``).
+one that kills the server (``crash``), large output (``big``) and per-session state (``counter``), and the HTTP headers a client sent (``header``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from typing import Annotated, Literal
 
 import anyio
-from mcp.server.fastmcp import FastMCP, Image
+from mcp.server.fastmcp import Context, FastMCP, Image
 from pydantic import BaseModel, Field
 
 # A 1x1 transparent PNG.
@@ -98,6 +98,13 @@ def counter() -> int:
 def big(n: int) -> str:
     """Return n characters."""
     return "x" * n
+
+
+@server.tool()
+def header(name: str, ctx: Context) -> str:  # type: ignore[type-arg]
+    """The value of one HTTP request header ('' over stdio)."""
+    request = ctx.request_context.request
+    return str(request.headers.get(name, "")) if request is not None else ""  # type: ignore[attr-defined]
 
 
 @server.tool()

@@ -43,7 +43,7 @@ from tests.integrations.scripted import scripted_engine, tool_call_text
 pytestmark = pytest.mark.e2e  # MCP servers run in subprocesses
 
 SERVER = Path(__file__).with_name("mcp_server.py")
-TOOL_NAMES = ["add", "echo", "search", "image", "boom", "sleep", "stats", "counter", "big", "crash"]
+TOOL_NAMES = ["add", "echo", "search", "image", "boom", "sleep", "stats", "counter", "big", "header", "crash"]
 
 
 def stdio() -> StdioServer:
@@ -414,6 +414,30 @@ async def test_react_agent_loop_uses_mcp_tools_through_langchain_mcp_adapters(to
         "parameters": untitled(listed["add"].inputSchema),
     }
     assert (await store.query_spans(ids[0]))[-1].payload.value == 1.0  # type: ignore[union-attr]
+
+
+async def test_langchain_tools_can_share_one_live_session() -> None:
+    from integrations.mcp import langchain_mcp_tools
+
+    async with MCPConnection(stdio()) as conn:
+        counter, add = await langchain_mcp_tools(conn, ["counter", "add"])
+        counts = [(await counter.ainvoke(call("counter", {}))).text for _ in range(2)]
+        bad = await add.ainvoke(call("add", {"a": 1}))
+    assert counts == ["1", "2"]  # one server process, its state kept between calls
+    assert bad.status == "error" and "missing required argument 'b'" in bad.text
+
+
+def call(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A LangChain tool call (invoking a tool with one returns a ToolMessage)."""
+    return {"type": "tool_call", "name": name, "args": args, "id": "call-1"}
+
+
+async def test_http_headers_reach_the_server(http_server: HttpServer) -> None:
+    server = HttpServer.model_validate({**http_server.model_dump(), "headers": {"X-Api-Key": "k-123"}})
+    async with mcp_tools(server, ["header"]) as tools:
+        assert (await tools[0].execute("i", {"name": "x-api-key"})).response.text == "k-123"
+    async with mcp_tools(stdio(), ["header"]) as tools:
+        assert (await tools[0].execute("i", {"name": "x-api-key"})).response.text == ""
 
 
 def untitled(schema: Any) -> Any:
