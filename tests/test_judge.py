@@ -424,3 +424,62 @@ async def test_the_sql_agent_judged_instead_of_checked(
         assert run["agreement"]["pairwise"] == 1.0
     else:
         assert run["metrics"]["judge/groups"] == 2  # judged by the trainer's hook: Reward spans
+
+
+# ---------------------------------------------------------------- the whole loop
+
+
+@al.rollout
+async def silent_agent(task: dict[str, Any], llm: al.LLM) -> None:
+    """One short answer and no reward: the judge gives it."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    await client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["prompt"]}], max_tokens=4
+    )
+
+
+def first_wins(body: dict[str, Any]) -> tuple[int, str]:
+    ids = [tid for tid, _ in TRAJECTORY.findall(body["messages"][1]["content"])]
+    return 200, json.dumps({"scores": [{"trajectory_id": t, "score": float(t == "1")} for t in ids]})
+
+
+@pytest.mark.slow  # a whole fit: Ray, the proxy, the tiny model
+def test_fit_with_a_judge_stores_its_rewards_and_trains_on_them(
+    judge_server: JudgeServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from trainer import Trainer
+
+    judge_server.answer = first_wins
+    cfg = {
+        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 4},
+        "actor_rollout_ref": {
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {"n": 3, "temperature": 1.0},
+            "actor": {"ppo_mini_batch_size": 2},
+        },
+        "trainer": {"total_training_steps": 1, "default_local_dir": str(tmp_path / "run"), "device": "cpu",
+                    "logger": ["jsonl"], "val_before_train": False},
+    }  # fmt: skip
+    tasks = [{"prompt": f"Say {i}."} for i in range(2)]
+    result = Trainer(cfg).fit(silent_agent, tasks, reward=al.judge_reward(llm=judge_server.llm))
+    [row] = result.history
+    assert row["judge/groups"] == 2 and row["judge/attempts"] == 6 and row["judge/failed_groups"] == 0
+    assert row["reward/mean"] == pytest.approx(1 / 3) and row["actor/advantage_abs_mean"] > 0  # it trained
+    assert len(judge_server.requests) == 2
+    verdicts = [json.loads(x) for x in (result.run_dir / "judge.jsonl").read_text().splitlines()]
+    assert [v["scores"] for v in verdicts] == [[1.0, 0.0, 0.0]] * 2
+
+    async def stored() -> list[float]:
+        store = SQLiteStore(result.run_dir / "store.db")
+        try:
+            values = []
+            for rollout in await store.list_rollouts():
+                spans = await store.query_spans(rollout.rollout_id)
+                values += [s.payload.value for s in spans if isinstance(s.payload, Reward)]
+            return sorted(values)
+        finally:
+            await store.close()
+
+    assert anyio.run(stored) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # durable: what agentloop inspect shows
