@@ -269,6 +269,10 @@ class MCPConnection:
             except _LOST as exc:
                 self._failure = self._failure or _describe(exc)
                 self._session = None
+            except Exception as exc:  # an answer the SDK cannot read (its pydantic validation), or worse
+                raise _CallFailed(
+                    "server_error", f"MCP server {self.server.label!r}, tool {name!r}: {_describe(exc)}"
+                ) from None
             finally:
                 self._in_flight.discard(lost)
                 if not finished and self._session is not None and request_id is not None:
@@ -353,9 +357,9 @@ def _problem(err: jsonschema.ValidationError) -> str:
         expected = (
             err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)
         )
-        return f"{field}: expected {expected}, got {_short(json.dumps(instance), 80)}"
+        return f"{field}: expected {expected}, got {_short(json.dumps(instance, default=repr), 80)}"
     if kind == "enum":
-        return f"{field}: expected {' or '.join(json.dumps(v) for v in err.validator_value)}, got {_short(json.dumps(instance), 80)}"
+        return f"{field}: expected {' or '.join(json.dumps(v, default=repr) for v in err.validator_value)}, got {_short(json.dumps(instance, default=repr), 80)}"
     return f"{field}: {_short(err.message, 200)}"
 
 

@@ -177,6 +177,24 @@ async def test_bad_arguments_are_refused_with_clear_errors() -> None:
     assert json.loads(stats.response.text or "")["calls"] == 0  # nothing invalid reached the server
 
 
+async def test_arguments_are_checked_before_any_server_is_started() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "integer"}}, "mode": {"enum": [1, 2]}},
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+    tool = MCPTool(types.Tool(name="f", inputSchema=schema), StdioServer(command="/nonexistent/server"))
+    result = await tool.call({"items": [1, "2", 3, "4"], "mode": {3}, "x": 1, "y": 2, "z": 3, "w": 4})
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert result.isError and (result.meta or {})["agentloop/error"] == "invalid_arguments"
+    assert text.startswith("Error: invalid arguments for tool 'f': unexpected argument 'x', 'y', 'z', 'w'")
+    assert "argument 'mode': expected 1 or 2, got \"{3}\"" in text  # not JSON (a set): shown, not raised
+    assert "argument 'items[1]': expected integer, got \"2\"" in text and "and 1 more" not in text
+    with pytest.raises(ToolDefinitionError, match="invalid inputSchema"):
+        MCPTool(types.Tool(name="g", inputSchema={"type": "object", "properties": 3}), stdio())
+
+
 async def test_tool_errors_become_error_results(server: MCPServer) -> None:
     async with mcp_tools(server) as tools:
         boom = await execute_tool_call(ToolRegistry(tools), "boom", {"x": 3})
