@@ -22,6 +22,8 @@ The trace of one rollout, built from what the store recorded when the rollout fi
     │   └── chat <model>
     └── agentloop.attempt              attempt 2 (a retry)
 
+Every name and attribute is listed in :mod:`agentloop.tracing._spans`, which makes them.
+
 Why from the store: the proxy, the runner and the trainer may live in different processes; the store
 has every timestamp (LLM call and tool spans carry their end time and latency), so the runner that
 ends a rollout reads it back once and hands it to the SDK. The rollout's trace appears when the
@@ -44,31 +46,18 @@ Token ids never go into spans; their counts do.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from agentloop.logging import get_logger
-from agentloop.types import (
-    Attempt,
-    AttemptStatus,
-    LLMCall,
-    Log,
-    Reward,
-    Rollout,
-    RolloutStatus,
-    Span,
-    ToolCall,
-)
+from agentloop.tracing._spans import Job, emit
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Tracer, TracerProvider
 
@@ -79,25 +68,6 @@ log = get_logger("agentloop.tracing")
 __all__ = ["configure", "enabled", "export_rollout", "force_flush", "shutdown"]
 
 _MAX_QUEUED = 256  # finished rollouts waiting for the span thread; each holds its spans (token ids too)
-_MAX_TEXT = 1000  # characters of an error message in a span status
-_SAMPLING_ATTRS = {  # LLMCall.sampling key -> GenAI request attribute
-    "temperature": "gen_ai.request.temperature",
-    "top_p": "gen_ai.request.top_p",
-    "top_k": "gen_ai.request.top_k",
-    "max_tokens": "gen_ai.request.max_tokens",
-    "seed": "gen_ai.request.seed",
-    "stop": "gen_ai.request.stop_sequences",
-}
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One finished rollout, as the store holds it."""
-
-    rollout: Rollout
-    attempts: list[Attempt]
-    spans: list[list[Span]]  # per attempt, in sequence order
-    agent_name: str | None
 
 
 class _Pipeline:
@@ -108,14 +78,14 @@ class _Pipeline:
     ) -> None:
         self.tracer, self.provider, self.owned = tracer, provider, owned
         self.capture_content, self.timeout_s = capture_content, timeout_s
-        self.queue: queue.Queue[_Job | None] = queue.Queue(maxsize=_MAX_QUEUED)
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=_MAX_QUEUED)
         self.dropped = 0
         self.failed = 0
         # daemon: an exporter that hangs must not keep the process alive at exit
         self.thread = threading.Thread(target=self._work, name="agentloop-tracing", daemon=True)
         self.thread.start()
 
-    def submit(self, job: _Job) -> bool:
+    def submit(self, job: Job) -> bool:
         try:
             self.queue.put_nowait(job)
         except queue.Full:
@@ -135,7 +105,7 @@ class _Pipeline:
             try:
                 if job is None:
                     return
-                _emit(self.tracer, job, self.capture_content)
+                emit(self.tracer, job, self.capture_content)
             except Exception as exc:  # a broken tracer or processor: log, keep going
                 self.failed += 1
                 if self.failed == 1 or self.failed % 1000 == 0:
@@ -287,7 +257,7 @@ async def export_rollout(
     except Exception as exc:  # TimeoutError included: the trace is lost, the rollout is not
         log.warning("trace_read_failed", rollout_id=rollout_id, error=repr(exc))
         return False
-    return pipeline.submit(_Job(rollout, attempts, spans, agent_name))
+    return pipeline.submit(Job(rollout, attempts, spans, agent_name))
 
 
 # ---------------------------------------------------------------- configuration helpers
@@ -347,197 +317,3 @@ def _new_provider() -> Any:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
-
-
-# ---------------------------------------------------------------- spans (on the span thread)
-
-
-def _ns(t: float) -> int:
-    return int(t * 1e9)
-
-
-def _attrs(**pairs: Any) -> dict[str, Any]:
-    """``a__b_c=`` -> ``a.b_c``; None values are left out (OTel attributes have no null)."""
-    return {k.replace("__", "."): v for k, v in pairs.items() if v is not None}
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)
-
-
-def _emit(tracer: Tracer, job: _Job, capture: bool) -> None:
-    from opentelemetry import trace
-    from opentelemetry.trace import SpanKind, Status, StatusCode
-
-    r = job.rollout
-    ends = [a.end_time for a in job.attempts if a.end_time is not None]
-    end = r.end_time or max(ends, default=None) or time.time()
-    rewards = [_reward(spans) for spans in job.spans]
-    root = tracer.start_span(
-        "agentloop.rollout",
-        kind=SpanKind.INTERNAL,
-        start_time=_ns(r.enqueue_time),
-        attributes=_attrs(
-            agentloop__rollout__id=r.rollout_id,
-            agentloop__rollout__mode=r.mode,
-            agentloop__rollout__status=r.status.value,
-            agentloop__rollout__attempts=len(job.attempts),
-            agentloop__resources__version=r.resources_version,
-            agentloop__reward=rewards[-1] if rewards else None,
-            agentloop__rollout__input=_json(r.input) if capture else None,
-        ),
-    )
-    parent = trace.set_span_in_context(root)
-    for attempt, spans, reward in zip(job.attempts, job.spans, rewards, strict=True):
-        _emit_attempt(tracer, parent, attempt, spans, reward, job.agent_name, capture)
-    if r.status is RolloutStatus.SUCCEEDED:
-        root.set_status(Status(StatusCode.OK))
-    elif r.status is RolloutStatus.FAILED:
-        last = job.attempts[-1].error if job.attempts else None
-        root.set_status(Status(StatusCode.ERROR, _describe(last.type, last.message) if last else "failed"))
-    root.end(end_time=_ns(end))
-
-
-def _reward(spans: list[Span]) -> float | None:
-    """The attempt's return: the sum of its Reward spans (the adapter's ``identical`` strategy)."""
-    values = [s.payload.value for s in spans if isinstance(s.payload, Reward)]
-    return sum(values) if values else None
-
-
-def _describe(kind: str, message: str) -> str:
-    text = f"{kind}: {message}" if message else kind
-    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
-
-
-def _emit_attempt(
-    tracer: Tracer,
-    parent: Context,
-    a: Attempt,
-    spans: list[Span],
-    reward: float | None,
-    agent_name: str | None,
-    capture: bool,
-) -> None:
-    from opentelemetry import trace
-    from opentelemetry.trace import SpanKind, Status, StatusCode
-
-    end = a.end_time or max((s.timestamp for s in spans), default=a.start_time)
-    span = tracer.start_span(
-        "agentloop.attempt",
-        context=parent,
-        kind=SpanKind.INTERNAL,
-        start_time=_ns(a.start_time),
-        attributes=_attrs(
-            gen_ai__operation__name="invoke_agent",
-            gen_ai__agent__name=agent_name,
-            agentloop__rollout__id=a.rollout_id,
-            agentloop__attempt__id=a.attempt_id,
-            agentloop__attempt__sequence_id=a.sequence_id,
-            agentloop__attempt__status=a.status.value,
-            agentloop__worker__id=a.worker_id,
-            agentloop__reward=reward,
-        ),
-    )
-    context = trace.set_span_in_context(span)
-    for s in spans:
-        p = s.payload
-        if isinstance(p, LLMCall):
-            _emit_llm_call(tracer, context, s, p, capture)
-        elif isinstance(p, ToolCall):
-            _emit_tool_call(tracer, context, s, p, capture)
-        elif isinstance(p, Reward):
-            span.add_event(
-                "agentloop.reward",
-                _attrs(agentloop__reward__value=p.value, agentloop__reward__name=p.name),
-                timestamp=_ns(s.timestamp),
-            )
-        elif isinstance(p, Log):
-            fields = _json(p.fields) if capture and p.fields else None
-            span.add_event(
-                "agentloop.log",
-                _attrs(
-                    agentloop__log__message=p.message,
-                    agentloop__log__level=p.level,
-                    agentloop__log__fields=fields,
-                ),
-                timestamp=_ns(s.timestamp),
-            )
-    if a.status is AttemptStatus.SUCCEEDED:
-        span.set_status(Status(StatusCode.OK))
-    elif a.status.is_terminal:
-        err = a.error
-        kind = err.type if err else a.status.value
-        span.set_attribute("error.type", kind)
-        span.add_event(
-            "exception",
-            _attrs(
-                exception__type=kind,
-                exception__message=err.message if err else None,
-                exception__stacktrace=err.traceback if err and capture else None,
-            ),
-            timestamp=_ns(end),
-        )
-        span.set_status(Status(StatusCode.ERROR, _describe(kind, err.message if err else "")))
-    span.end(end_time=_ns(end))
-
-
-def _emit_llm_call(tracer: Tracer, parent: Context, s: Span, call: LLMCall, capture: bool) -> None:
-    from opentelemetry.trace import SpanKind, Status, StatusCode
-
-    operation = "chat" if call.messages else "text_completion"
-    attrs = _attrs(
-        gen_ai__operation__name=operation,
-        gen_ai__provider__name="agentloop",
-        gen_ai__request__model=call.model,
-        gen_ai__usage__input_tokens=len(call.prompt_ids),
-        gen_ai__usage__output_tokens=len(call.response_ids),
-        gen_ai__response__finish_reasons=[call.finish_reason] if call.finish_reason else None,
-        agentloop__weights_version=call.weights_version,
-        agentloop__ledger_break=call.ledger_break,
-        agentloop__tool_call_parse_error=call.tool_call_parse_error or None,
-    )
-    for key, name in _SAMPLING_ATTRS.items():
-        value = call.sampling.get(key)
-        if key == "top_k" and value == 0:
-            continue  # 0: top-k off, not "keep no token"
-        if isinstance(value, str | int | float) or (isinstance(value, list) and value):
-            attrs[name] = value
-    if capture:
-        attrs["gen_ai.input.messages"] = _json(call.messages) if call.messages else None
-        attrs["gen_ai.output.messages"] = _json([call.response_message]) if call.response_message else None
-        attrs["gen_ai.tool.definitions"] = _json(call.tools) if call.tools else None
-        attrs = {k: v for k, v in attrs.items() if v is not None}
-    start = s.timestamp - (call.latency_s or 0.0)
-    span = tracer.start_span(
-        f"{operation} {call.model}" if call.model else operation,
-        context=parent,
-        kind=SpanKind.CLIENT,
-        start_time=_ns(start),
-        attributes=attrs,
-    )
-    if call.error:
-        span.set_attribute("error.type", call.error)
-        span.set_status(Status(StatusCode.ERROR, call.error))
-    span.end(end_time=_ns(s.timestamp))
-
-
-def _emit_tool_call(tracer: Tracer, parent: Context, s: Span, call: ToolCall, capture: bool) -> None:
-    from opentelemetry.trace import SpanKind, Status, StatusCode
-
-    attrs = _attrs(
-        gen_ai__operation__name="execute_tool", gen_ai__tool__name=call.name, gen_ai__tool__type="function"
-    )
-    if capture:
-        attrs["gen_ai.tool.call.arguments"] = _json(call.arguments)
-        attrs["gen_ai.tool.call.result"] = _json(call.result)
-    span = tracer.start_span(
-        f"execute_tool {call.name}",
-        context=parent,
-        kind=SpanKind.INTERNAL,
-        start_time=_ns(s.timestamp - (call.latency_s or 0.0)),
-        attributes=attrs,
-    )
-    if call.error:
-        span.set_attribute("error.type", call.error)
-        span.set_status(Status(StatusCode.ERROR, call.error))
-    span.end(end_time=_ns(s.timestamp))
