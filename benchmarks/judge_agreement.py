@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.judge_url
         else None
     )
-    judge = make_judge(llm, max_tokens=args.judge_max_tokens, on_failure="skip")
+    judge = make_judge(llm, max_tokens=args.judge_max_tokens, on_failure="skip", concurrency=len(held))
     engine = load_engine(args.model, device=args.device)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="judge-agreement-") as tmp:

@@ -140,7 +140,10 @@ async def judged_run(
                     metrics = await judge.judge_rollouts(store, ids, llm=served)
                 else:
                     metrics = {}
-                    for i, task in enumerate(tasks):
+                    verdicts = [None] * len(tasks)
+                    limiter = anyio.CapacityLimiter(judge.concurrency)  # the engine batches them
+
+                    async def one(i: int, task: dict[str, Any]) -> None:
                         convs = [
                             trajectory_messages(await store.query_spans(r))
                             for r in ids[i * group : (i + 1) * group]
@@ -149,10 +152,15 @@ async def judged_run(
                             scripted_trajectory(db, task, task["gold_sql"]),
                             scripted_trajectory(db, task, wrong_queries[i]),
                         ]
-                        try:
-                            verdicts.append(await judge.judge(task, convs, llm=served))
-                        except JudgeError as exc:
-                            verdicts.append(exc)
+                        async with limiter:
+                            try:
+                                verdicts[i] = await judge.judge(task, convs, llm=served)
+                            except JudgeError as exc:
+                                verdicts[i] = exc
+
+                    async with anyio.create_task_group() as tg:
+                        for i, task in enumerate(tasks):
+                            tg.start_soon(one, i, task)
     finally:
         await engine.stop()
     rows = []
