@@ -29,11 +29,12 @@ has every timestamp (LLM call and tool spans carry their end time and latency), 
 ends a rollout reads it back once and hands it to the SDK. The rollout's trace appears when the
 rollout is finished, and only then; a rollout that ends without a runner reporting it (its runner
 died and the watchdog ended it; cancelled before any attempt) is not exported: call
-:func:`export_rollout` for those yourself.
+:func:`export_rollout` for those yourself. A reward added after the end (an LLM judge's) is not in it.
 
 Costs and faults: when off, nothing is imported (``import agentloop`` never imports opentelemetry) and
-the runner does one check per attempt. When on, the runner does 2 + attempts store reads per
-finished rollout on the event loop (bounded by ``timeout_s``) and puts the result on a bounded queue;
+the runner does one check per attempt. When on, the runner reads the rollout after each attempt and,
+for the attempt that finished it, its attempts and spans (1 + attempts more reads, all bounded by
+``timeout_s``), and puts them on a bounded queue;
 one daemon thread builds the spans (``configure(exporter=...)`` ends them into a
 ``BatchSpanProcessor``). A slow or failing exporter never stalls or fails a rollout: the queue drops
 with a warning when full, and errors are logged, never raised.
