@@ -483,3 +483,18 @@ def test_fit_with_a_judge_stores_its_rewards_and_trains_on_them(
             await store.close()
 
     assert anyio.run(stored) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # durable: what agentloop inspect shows
+
+
+@pytest.mark.e2e
+def test_the_sql_cli_with_reward_judge(
+    judge_server: JudgeServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from examples.sql_agent import run
+
+    judge_server.answer = first_wins
+    argv = ["--model", str(tiny_model_dir), "--rollouts", "1", "--group", "2", "--device", "cpu",
+            "--max-tokens", "8", "--db", str(tmp_path / "c.db"), "--reward", "judge",
+            "--judge-url", judge_server.llm.base_url, "--judge-model", "judge-1"]  # fmt: skip
+    summary = run.main(argv)
+    assert [r["judge"] for r in summary["attempts"]] == [1.0, 0.0] and len(judge_server.requests) == 1
+    assert summary["metrics"]["judge/groups"] == 1
