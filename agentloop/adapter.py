@@ -216,7 +216,13 @@ def spans_to_triplets(
             "sequence_id": span.sequence_id,
             "call_index": index,
             "num_calls": len(calls),
-            "weights_version": call.weights_version,
+            # the oldest and newest weights that sampled a token (they differ across an inflight update)
+            "weights_version": min(call.response_versions)
+            if call.response_versions
+            else call.weights_version,
+            "newest_weights_version": max(call.response_versions)
+            if call.response_versions
+            else call.weights_version,
             "finish_reason": call.finish_reason,
             "attempt_reward": attempt_reward,
             "call_reward": own[index] if rewards else None,
@@ -351,6 +357,11 @@ class _Merged:
 
     def triplet(self) -> Triplet:
         meta: dict[str, Any] = {**self.first_meta, **self.last_meta}
+        # calls run in order: the first call holds the oldest weights' tokens, the last the newest's
+        if "weights_version" in self.first_meta:
+            meta["weights_version"] = self.first_meta["weights_version"]
+        if "newest_weights_version" in self.last_meta:
+            meta["newest_weights_version"] = self.last_meta["newest_weights_version"]
         meta["merged_calls"] = len(self.calls)
         meta["calls"] = self.calls
         return Triplet(

@@ -202,6 +202,11 @@ class LLMCall(_Model):
     sampling: dict[str, JSON] = Field(default_factory=dict)
     latency_s: float | None = None
     weights_version: int | None = None
+    response_versions: list[int] | None = Field(
+        default=None,
+        description="The weights version that sampled each response token, when they differ "
+        "(an engine with weight_update_policy='inflight'); None: all are weights_version's.",
+    )
     model: str | None = None
     error: str | None = Field(
         default=None, description="e.g. 'context_length_exceeded'; no tokens to train on."

@@ -144,6 +144,7 @@ def test_metadata_carries_ids_and_rollout_input() -> None:
         "call_index": 0,
         "num_calls": 1,
         "weights_version": 7,
+        "newest_weights_version": 7,
         "finish_reason": "stop",
         "attempt_reward": 1.0,  # the attempt's total: its one vote in a GRPO group
         "call_reward": 1.0,  # the call's own reward: what GAE places on its last token
@@ -281,6 +282,26 @@ def test_merge_turns_merges_within_each_attempt_only() -> None:
     ]
     # calls without an attempt stand alone: nothing to merge them with
     assert len(merge_turns([_trip([1], [2], metadata={}), _trip([1, 2], [3], metadata={})])) == 2
+
+
+def test_versions_oldest_and_newest_per_call_and_per_merged_attempt() -> None:
+    """issue 20: a call whose tokens span weights (an inflight update) is as stale as its oldest
+    token; a merged attempt as its first call's oldest, and as new as its last call's newest."""
+    trace = _Trace().call(version=5)
+    first = trace.spans[0].payload
+    assert isinstance(first, LLMCall)
+    trace.spans[0] = trace.spans[0].model_copy(
+        update={"payload": first.model_copy(update={"weights_version": 6, "response_versions": [5, 6]})}
+    )
+    trace.call(n=3, version=7).reward(1.0)
+    calls = spans_to_triplets(trace.spans).triplets
+    assert [(t.metadata["weights_version"], t.metadata["newest_weights_version"]) for t in calls] == [
+        (5, 6),
+        (7, 7),
+    ]
+    second = calls[1].model_copy(update={"prompt_ids": [*calls[0].prompt_ids, *calls[0].response_ids, 9]})
+    (merged,) = merge_turns([calls[0], second])
+    assert (merged.metadata["weights_version"], merged.metadata["newest_weights_version"]) == (5, 7)
 
 
 def test_merge_turns_edge_cases() -> None:

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentloop.adapter import Strategy
+from agentloop.engine.base import WeightUpdatePolicy
 from agentloop.errors import ConfigError
 from agentloop.http_limits import is_loopback
 from agentloop.keys import KeyRef
@@ -169,6 +170,16 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(
         default=0, ge=0, description="Weight versions a batch may lag behind; 0 is synchronous."
     )
+    weight_update_policy: WeightUpdatePolicy = Field(
+        default="drain",
+        description="How the engine takes new weights with requests in flight: drain (they finish on "
+        "the old), abort, or inflight (they go on with the new; tokens record their version).",
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most requests one engine decodes at once; None: the engine's default.",
+    )
     replicas: int = Field(default=1, ge=1, description="Inference engine replicas.")
     engine_backend: Literal["torch", "vllm"] = Field(
         default="torch", description="Inference engine implementation."
@@ -190,9 +201,15 @@ class RolloutConfig(_Section):
 
 def engine_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
     """``load_engine`` keyword arguments for the configured backend."""
+    kwargs: dict[str, Any] = {
+        "backend": rollout.engine_backend,
+        "weight_update_policy": rollout.weight_update_policy,
+    }
+    if rollout.max_num_seqs is not None:
+        kwargs["max_batch_size"] = rollout.max_num_seqs
     if rollout.engine_backend == "vllm":
-        return {"backend": "vllm", "gpu_memory_utilization": rollout.gpu_memory_utilization}
-    return {"backend": rollout.engine_backend}
+        kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+    return kwargs
 
 
 class OptimConfig(_Section):

@@ -343,6 +343,7 @@ class Trainer:
                     result.val_history.append(await validate(step))
                 pending: deque[_Pending] = deque()
                 progress = _progress(total_steps, step)
+                started = time.perf_counter()
                 state.step = step
                 while step < total_steps:
                     while len(pending) <= rollout_cfg.max_staleness and (step + len(pending) < total_steps):
@@ -352,6 +353,7 @@ class Trainer:
                     step += 1
                     state.step = step
                     metrics["step"] = step
+                    metrics["timing/elapsed_s"] = time.perf_counter() - started  # since this fit's loop began
                     last = step == total_steps
                     if val and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
                         if last:  # async mode: batches for steps that will not run
@@ -486,8 +488,16 @@ class Trainer:
         }
         metrics.update(_attempt_metrics(triplets))
         versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]
-        if versions:
+        if versions:  # each sample's oldest token against the weights this update starts from
             metrics["rollout/staleness_max"] = float(engine.weights_version - min(versions))
+            metrics["rollout/staleness_mean"] = float(engine.weights_version - sum(versions) / len(versions))
+        metrics["rollout/mixed_version_samples"] = float(
+            sum(
+                t.metadata.get("newest_weights_version", v) != v
+                for t in triplets
+                if (v := t.metadata.get("weights_version")) is not None
+            )
+        )
         failed = int(metrics["rollout/failed"])
         errors = await failure_summary(store, pending.rollout_ids) if failed else ""
         if failed:

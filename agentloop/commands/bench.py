@@ -120,6 +120,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target("scale_bench.py", "weight_sync_2gpu.json", "weight_sync.sync_s", "<=", 1.0, "2-replica weight sync s (IPC)", False),
     Target("scale_bench.py", "weight_sync_2gpu.json", "weight_sync_split.sync_s", "<=", 1.0, "split weight sync s (NCCL)", False),
+    Target("async_bench.py", "async_bench_gpu.json", "speedup_steps_per_hour", ">=", 1.8, "fully async vs sync steps/h (long tail)", False),
 )  # fmt: skip
 
 

@@ -22,6 +22,14 @@ from agentloop.errors import ContextLengthExceededError
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# How an engine takes new weights while requests are in flight (each engine's docstring says how):
+# "drain": stop admitting, let in-flight requests finish on the old weights, then load;
+# "abort": end in-flight requests at once (finish_reason "abort", partial tokens returned), then load;
+# "inflight": load between two decode steps; running requests go on with the new weights (their
+# keys/values so far stay those of the old ones), each token labelled with the version that sampled it.
+WeightUpdatePolicy = Literal["drain", "abort", "inflight"]
+WEIGHT_UPDATE_POLICIES: tuple[WeightUpdatePolicy, ...] = ("drain", "abort", "inflight")
+
 
 class SamplingParams(BaseModel):
     """How to sample one response. ``temperature`` also sets the logprobs' distribution:
@@ -52,6 +60,17 @@ class TokenOutput(BaseModel):
     finish_reason: FinishReason
     weights_version: int = 0
     num_cached_prompt_tokens: int = 0
+    token_versions: list[int] | None = None
+    """The weights version that sampled each token (``weight_update_policy="inflight"`` lets one
+    response span versions); None from an engine that does not track it (then every token is
+    ``weights_version``'s)."""
+
+
+def mixed_versions(out: TokenOutput) -> list[int] | None:
+    """``out.token_versions`` when the response spans weights versions, else None (one version:
+    ``out.weights_version`` says it all, and a span need not store a number per token)."""
+    versions = out.token_versions
+    return list(versions) if versions and min(versions) != max(versions) else None
 
 
 @runtime_checkable

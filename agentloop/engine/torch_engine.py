@@ -33,7 +33,13 @@ writes out with fused, MKL-packed projections (its docstring says why and what i
 Weight updates (``weight_update_policy``): ``"drain"`` (default) stops admitting requests, lets
 in-flight ones finish on the old weights, then loads the new ones, so every response comes from
 one weights version; ``"abort"`` ends in-flight requests at once with finish_reason ``"abort"``
-(their partial tokens are returned). Either way the prefix cache is cleared.
+(their partial tokens are returned); ``"inflight"`` loads the new weights between two decode steps
+and lets running requests go on (a partial rollout that is never interrupted): nobody waits for the
+slowest request, a response may span versions, and ``TokenOutput.token_versions`` says which
+version sampled each token. Every logprob is still that of the weights that sampled the token, so
+the trainer's rollout correction stays exact; a request's keys/values written before the update are
+the old weights' (not recomputed: the cost would be a prefill per running request, and the
+behaviour log-probs already describe what was sampled). Every policy clears the prefix cache.
 """
 
 from __future__ import annotations
@@ -60,8 +66,10 @@ from agentloop.engine._decode import DecodeRow, ModelRunner
 from agentloop.engine._kv import PrefixCache, SlotKVCache
 from agentloop.engine._sampling import row_key, sample, sample_mode
 from agentloop.engine.base import (
+    WEIGHT_UPDATE_POLICIES,
     SamplingParams,
     TokenOutput,
+    WeightUpdatePolicy,
     check_named_tensors,
     check_prompt,
     check_sampling,
@@ -82,6 +90,8 @@ class _Request:
     end_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights version that sampled each token
+    prefill_version: int = -1  # the weights version that wrote the prompt's keys/values
     kv_len: int = 0  # tokens whose keys/values are in the cache
     slot: int = -1
     num_cached: int = 0
@@ -114,7 +124,7 @@ class TorchEngine:
         max_batch_size: int = 32,
         max_context: int | None = None,
         prefix_cache_entries: int = 16,
-        weight_update_policy: Literal["drain", "abort"] = "drain",
+        weight_update_policy: WeightUpdatePolicy = "drain",
         cuda_graphs: bool = True,
         cpu_decoder: bool = True,
         max_prefill_tokens: int = 8192,
@@ -127,8 +137,10 @@ class TorchEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        if weight_update_policy not in ("drain", "abort"):
-            raise ValueError(f"weight_update_policy must be 'drain' or 'abort', got {weight_update_policy!r}")
+        if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
+            raise ValueError(
+                f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
+            )
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         if isinstance(model, str | Path):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
@@ -342,7 +354,7 @@ class TorchEngine:
                     self._finish(req, "abort")
 
     def _step(self) -> None:
-        if self._updates and not self._running:
+        if self._updates and (self._policy == "inflight" or not self._running):
             self._apply_updates()
         new = set(self._schedule()) if not self._updates else set()
         old = [r for r in self._running if r not in new]
@@ -420,6 +432,7 @@ class TorchEngine:
             self._stats["shared_prompt_prefills"] += 1
         for req in group:
             req.kv_len = len(req.prompt_ids)
+            req.prefill_version = self._weights_version
             self._stats["prompt_tokens"] += len(req.prompt_ids)
         self._stats["prefill_batches"] += 1
         self._timers["prefill_s"] += time.perf_counter() - t0
@@ -471,6 +484,7 @@ class TorchEngine:
         for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
+            req.versions.append(self._weights_version)
             self._stats["generated_tokens"] += 1
             reason = self._finish_reason(req, tok)
             if reason is not None:
@@ -514,6 +528,8 @@ class TorchEngine:
         req.slot = -1
 
     def _finish(self, req: _Request, reason: Literal["stop", "length", "abort"], store: bool = True) -> None:
+        # keys/values written by older weights (an "inflight" update) never enter the prefix cache
+        store = store and req.prefill_version == self._weights_version
         if store and req.slot >= 0 and reason != "abort" and req.kv_len > 0:
             self._prefix.store((req.prompt_ids + req.output_ids)[: req.kv_len], self._cache, req.slot)
         self._release(req)
@@ -525,6 +541,7 @@ class TorchEngine:
             finish_reason=reason,
             weights_version=self._weights_version,
             num_cached_prompt_tokens=req.num_cached,
+            token_versions=list(req.versions),
         )
         req.finished = True
         req.loop.call_soon_threadsafe(_resolve, req.future, out, None)

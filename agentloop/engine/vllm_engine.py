@@ -34,7 +34,10 @@ split; CPU tensors go to the engine's GPU), and handed to vLLM's worker as a CUD
 the buffer and calls ``model.load_weights`` (Hugging Face names, fused qkv / gate_up handled by
 vLLM). ``weight_update_policy="drain"`` pauses the scheduler until in-flight requests finish on the
 old weights (``pause_generation(mode="wait")``); ``"abort"`` ends them at once (finish_reason
-``"abort"`` with their partial tokens). The prefix cache is cleared with the old weights either way.
+``"abort"`` with their partial tokens); ``"inflight"`` aborts them too and then resumes each one
+(a partial rollout: its prompt plus the tokens it has go back in, so nothing already generated is
+lost and nobody waits for the slowest request), the tokens labelled with the version that sampled
+them (``TokenOutput.token_versions``). The prefix cache is cleared with the old weights either way.
 The weights version moves on the engine loop (where each request reads it when it finishes) before
 generation resumes, so a request served by the new weights never carries the old version.
 """
@@ -53,14 +56,17 @@ import time
 import uuid
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar, cast
 
 import structlog
 import torch
 
 from agentloop.engine.base import (
+    WEIGHT_UPDATE_POLICIES,
+    FinishReason,
     SamplingParams,
     TokenOutput,
+    WeightUpdatePolicy,
     check_named_tensors,
     check_prompt,
     check_sampling,
@@ -150,7 +156,7 @@ class VLLMEngine:
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         enable_sleep_mode: bool = False,
-        weight_update_policy: Literal["drain", "abort"] = "drain",
+        weight_update_policy: WeightUpdatePolicy = "drain",
         live_stats: bool = False,
         seed: int = 0,
         **vllm_kwargs: Any,
@@ -162,8 +168,10 @@ class VLLMEngine:
             raise ValueError(
                 f"model must be a local Hugging Face folder with config.json, got {str(model)!r}"
             )
-        if weight_update_policy not in ("drain", "abort"):
-            raise ValueError(f"weight_update_policy must be 'drain' or 'abort', got {weight_update_policy!r}")
+        if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
+            raise ValueError(
+                f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
+            )
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_batch_size < 1:
@@ -222,7 +230,9 @@ class VLLMEngine:
         self._start_lock = threading.Lock()
         self._ready: concurrent.futures.Future[None] | None = None
         self._inflight: set[str] = set()
-        self._live: set[str] = set()  # requests whose coroutine runs on the engine loop
+        self._live: dict[str, str] = {}  # request id -> vLLM's id of its running segment (engine loop)
+        self._preempted: dict[str, bool] = {}  # requests an "inflight" update aborted, to resume
+        self._resumed: asyncio.Event | None = None  # created on the engine loop (_resumed_event)
         self._stats = collections.Counter[str]()
         self._waiting = 0
         self._weights_version = 0
@@ -318,8 +328,13 @@ class VLLMEngine:
         """End a waiting or running request with finish_reason ``"abort"``; True when it was found."""
         if request_id not in self._inflight or self._llm is None:
             return False
-        await self._on_loop(self._llm.abort(request_id))
+        await self._on_loop(self._abort(request_id))
         return True
+
+    async def _abort(self, request_id: str) -> None:
+        """On the engine loop: abort the request's running segment; it is not resumed."""
+        self._preempted.pop(request_id, None)
+        await self._llm.abort(self._live.get(request_id, request_id))
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Load ``named_tensors`` (Hugging Face names, a subset of the checkpoint) without a restart."""
@@ -372,7 +387,7 @@ class VLLMEngine:
         steps = s.get("decode_steps", 0)
         s["mean_decode_batch"] = s.get("decode_rows", 0) / steps if steps else 0.0
         s.update(
-            running=len(self._inflight | self._live),
+            running=len(self._inflight | set(self._live)),
             waiting=self._waiting if self._inflight else 0,
             weights_version=self._weights_version,
         )
@@ -420,15 +435,59 @@ class VLLMEngine:
         )
 
     async def _generate(self, prompt: list[int], sp: SamplingParams, rid: str) -> TokenOutput:
+        """One request; under ``weight_update_policy="inflight"`` a request that a weight update
+        pre-empted is resumed (a partial rollout): its prompt plus the tokens it already has go back
+        in with the remaining ``max_tokens``, and every segment's tokens carry the version that
+        sampled them. A resumed segment draws from a fresh random stream (vLLM seeds per request)."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        cached = 0
+        self._stats["requests"] += 1
+        self._stats["prompt_tokens"] += len(prompt)
+        segment = 0
+        try:
+            while True:
+                vid = rid if segment == 0 else f"{rid}#resume{segment}"
+                remaining = sp.model_copy(update={"max_tokens": sp.max_tokens - len(tokens)})
+                ids, lps, reason, hit = await self._segment(prompt + tokens, remaining, rid, vid)
+                tokens += ids
+                logprobs += lps or []
+                versions += [self._weights_version] * len(ids)  # read as the segment ends (see _load)
+                cached = hit if segment == 0 else cached
+                resume = reason == "abort" and self._preempted.pop(rid, False) and len(tokens) < sp.max_tokens
+                if not resume or len(prompt) + len(tokens) >= self._max_context:
+                    break
+                segment += 1
+                self._stats["resumed"] += 1
+                await self._resumed_event().wait()
+        finally:  # an update may have marked it just as it finished
+            self._preempted.pop(rid, None)
+        self._stats[f"finished_{reason}"] += 1
+        if not self._live_stats:
+            self._stats["generated_tokens"] += len(tokens)
+        self._stats["cached_prompt_tokens"] += cached
+        self._stats["prefix_cache_hits"] += int(cached > 0)
+        return TokenOutput(
+            token_ids=tokens,
+            logprobs=logprobs if sp.logprobs else None,
+            finish_reason=reason,
+            weights_version=self._weights_version,
+            num_cached_prompt_tokens=cached,
+            token_versions=versions,
+        )
+
+    async def _segment(
+        self, prompt: list[int], sp: SamplingParams, rid: str, vid: str
+    ) -> tuple[list[int], list[float] | None, FinishReason, int]:
+        """Run ``prompt`` once in vLLM as request ``vid``: tokens, logprobs, finish reason, cached tokens."""
         from vllm.inputs import TokensPrompt
 
         vsp = self._vllm_sampling(len(prompt), sp)
-        self._stats["requests"] += 1
-        self._stats["prompt_tokens"] += len(prompt)
         final = None
-        self._live.add(rid)
+        self._live[rid] = vid
         try:
-            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), vsp, request_id=rid):
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), vsp, request_id=vid):
                 final = out
         except asyncio.CancelledError:
             self._stats["finished_abort"] += 1
@@ -437,31 +496,26 @@ class VLLMEngine:
             self._stats["failed"] += 1
             raise EngineError(f"vLLM failed request {rid}: {type(exc).__name__}: {exc}") from exc
         finally:
-            self._live.discard(rid)
+            self._live.pop(rid, None)
         if final is None or not final.outputs:
             self._stats["failed"] += 1
             raise EngineError(f"vLLM returned no output for request {rid}")
         o = final.outputs[0]
         ids = list(o.token_ids)
-        reason = _FINISH.get(str(o.finish_reason), "stop")
+        reason = cast(FinishReason, _FINISH.get(str(o.finish_reason), "stop"))
         logprobs = None
         if sp.logprobs:
             logprobs = [float(d[t].logprob) for t, d in zip(ids, o.logprobs or [], strict=False)]
             if len(logprobs) != len(ids):
                 raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens ({rid})")
-        cached = int(final.num_cached_tokens or 0)
-        self._stats[f"finished_{reason}"] += 1
-        if not self._live_stats:
-            self._stats["generated_tokens"] += len(ids)
-        self._stats["cached_prompt_tokens"] += cached
-        self._stats["prefix_cache_hits"] += int(cached > 0)
-        return TokenOutput(
-            token_ids=ids,
-            logprobs=logprobs,
-            finish_reason=reason,  # type: ignore[arg-type]
-            weights_version=self._weights_version,
-            num_cached_prompt_tokens=cached,
-        )
+        return ids, logprobs, reason, int(final.num_cached_tokens or 0)
+
+    def _resumed_event(self) -> asyncio.Event:
+        """Set while generation runs; cleared by ``_load`` between its pause and its resume."""
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+            self._resumed.set()
+        return self._resumed
 
     async def _load(self, payload: bytes) -> int:
         """On the engine loop: pause generation, load the packed weights, bump the version, clear the
@@ -473,6 +527,10 @@ class VLLMEngine:
         20 ms for those outputs to be delivered, and the load is a round trip to the worker after
         that, so it reads the old one. A failed load leaves the version alone and still resumes."""
         mode = "wait" if self._policy == "drain" else "abort"
+        resumed = self._resumed_event()
+        if self._policy == "inflight":  # the running requests go back in after the load (_generate)
+            self._preempted.update(dict.fromkeys(self._live, True))
+        resumed.clear()
         await self._llm.pause_generation(mode=mode, clear_cache=True)
         try:
             await self._llm.collective_rpc("agentloop_load_packed", args=(payload,))
@@ -480,6 +538,7 @@ class VLLMEngine:
             await self._llm.reset_prefix_cache()
         finally:
             await self._llm.resume_generation()
+            resumed.set()
         return self._weights_version
 
     def _warn_renormalised(self, sampling: SamplingParams) -> None:

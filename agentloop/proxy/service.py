@@ -35,7 +35,7 @@ import anyio
 import orjson
 import structlog
 
-from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
+from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput, mixed_versions
 from agentloop.errors import (
     ContextLengthExceededError,
     EngineError,
@@ -541,6 +541,7 @@ class ProxyService:
             response_message=message,
             finish_reason=finish,
             weights_version=out.weights_version,
+            response_versions=mixed_versions(out),
             latency_s=time.perf_counter() - started,
         )
         if client_gone is not None and await client_gone():
@@ -571,6 +572,7 @@ class ProxyService:
             finish_reason=out.finish_reason,
             response_message={"role": "assistant", "content": text},
             weights_version=out.weights_version,
+            response_versions=mixed_versions(out),
             latency_s=time.perf_counter() - started,
         )
         if client_gone is not None and await client_gone():

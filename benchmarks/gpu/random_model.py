@@ -21,7 +21,10 @@ QWEN2_05B: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-RANDOM_CONFIGS = {"qwen2-0.5b": QWEN2_05B}
+# the same body with the SmolLM2 tokenizer's vocabulary: every id it samples decodes (the proxy refuses
+# ids outside the tokenizer, so agents that go through it need this one)
+QWEN2_05B_SMOL_VOCAB: dict[str, Any] = {**QWEN2_05B, "vocab_size": 49152}
+RANDOM_CONFIGS = {"qwen2-0.5b": QWEN2_05B, "qwen2-0.5b-smol-vocab": QWEN2_05B_SMOL_VOCAB}
 
 
 def build_random_model(name: str, out: str | Path | None = None, seed: int = 0) -> Path:

@@ -183,6 +183,43 @@ async def test_update_weights_abort_policy(tiny_model_dir: Path, chat_prompt: li
         await eng.stop()
 
 
+async def test_update_weights_inflight_policy(
+    engine_kind: str, tiny_model_dir: Path, chat_prompt: list[int]
+) -> None:
+    """issue 20: the running request goes on with the new weights (TorchEngine: between two decode
+    steps; vLLM: aborted, then resumed with the tokens it has), nobody waits for it, and each token
+    says which version sampled it."""
+    eng = make_engine(engine_kind, tiny_model_dir, weight_update_policy="inflight")
+    sp = SamplingParams(temperature=1.0, max_tokens=300, ignore_eos=True, seed=11)
+    name = "model.norm.weight"
+    try:
+        with anyio.fail_after(60):
+            ref = await eng.generate(chat_prompt, sp)  # undisturbed, same seed
+            running = asyncio.ensure_future(eng.generate(chat_prompt, sp))
+            while eng.stats().get("generated_tokens", 0) < len(ref.token_ids) + 3:
+                await asyncio.sleep(0.002)
+            assert await eng.update_weights({name: eng.model.state_dict()[name] * 2}) == 1
+            assert not running.done()  # "drain" would have waited for it
+            out = await running
+            follow_up = await eng.generate(chat_prompt + out.token_ids, GREEDY)
+    finally:
+        await eng.stop()
+    assert out.finish_reason == "length" and len(out.token_ids) == 300 and out.weights_version == 1
+    versions = out.token_versions
+    assert versions is not None and len(versions) == 300 and versions == sorted(versions)
+    k = versions.index(1)  # the first token the new weights sampled
+    assert 3 <= k < 300
+    assert out.token_ids[:k] == ref.token_ids[:k]  # same seed, same weights: same tokens
+    assert out.logprobs is not None and ref.logprobs is not None
+    assert out.logprobs[:k] == pytest.approx(ref.logprobs[:k], abs=1e-4)
+    # logits doubled: the token or its logprob changes from the first new-weights step on
+    assert (out.token_ids[k], round(out.logprobs[k], 4)) != (ref.token_ids[k], round(ref.logprobs[k], 4))
+    if engine_kind == "torch":  # its keys/values from the old weights never serve a later request
+        assert follow_up.num_cached_prompt_tokens == 0
+    else:  # a resumed vLLM request recomputed its prompt and tokens on the new weights
+        assert follow_up.finish_reason == "length"
+
+
 async def test_context_length(engine: Any) -> None:
     with pytest.raises(ContextLengthExceededError, match="512"):
         await engine.generate([5] * 512, GREEDY)

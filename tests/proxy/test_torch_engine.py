@@ -86,3 +86,44 @@ async def test_streaming_and_non_streaming_give_the_same_tokens(engine: TorchEng
     assert streamed == full.model_extra["token_ids"] and len(streamed) > 0
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
+
+
+async def test_a_response_across_an_inflight_update_records_each_tokens_version(
+    tiny_model_dir: Path, oai: Any
+) -> None:
+    """issue 20: the proxy stores which weights sampled each token, and the adapter gives the sample
+    its oldest and newest version (the trainer's staleness and mixed-version counts read them)."""
+    from agentloop.adapter import triplets_for_rollouts
+
+    eng = TorchEngine(tiny_model_dir, max_context=1024, weight_update_policy="inflight")
+    store = MemoryStore()
+    name = "model.norm.weight"
+    try:
+        async with running_proxy(eng, store) as proxy:
+            att = await new_attempt(store)
+            client = oai(attempt_url(proxy, att))
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        lambda: client.chat.completions.create(
+                            model="tiny",
+                            messages=[{"role": "user", "content": "Say a lot."}],
+                            max_tokens=400,
+                            temperature=1.0,
+                            seed=1,  # its first 40 tokens hold no end-of-turn token
+                        )
+                    )
+                    while eng.stats().get("generated_tokens", 0) < 3:
+                        await anyio.sleep(0.002)
+                    await eng.update_weights({name: eng.model.state_dict()[name] * 2})
+        await store.update_attempt(att.rollout_id, att.attempt.attempt_id, status="succeeded")
+        spans = await store.query_spans(att.rollout_id)
+    finally:
+        await eng.stop()
+    call = next(s.payload for s in spans if isinstance(s.payload, LLMCall))
+    versions = call.response_versions
+    assert versions is not None and len(versions) == len(call.response_ids)
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    assert call.weights_version == 1
+    (t,) = (await triplets_for_rollouts(store, [att.rollout_id])).triplets
+    assert (t.metadata["weights_version"], t.metadata["newest_weights_version"]) == (0, 1)

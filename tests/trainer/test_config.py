@@ -224,12 +224,22 @@ def test_engine_kwargs_follow_the_configured_backend() -> None:
     from trainer.config import engine_kwargs
 
     torch_cfg = TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"engine_backend": "torch"}}})
-    assert engine_kwargs(torch_cfg.actor_rollout_ref.rollout) == {"backend": "torch"}
+    assert engine_kwargs(torch_cfg.actor_rollout_ref.rollout) == {
+        "backend": "torch",
+        "weight_update_policy": "drain",
+    }
+    inflight = TrainerConfig.from_dict(
+        {"actor_rollout_ref": {"rollout": {"weight_update_policy": "inflight"}}}
+    )
+    assert engine_kwargs(inflight.actor_rollout_ref.rollout)["weight_update_policy"] == "inflight"
+    with pytest.raises(ValueError, match="weight_update_policy"):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"weight_update_policy": "later"}}})
     vllm_cfg = TrainerConfig.from_dict(
         {"actor_rollout_ref": {"rollout": {"engine_backend": "vllm", "gpu_memory_utilization": 0.3}}}
     )
     assert engine_kwargs(vllm_cfg.actor_rollout_ref.rollout) == {
         "backend": "vllm",
+        "weight_update_policy": "drain",
         "gpu_memory_utilization": 0.3,
     }
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

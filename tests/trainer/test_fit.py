@@ -59,15 +59,24 @@ def _tasks(n: int) -> list[dict]:
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
-@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
-def test_fit_learns_allowed_tokens(tmp_path: Path, tiny_model_dir: Path, staleness: int) -> None:
+@pytest.mark.parametrize(
+    ("staleness", "policy"),
+    [(0, "drain"), (1, "drain"), (2, "inflight")],
+    ids=["sync", "async", "async-inflight"],
+)
+def test_fit_learns_allowed_tokens(tmp_path: Path, tiny_model_dir: Path, staleness: int, policy: str) -> None:
     cfg = _config(tmp_path, tiny_model_dir)
     cfg["actor_rollout_ref"]["rollout"]["max_staleness"] = staleness
+    cfg["actor_rollout_ref"]["rollout"]["weight_update_policy"] = policy
     result = Trainer(cfg).fit(allowed_tokens_agent, _tasks(64))
     rewards = [m["reward/mean"] for m in result.history]
     assert rewards[0] < 0.2, rewards
     assert max(rewards[-3:]) > 0.8, rewards
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
+    # each batch lags the weights it trains by at most max_staleness versions (its oldest token)
+    assert max(r["rollout/staleness_max"] for r in rows) <= staleness
+    elapsed = [r["timing/elapsed_s"] for r in rows]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
     assert rows[-1]["weights_version"] == 12
     assert (result.run_dir / "reward_curve.png").stat().st_size > 0

@@ -1,0 +1,269 @@
+"""Long-tailed agents: the synchronous trainer against the fully asynchronous one, same seed, same tasks.
+
+    # one GPU (a random-weight Qwen2-0.5B body with SmolLM2's 49k vocabulary, built locally: no hub)
+    python benchmarks/async_bench.py --device cuda --out benchmarks/results/async_bench_gpu.json
+    # CPU smoke run (the tiny test model, a few steps)
+    python benchmarks/async_bench.py --device cpu --steps 3 --batch-size 2 --n 2 --max-len 24
+
+The agent is a multi-turn "tool" agent whose shape is heavy-tailed, as real agent trajectories are:
+each task draws its number of model calls and each call's ``max_tokens`` from Pareto distributions
+(seeded by the task, so both runs see the same tasks), and a tool turn (an observation message,
+masked in training) sits between two calls. Its reward is the share of the letters it writes that
+fall in a-m (about 0.5 for a random model): a signal any policy can climb, so the two runs'
+reward curves compare how much each learned from the same number of samples.
+
+- ``sync``: ``rollout.max_staleness 0`` (every step waits for its slowest agent, then trains, then
+  syncs) with the default ``weight_update_policy: drain``.
+- ``async``: ``max_staleness k`` (the next k batches run while one trains) with
+  ``weight_update_policy: inflight``: a weight update lands between two decode steps, so nothing
+  waits for in-flight requests; each token records the version that sampled it, and token-level
+  rollout correction uses the engine's behaviour log-probs.
+
+Steps per hour count from the end of the first step (which holds one-off warm-up: CUDA graph
+captures, the first compile) to the end of the last. Prints JSON (and writes ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import agentloop as al
+
+_LETTERS = re.compile(r"[a-z]")
+REWARD_TOLERANCE = 0.01  # "not worse": the async leg's last-quarter reward at most this much below sync's
+
+
+def a_to_m_share(text: str) -> float:
+    """The share of ``text``'s letters (case-folded) that fall in a-m; 0.5 for text with no letter."""
+    letters = _LETTERS.findall(text.lower())
+    return sum(c <= "m" for c in letters) / len(letters) if letters else 0.5
+
+
+def make_tasks(
+    count: int, seed: int, max_turns: int, base_len: int, max_len: int, max_total: int
+) -> list[dict[str, Any]]:
+    """``count`` tasks, each with a Pareto-drawn call count (alpha 1.2) and per-call lengths (alpha
+    1.5, each at most ``max_len``, together at most ``max_total`` so every attempt fits the context)."""
+    tasks = []
+    for i in range(count):
+        rng = random.Random(seed * 1_000_003 + i)
+        turns = min(max_turns, int(rng.paretovariate(1.2)))
+        lengths: list[int] = []
+        for _ in range(turns):
+            room = max_total - sum(lengths)
+            if room < 1:
+                break
+            lengths.append(min(max_len, room, int(base_len * rng.paretovariate(1.5))))
+        tasks.append({"id": i, "prompt": f"Task {i}: write freely.", "lengths": lengths})
+    return tasks
+
+
+@al.rollout
+async def long_tail_agent(task: dict[str, Any], llm: al.LLM) -> float:
+    """Calls the model once per entry of ``task["lengths"]`` (that many tokens at most), with a tool
+    observation between calls; returns the mean a-m share of what it wrote."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=600, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task["prompt"]}]
+    shares = []
+    for turn, max_tokens in enumerate(task["lengths"]):
+        reply = await client.chat.completions.create(
+            model=llm.model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=1.0,  # type: ignore[arg-type]
+        )
+        text = reply.choices[0].message.content or ""
+        shares.append(a_to_m_share(text))
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"tool output {turn}: ok"},
+        ]
+    return statistics.fmean(shares)
+
+
+def config(args: argparse.Namespace, mode: str, model: str, run_dir: Path) -> dict[str, Any]:
+    """The trainer config of one leg: ``sync`` or ``async`` (module docstring)."""
+    staleness = args.max_staleness if mode == "async" else 0
+    return {
+        "data": {
+            "train_batch_size": args.batch_size,
+            "max_prompt_length": 128,
+            "max_response_length": args.max_total + args.max_turns * 48,  # + the tool turns (masked)
+        },
+        "actor_rollout_ref": {
+            "model": {"path": model},
+            "rollout": {
+                "n": args.n,
+                "temperature": 1.0,
+                "max_staleness": staleness,
+                "weight_update_policy": "inflight" if mode == "async" else "drain",
+                "concurrency": args.batch_size * args.n * (staleness + 1),
+                "max_num_seqs": args.max_num_seqs,
+            },
+            "actor": {
+                "ppo_mini_batch_size": args.batch_size,
+                "ppo_max_token_len_per_gpu": args.token_budget,
+                "use_engine_logprobs": True,
+                "optim": {"lr": args.lr, "weight_decay": 0.0},
+                "grad_clip": 1.0,
+            },
+        },
+        "adapter": {"trajectory": True},
+        "algorithm": {"adv_estimator": "grpo"},
+        "trainer": {
+            "total_training_steps": args.steps,
+            "val_before_train": False,
+            "test_freq": 0,
+            "save_freq": 0,
+            "default_local_dir": str(run_dir),
+            "device": args.device,
+            "logger": ["jsonl"],
+            "resume": "disable",
+            "seed": args.seed,
+        },
+    }
+
+
+def leg(args: argparse.Namespace, mode: str, model: str, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Train one leg; its steps per hour, reward curve and staleness."""
+    from trainer import Trainer
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"agentloop-async-bench-{mode}-"))
+    t0 = time.perf_counter()
+    result = Trainer(config(args, mode, model, run_dir)).fit(long_tail_agent, tasks)
+    wall = time.perf_counter() - t0
+    rows = [r for r in result.history if "reward/mean" in r]
+    ends = [r["timing/elapsed_s"] for r in rows]
+    steady = (len(ends) - 1) / (ends[-1] - ends[0]) * 3600 if len(ends) > 1 else float("nan")
+    samples = [r.get("batch/samples", 0.0) for r in rows]
+    rewards = [r["reward/mean"] for r in rows]
+    tail = max(1, len(rewards) // 4)
+    return {
+        "mode": mode,
+        "steps": len(rows),
+        "steps_per_hour": round(steady, 1),
+        "wall_s": round(wall, 1),
+        "mean_step_s": round(statistics.fmean(r["timing/step_s"] for r in rows), 2),
+        "reward_first": round(rewards[0], 4),
+        "reward_last_quarter_mean": round(statistics.fmean(rewards[-tail:]), 4),
+        "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0),
+        "mixed_version_samples": sum(r.get("rollout/mixed_version_samples", 0.0) for r in rows),
+        "curve": [
+            {
+                "step": r["step"],
+                "samples_seen": sum(samples[: i + 1]),
+                "reward": round(r["reward/mean"], 4),
+                "elapsed_s": round(r["timing/elapsed_s"], 2),
+                "rollout_s": round(r.get("timing/rollout_s", float("nan")), 2),
+                "update_s": round(r.get("timing/update_s", float("nan")), 2),
+            }
+            for i, r in enumerate(rows)
+        ],
+    }
+
+
+def _model(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    if args.device == "cuda":
+        from random_model import build_random_model
+
+        return str(build_random_model("qwen2-0.5b-smol-vocab"))
+    from tests.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(Path(tempfile.gettempdir()) / "agentloop-async-bench-tiny"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument(
+        "--model", default=None, help="HF folder (default: random Qwen2-0.5B on cuda, tiny on cpu)"
+    )
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch-size", type=int, default=16, help="tasks per step")
+    ap.add_argument("--n", type=int, default=4, help="attempts per task (GRPO group)")
+    ap.add_argument("--max-turns", type=int, default=6, help="most model calls per attempt")
+    ap.add_argument("--base-len", type=int, default=32, help="Pareto scale of a call's max_tokens")
+    ap.add_argument("--max-len", type=int, default=768, help="cap on a call's max_tokens")
+    ap.add_argument("--max-total", type=int, default=2048, help="cap on an attempt's generated tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (default: the engine's)")
+    ap.add_argument("--max-staleness", type=int, default=2, help="async leg: batches ahead of the weights")
+    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--token-budget", type=int, default=16384, help="ppo_max_token_len_per_gpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--legs", default="sync,async", help="which legs to run, in order")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--previous", type=Path, default=None, help="a JSON of earlier legs (one call per leg on a GPU)"
+    )
+    args = ap.parse_args()
+    model = _model(args)
+    tasks = make_tasks(args.steps * args.batch_size * (args.max_staleness + 1), args.seed, args.max_turns,
+                       args.base_len, args.max_len, args.max_total)  # fmt: skip
+    out: dict[str, Any] = {
+        "benchmark": "async_bench: long-tailed multi-turn agents, sync vs fully async (inflight updates)",
+        "device": args.device,
+        "card": _card(args.device),
+        "model": model,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "calls_per_attempt_mean": statistics.fmean(len(t["lengths"]) for t in tasks),
+        "max_tokens_per_attempt_p50_p99": _percentiles([sum(t["lengths"]) for t in tasks]),
+    }
+    if args.previous is not None:  # legs measured by an earlier call on the same machine
+        earlier = json.loads(args.previous.read_text())
+        if earlier.get("card") != out["card"]:
+            raise SystemExit(f"--previous ran on {earlier.get('card')!r}, this run on {out['card']!r}")
+        out.update({k: earlier[k] for k in ("sync", "async") if k in earlier})
+    for mode in args.legs.split(","):
+        out[mode] = leg(args, mode, model, tasks)
+        _save(out, args.out)
+    if "sync" in out and "async" in out:
+        s, a = out["sync"], out["async"]
+        out["speedup_steps_per_hour"] = round(a["steps_per_hour"] / s["steps_per_hour"], 3)
+        # after the same number of samples (same steps, same batch size): the last quarter's mean
+        out["reward_tolerance"] = REWARD_TOLERANCE
+        out["reward_not_worse"] = (
+            a["reward_last_quarter_mean"] >= s["reward_last_quarter_mean"] - REWARD_TOLERANCE
+        )
+    _save(out, args.out)
+    print(json.dumps(out, indent=2))
+
+
+def _percentiles(values: list[int]) -> list[float]:
+    ordered = sorted(values)
+    return [ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]]
+
+
+def _card(device: str) -> str:
+    if device != "cuda":
+        import platform
+
+        return platform.processor() or platform.machine()
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+def _save(out: dict[str, Any], path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
