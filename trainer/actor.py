@@ -337,16 +337,22 @@ class Actor:
             totals["actor/entropy"] += float(entropy.detach())
             totals["actor/clip_frac"] += float(pl.clip_frac) * share
             totals["actor/approx_kl"] += float(pl.approx_kl) * share
+        totals["actor/grad_norm"] = self._apply_gradients()
+        return totals
+
+    def _apply_gradients(self) -> float:
+        """Clip the accumulated gradients to ``actor.grad_clip`` and take the optimizer step (skipped
+        when the norm is not finite); returns the norm before clipping."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)  # note: CPU-GPU sync
-        if math.isfinite(float(grad_norm)):
+        clip = self.config.actor_rollout_ref.actor.grad_clip
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))  # note: CPU-GPU sync
+        if math.isfinite(grad_norm):
             self._apply_warmup()
             self.optimizer.step()
         else:
-            log.warning("actor.skip_step_nonfinite_grad", grad_norm=float(grad_norm))
+            log.warning("actor.skip_step_nonfinite_grad", grad_norm=grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        totals["actor/grad_norm"] = float(grad_norm)
-        return totals
+        return grad_norm
 
     def _apply_warmup(self) -> None:
         optim = self.config.actor_rollout_ref.actor.optim
