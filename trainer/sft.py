@@ -60,6 +60,7 @@ from trainer.algorithms import agg_loss, attempt_row_weights
 from trainer.batch import Batch, build_batch
 from trainer.config import TrainerConfig, _Section, format_validation_error
 from trainer.metrics import MetricsLogger, plot_curves
+from trainer.ray_trainer import TrainerWorker
 
 log = structlog.get_logger("agentloop.trainer.sft")
 
@@ -428,14 +429,10 @@ def _train(
     record.update(total_steps=total, train_attempts=len(train), val_attempts=len(val))
     ck.write_run(run_dir, record)
     step = 0
+    worker = _Worker(actor)
     if plan.action == "resume" and plan.checkpoint is not None:
         path, state = plan.checkpoint
-        rank = cfg.actor_rollout_ref.model.lora_rank
-        got = ck.load_policy_state(actor.model, actor.optimizer, rank, path, actor.device)
-        if isinstance(got, dict):  # an older checkpoint: one actor.pt
-            actor.load_state(got)
-        else:
-            actor.step = got
+        worker.load_checkpoint(str(path))
         cursor.load_state(state["cursor"])
         step = int(state["step"])
         dropped = ck.keep_metrics_until(run_dir / "metrics.jsonl", step)
@@ -480,9 +477,7 @@ def _train(
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
             if run.save_freq > 0 and (step % run.save_freq == 0 or last):
-                where = ckpt.begin(step)
-                rank = cfg.actor_rollout_ref.model.lora_rank
-                ck.save_policy(actor.model, actor.optimizer, actor.step, rank, where)
+                worker.save_checkpoint(str(ckpt.begin(step)))
                 ckpt.commit(step, {"step": step, "cursor": cursor.state()})
                 record["step"] = step
                 ck.write_run(run_dir, record)
@@ -490,10 +485,11 @@ def _train(
     finally:
         metrics_log.close()
     result.steps = step
-    result.model_dir = ck.export_hf_model(actor.named_weights(), model_path, run_dir / ck.FINAL_MODEL)
-    if cfg.actor_rollout_ref.model.lora_rank > 0:
-        result.adapter_dir = run_dir / ck.FINAL_ADAPTER
-        actor.model.save_pretrained(str(result.adapter_dir))  # type: ignore[operator]
+    result.model_dir = run_dir / ck.FINAL_MODEL
+    result.adapter_dir = run_dir / ck.FINAL_ADAPTER if cfg.actor_rollout_ref.model.lora_rank > 0 else None
+    worker.save_model(
+        model_path, str(result.model_dir), str(result.adapter_dir) if result.adapter_dir else None
+    )
     if (run_dir / "metrics.jsonl").exists():
         plot_curves(run_dir / "metrics.jsonl", run_dir / LOSS_PLOT, keys=("sft/loss", "val/nll"))
     result.metrics = {**(result.history[-1] if result.history else {}), **last_val}
@@ -507,6 +503,14 @@ def _train(
     ck.write_run(run_dir, record)
     log.info("sft finished", run_dir=str(run_dir), steps=step, model_dir=str(result.model_dir))
     return result
+
+
+class _Worker(TrainerWorker):
+    """The RL trainer's worker around the SFT actor, in this process: the same checkpoint files (save
+    and resume) and the same final_model/ (and final_adapter/) export."""
+
+    def __init__(self, actor: SFTActor) -> None:  # the actor is built already (no Ray, no thread setup)
+        self.actor = actor
 
 
 def _dropped(stats: dict[str, int]) -> str:
