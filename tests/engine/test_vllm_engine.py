@@ -85,7 +85,8 @@ class _FakeAsyncLLM:
         self.calls.append((name, self.engine.weights_version))
 
     async def pause_generation(self, mode: str, clear_cache: bool) -> None:
-        assert clear_cache and mode == "wait"
+        assert clear_cache and mode == ("wait" if self.engine._policy == "drain" else "abort")
+        assert not self.engine._resumed_event().is_set()  # resumed requests wait for the new weights
         self._record("pause")
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[int]:
@@ -108,6 +109,7 @@ def _engine_without_vllm() -> Any:
 
     eng = object.__new__(VLLMEngine)
     eng._policy, eng._weights_version = "drain", 3
+    eng._live, eng._preempted, eng._resumed = {}, {}, None
     eng._llm = _FakeAsyncLLM(eng)
     return eng
 
@@ -124,6 +126,18 @@ async def test_weights_version_moves_before_generation_resumes() -> None:
     with pytest.raises(RuntimeError, match="worker died"):
         await eng._load(b"packed")
     assert eng.weights_version == 4 and eng._llm.calls == [("pause", 4), ("resume", 4)]
+
+
+async def test_an_inflight_update_marks_the_running_requests_for_resuming() -> None:
+    """issue 20: under "inflight" the requests running when the update starts are marked pre-empted
+    (``_generate`` resumes them with their tokens once generation resumes); "drain" marks none."""
+    eng = _engine_without_vllm()
+    eng._live = {"req-a": "req-a", "req-b": "req-b#resume1"}
+    await eng._load(b"packed")
+    assert eng._preempted == {} and eng._resumed_event().is_set()
+    eng._policy = "inflight"
+    await eng._load(b"packed")
+    assert eng._preempted == {"req-a": True, "req-b": True} and eng._resumed_event().is_set()
 
 
 def test_lazy_export_and_missing_vllm(tiny_model_dir: Path) -> None:
