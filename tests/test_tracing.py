@@ -4,6 +4,7 @@ scripted engine, and the SDK's in-memory exporter; spans are checked against wha
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -210,7 +211,11 @@ async def test_tool_calls_are_execute_tool_spans_between_the_llm_calls(
     assert failed.status.status_code is StatusCode.ERROR
     for span, call in zip((ok, failed), recorded, strict=True):
         assert call.latency_s is not None
-        assert abs((span.end_time - span.start_time) / 1e9 - call.latency_s) < 1e-6  # type: ignore[operator]
+        # start = ns(timestamp - latency), end = ns(timestamp), ns(t) = int(t * 1e9): the subtraction rounds
+        # to ulp(timestamp) and each ns() to ulp(t * 1e9) ns plus 1 ns of truncation (about 1 us today)
+        t = span.end_time / 1e9  # type: ignore[operator]
+        tol = 2 * math.ulp(t) + 2 * (math.ulp(t * 1e9) + 1) / 1e9
+        assert abs((span.end_time - span.start_time) / 1e9 - call.latency_s) <= tol  # type: ignore[operator]
     assert spans[2].attributes and spans[2].attributes["gen_ai.response.finish_reasons"] == ("tool_calls",)
     events = [e for e in attempt.events if e.name == "agentloop.log"]
     assert [dict(e.attributes or {}) for e in events] == [
