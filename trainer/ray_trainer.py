@@ -6,7 +6,8 @@ One step (sync mode, ``rollout.max_staleness == 0``)::
     wait_for_rollouts ─► adapter (spans -> triplets) ─► build_batch
     ─► TrainerWorker.update (Ray actor: old/ref logprobs, advantages, PPO/GRPO)
     ─► engine.update_weights(new weights) ; store.add_resources(version + 1)
-       (data-parallel ranks + replica pool: straight from the ranks' GPUs, trainer/weight_sync.py)
+       (data-parallel ranks + replica pool: straight from the ranks' GPUs, trainer/weight_sync.py;
+        worker and engine on one GPU: CUDA IPC, trainer/local_sync.py)
 
 With ``max_staleness = k > 0`` the next k batches are already enqueued while a batch trains (async
 mode); each sample records the weights version it was generated with (``weights_version`` metadata).
@@ -42,6 +43,7 @@ from agentloop.runner import Runner, _as_agent
 from agentloop.store.base import Store
 from agentloop.types import Reward, RolloutConfig, RolloutStatus, Triplet
 from trainer import checkpoint as ck
+from trainer import local_sync
 from trainer.actor import Actor, resolve_device
 from trainer.batch import build_batch
 from trainer.checkpoint import CheckpointManager, DataCursor, RunPlan
@@ -60,12 +62,25 @@ class TrainerWorker:
     def __init__(self, config: TrainerConfig, model_path: str, device: str) -> None:
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray sets OMP threads to 1 for actors
         self.actor = Actor(config, model_path, device)
+        self._shared = local_sync.SharedWeights()
 
     def update(self, batch: Any) -> dict[str, float]:
         return self.actor.update(batch)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.actor.named_weights()
+
+    def ipc_info(self) -> dict[str, Any]:
+        """What trainer/local_sync.py needs to know: this worker's GPU (UUID) and whether it has LoRA."""
+        lora = self.actor.config.actor_rollout_ref.model.lora_rank > 0
+        return {"gpu": local_sync.gpu_uuid(self.actor.device), "lora": lora}
+
+    def share_weights(self, dtype: torch.dtype) -> tuple[Any, list[Any]]:
+        """The weights in ``dtype`` as CUDA IPC handles (held until ``release_shared_weights``)."""
+        return self._shared.share(self.actor.model, self.actor.device, dtype)
+
+    def release_shared_weights(self) -> None:
+        self._shared.release()
 
     def ready(self) -> bool:
         return True  # the model is loaded once __init__ has run
@@ -137,6 +152,7 @@ class Trainer:
     def __init__(self, config: dict[str, Any] | TrainerConfig | None = None) -> None:
         self.config = TrainerConfig.from_dict(config)
         self._weight_sync: Any = None  # a trainer.weight_sync.WeightSync while ranks feed a replica pool
+        self._local_sync: local_sync.LocalIPCSync | bool | None = None  # one GPU: None until decided
         self._reward: Any = None  # fit(reward=...): an agentloop.judge.RewardJudge
         self._judge: Any = None  # this run's copy of it (verdicts kept in <run folder>/judge.jsonl)
         self._served: Any = None  # (the proxy's session route as an LLM, the engine): a judge without llm
@@ -400,6 +416,7 @@ class Trainer:
                 if self._weight_sync is not None:
                     await self._weight_sync.close()
                     self._weight_sync = None
+                self._local_sync = None
                 await layout.aclose()
                 if own_store:
                     await store.close()
@@ -566,6 +583,11 @@ class Trainer:
             if self._weight_sync is None:
                 self._weight_sync = weight_sync.WeightSync(worker, engine)
             report = await self._weight_sync.sync()
+            return report.version, report.metrics()
+        if self._local_sync is None:  # decided once per run: False when worker and engine share no GPU
+            self._local_sync = await local_sync.LocalIPCSync.create(worker, engine) or False
+        if isinstance(self._local_sync, local_sync.LocalIPCSync):
+            report = await self._local_sync.sync()
             return report.version, report.metrics()
         return int(await engine.update_weights(await worker.named_weights.remote())), {}
 

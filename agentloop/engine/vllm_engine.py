@@ -554,6 +554,11 @@ class VLLMEngine:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype vLLM holds the weights in (what ``update_weights`` casts to)."""
+        return self._model_dtype()
+
     def _model_dtype(self) -> torch.dtype:
         if self._llm is not None:
             return self._llm.model_config.dtype
