@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -628,6 +628,9 @@ def _submodel(model: type[BaseModel] | None, key: str | int) -> type[BaseModel] 
     if model is None or not isinstance(key, str) or key not in model.model_fields:
         return None
     ann = model.model_fields[key].annotation
+    inner = [a for a in get_args(ann) if a is not type(None)]
+    if len(inner) == 1 and len(get_args(ann)) == 2:  # an optional section, `X | None`: X
+        ann = inner[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 

@@ -9,8 +9,10 @@ every path in it is relative to the file, so ``agentloop train capitals/job.yaml
     data: {train_batch_size: 8}               # TrainerConfig sections (verl keys) from here on
     actor_rollout_ref: {model: {path: smollm2-135m-instruct}}
     trainer: {total_training_steps: 20}
+    reward: {judge: {rubric: "...", on_failure: skip}}   # optional: an LLM judge rewards the attempts
 
-``--set KEY=VALUE`` overrides a key of the job file, dotted as it is nested in the file
+``reward.judge`` (``agentloop.judge.config.JudgeConfig``) makes ``fit(reward=...)``'s RewardJudge: the
+served model judges unless it names a ``base_url`` and ``model``. ``--set KEY=VALUE`` overrides a key of the job file, dotted as it is nested in the file
 (``--set trainer.total_training_steps=2``); a path given with ``--set`` is relative to the working
 folder, as on any command line. The older form, with the whole config nested under ``trainer:``,
 is still read (with a note).
@@ -31,7 +33,7 @@ import yaml
 from agentloop.cli import UsageError
 from agentloop.commands.runner import load_object
 
-JOB_KEYS = ("agent", "train_data", "val_data")
+JOB_KEYS = ("agent", "train_data", "val_data", "reward")
 # TrainerConfig's top-level sections, named here so that `agentloop train --help` does not import torch;
 # tests/commands/test_train_cmd.py checks this list against TrainerConfig.
 CONFIG_SECTIONS = ("algorithm", "data", "actor_rollout_ref", "critic", "trainer", "adapter", "placement")
@@ -45,6 +47,7 @@ The job file (every path in it is relative to the file):
   data: {{train_batch_size: 8}}           # the trainer's config sections, verl keys:
   actor_rollout_ref: {{model: {{path: smollm2-135m-instruct}}, actor: {{optim: {{lr: 1e-6}}}}}}
   trainer: {{total_training_steps: 20, save_freq: 5}}
+  reward: {{judge: {{rubric: "...", base_url: null, model: null}}}}   # optional LLM judge; null URL: the served model
 
   Top-level keys: {", ".join(JOB_KEYS + CONFIG_SECTIONS)}.
 
@@ -81,6 +84,7 @@ class Job:
     train: list[Any]
     val: list[Any] | None
     config: Any  # TrainerConfig (the trainer is imported only when a job is loaded)
+    reward: Any = None  # the RewardJudge of reward.judge, or None: the agent's own rewards
 
 
 # ---------------------------------------------------------------- reading the file
@@ -222,6 +226,16 @@ def resolve_paths(doc: dict[str, Any], base: Path) -> dict[str, Any]:
         if run.get("resume") not in (None, "auto", "disable"):
             run["resume"] = _resolve(run["resume"], base, always=True)
         out["trainer"] = run
+    reward = out.get("reward")
+    if isinstance(reward, dict) and isinstance(reward.get("judge"), dict):
+        judge = dict(reward["judge"])
+        spec = judge.get("task_text")
+        if isinstance(spec, str) and spec.rpartition(":")[0].endswith(".py"):
+            file, _, attr = spec.rpartition(":")
+            judge["task_text"] = f"{_resolve(file, base, always=True)}:{attr}"
+        if judge.get("cache_file"):
+            judge["cache_file"] = _resolve(judge["cache_file"], base, always=True)
+        out["reward"] = {**reward, "judge": judge}
     return out
 
 
@@ -249,6 +263,31 @@ def load_tasks(spec: str, what: str, base: Path | None = None) -> list[Any]:
     if not isinstance(data, list):
         raise UsageError(f"{what}: {spec} must be (or return) a list of tasks, got {type(data).__name__}")
     return data
+
+
+def load_reward(value: Any, path: Path, base: Path) -> Any:
+    """The RewardJudge the job file's ``reward`` section describes (None without a judge); a bad key
+    is a UsageError naming it (``reward.judge.KEY``)."""
+    from pydantic import ValidationError
+
+    from agentloop.judge.config import RewardSection
+    from trainer.config import format_validation_error
+
+    try:
+        section = RewardSection.model_validate({"reward": value}).reward
+    except ValidationError as exc:
+        raise UsageError(f"{path}: {format_validation_error(exc, RewardSection)}") from None
+    if section is None or section.judge is None:
+        return None
+    task_text = None
+    if section.judge.task_text is not None:
+        task_text = load_object(section.judge.task_text, "reward.judge.task_text", base=base)
+        if not callable(task_text):
+            raise UsageError(
+                f"reward.judge.task_text: {section.judge.task_text} must name a function task -> text, "
+                f"got a {type(task_text).__name__}"
+            )
+    return section.judge.build(task_text)
 
 
 def _config_hint(message: str) -> str:
@@ -297,10 +336,11 @@ def load_job(
         except ModelResolutionError as exc:
             raise UsageError(f"actor_rollout_ref.model.path: {exc}") from None
     base = path.resolve().parent
+    reward = load_reward(doc.get("reward"), path, base)
     agent = load_object(doc["agent"], "agent", base=base)
     train = load_tasks(doc["train_data"], "train_data", base)
     val = load_tasks(doc["val_data"], "val_data", base) if doc.get("val_data") else None
-    return Job(agent=agent, train=train, val=val, config=config)
+    return Job(agent=agent, train=train, val=val, config=config, reward=reward)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -310,6 +350,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"agentloop train: {line}\n")
 
     job = load_job(args.config, args.overrides, note=note)
-    result = Trainer(job.config).fit(job.agent, job.train, job.val)
+    result = Trainer(job.config).fit(job.agent, job.train, job.val, reward=job.reward)
     sys.stdout.write(f"trained {result.steps} steps; run folder: {result.run_dir}\n")
     return 0

@@ -167,8 +167,9 @@ def test_unknown_key(
     )
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({"agent": "x:y", "train_data": "t.jsonl", "oops": 1}))
     assert main(["train", "job.yaml"]) == 2
-    assert "unknown top-level keys ['oops']; allowed: agent, train_data, val_data, algorithm" in _err_line(
-        capsys
+    assert (
+        "unknown top-level keys ['oops']; allowed: agent, train_data, val_data, reward, algorithm"
+        in _err_line(capsys)
     )
 
 
