@@ -200,9 +200,11 @@ def test_the_job_file_loads_as_written(job: str, tmp_path: Path, monkeypatch: py
         "\n".join(json.dumps({"question": "1 + 1?", "answer": "2"}) for _ in range(8))
     )
     monkeypatch.chdir(tmp_path)
+    sys.modules.pop("agent", None)  # the previous block's agent.py, imported from another folder
     loaded = load_job(Path("capitals/job.yaml"))
     assert len(loaded.train) == 8 and loaded.val is None
     import agentloop as al
 
     assert isinstance(loaded.agent, al.Agent)
+    assert isinstance(loaded.reward, al.RewardJudge) == ("\nreward:" in job)  # a reward.judge section
     assert loaded.config.trainer.total_training_steps == 20 and loaded.config.data.train_batch_size == 8
