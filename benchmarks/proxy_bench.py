@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ from typing import Any
 
 REPLY = "Hello! How can I help you today?"
 RESULTS = Path(__file__).parent / "results" / "proxy_bench.json"
+BURST_RESULTS = RESULTS.with_name("proxy_burst_cpu.json")
 
 
 # ---------------------------------------------------------------- the load generator (child process)
@@ -233,6 +235,282 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- --burst: N requests at one moment
+#
+# What engine_bench --via-proxy measures on a GPU (128 agents, one chat completion each, all sent at
+# once), without the GPU: a barrier engine holds every generate until all N have arrived, then answers
+# them all at once, as a batch that finishes together. Before the barrier is the proxy's admission
+# work (HTTP, validation, liveness check, templating), after it the answering (decode, LLMCall span
+# in the store, JSON response). The proxy's CPU is read per round (process, its event-loop thread,
+# the SQLite store's writer thread); --profile adds a cProfile of the event-loop thread.
+
+
+def _burst_messages(tag: str, i: int) -> list[dict[str, str]]:
+    """Agent ``i``'s one user message (42-58 prompt tokens, as engine_bench's agents)."""
+    q = f"What is {i} plus {i * 7}? Show the steps." + " Please answer carefully." * (i % 4)
+    return [{"role": "user", "content": f"[{tag}-{i}] {q}"}]
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    await reader.readexactly(length)
+    return int(head[9:12])
+
+
+async def _burst_client() -> None:
+    """One round per stdin line ``{"host", "port", "tag", "prefixes", "max_tokens"}``: print
+    ``{"ready"}``, wait for a "go" line, then every request at once, each on a connection of its own
+    opened then (as an openai client connects on its first request); print ``{"sent", "received",
+    "status"}`` (``time.time()`` per request)."""
+    loop = asyncio.get_running_loop()
+
+    async def line() -> Any:
+        text = await loop.run_in_executor(None, sys.stdin.readline)
+        return json.loads(text) if text.strip() else None
+
+    while (job := await line()) is not None:
+        reqs = [
+            _request(f"{p}/chat/completions", {"model": "m", "messages": _burst_messages(job["tag"], i),
+                     "max_tokens": job["max_tokens"], "temperature": 1.0, "top_p": 1.0})
+            for i, p in enumerate(job["prefixes"])
+        ]  # fmt: skip
+        print(json.dumps({"ready": len(reqs)}), flush=True)
+        await line()  # "go"
+
+        async def call(req: bytes) -> tuple[float, int, float]:
+            sent = time.time()
+            reader, writer = await asyncio.open_connection(job["host"], job["port"])
+            writer.write(req)
+            status = await _read_response(reader)
+            received = time.time()
+            writer.close()
+            return sent, status, received
+
+        got = await asyncio.gather(*(call(r) for r in reqs))
+        print(json.dumps({"sent": [g[0] for g in got], "status": [g[1] for g in got],
+                          "received": [g[2] for g in got]}), flush=True)  # fmt: skip
+
+
+class BarrierEngine(InstantEngine):
+    """Holds each generate until ``n`` are waiting, then answers all (``response_tokens`` random ids
+    with log-probs, finish ``length``); records when each routing key called and when each batch went."""
+
+    def __init__(self, tokenizer: Any, n: int, response_tokens: int) -> None:
+        import random
+
+        from agentloop.engine.base import TokenOutput
+
+        super().__init__(tokenizer)
+        rng = random.Random(0)
+        ids = [rng.randrange(100, len(tokenizer) - 100) for _ in range(response_tokens)]
+        self._out = TokenOutput(token_ids=ids, logprobs=[-2.5] * len(ids), finish_reason="length")
+        self.n, self._waiting, self._event = n, 0, asyncio.Event()
+        self.called: dict[str, float] = {}  # routing key ("rollout/attempt") -> time.time() of the call
+        self.released: list[float] = []
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str | None = None) -> Any:
+        self.called[(request_id or "").rpartition("/req-")[0]] = time.time()
+        event = self._event
+        self._waiting += 1
+        if self._waiting >= self.n:
+            self._waiting, self._event = 0, asyncio.Event()
+            self.released.append(time.time())
+            event.set()
+        else:
+            await asyncio.wait_for(event.wait(), 60)
+        return self._out
+
+
+class _GcClock:
+    """Seconds spent in garbage collections of each generation (of any thread) while installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t0 = [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+
+
+class _CpuClocks:
+    """CPU seconds of this process, of the calling (event-loop) thread and of one other thread."""
+
+    def __init__(self, other: Any) -> None:
+        self._other = time.pthread_getcpuclockid(other.ident) if other is not None else None
+
+    def read(self) -> tuple[float, float, float]:
+        other = time.clock_gettime(self._other) if self._other is not None else 0.0
+        return time.process_time(), time.thread_time(), other
+
+
+async def run_burst(args: argparse.Namespace) -> dict[str, Any]:
+    import cProfile
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from agentloop.engine.models import smollm2_tokenizer_dir
+    from agentloop.proxy.server import Proxy
+    from agentloop.store.memory import MemoryStore
+    from agentloop.store.sqlite import SQLiteStore
+    from agentloop.types import AttemptStatus
+
+    n, tmp = args.burst, tempfile.TemporaryDirectory(prefix="proxy-burst-")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    engine = BarrierEngine(tokenizer, n, args.response_tokens)
+    store: Any = SQLiteStore(Path(tmp.name) / "store.db") if args.store == "sqlite" else MemoryStore()
+    clocks = _CpuClocks(getattr(store, "_worker", None))
+    profile = cProfile.Profile() if args.profile else None
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--burst-client", stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert child.stdin is not None and child.stdout is not None
+    load_before = round(os.getloadavg()[0], 2)
+    gc_clock = _GcClock()
+    if args.gc_threshold:
+        gc.set_threshold(*args.gc_threshold)
+    gc.callbacks.append(gc_clock)
+    rows: list[dict[str, float]] = []
+    rounds: list[dict[str, float]] = []
+    try:
+        async with Proxy(engine, store, default_max_tokens=args.response_tokens) as proxy:
+            for r in range(args.rounds + 1):  # round 0 warms up, untimed
+                attempts = []
+                for i in range(n):
+                    await store.enqueue_rollout({"i": i, "round": r})
+                    attempts.append(await store.dequeue_rollout("bench"))
+                keys = [f"{a.rollout_id}/{a.attempt.attempt_id}" for a in attempts]
+                job = {"host": "127.0.0.1", "port": proxy.port, "tag": f"r{r}", "max_tokens": args.response_tokens,
+                       "prefixes": [f"/rollout/{k.replace('/', '/attempt/')}/v1" for k in keys]}  # fmt: skip
+                child.stdin.write(json.dumps(job).encode() + b"\n")
+                assert "ready" in json.loads(await child.stdout.readline())
+                before, gc_before = clocks.read(), list(gc_clock.seconds)
+                if profile is not None and r > 0:
+                    profile.enable()
+                child.stdin.write(b'"go"\n')
+                res = json.loads(await child.stdout.readline())
+                if profile is not None:
+                    profile.disable()
+                after = clocks.read()
+                assert res["status"] == [200] * n, f"round {r}: statuses {sorted(set(res['status']))}"
+                for a in attempts:
+                    await store.update_attempt(
+                        a.rollout_id, a.attempt.attempt_id, status=AttemptStatus.SUCCEEDED
+                    )
+                if r == 0:
+                    continue
+                released = engine.released[-1]
+                called = [engine.called.pop(k) for k in keys]
+                for sent, got, call in zip(res["sent"], res["received"], called, strict=True):
+                    rows.append(
+                        {"to_engine": call - sent, "from_engine": got - released, "client": got - sent}
+                    )
+                process, loop, writer = (b - a for a, b in zip(before, after, strict=True))
+                gc_s = [b - a for a, b in zip(gc_before, gc_clock.seconds, strict=True)]
+                rounds.append({
+                    "process_cpu_ms_per_request": process / n * 1e3,
+                    "loop_thread_cpu_ms_per_request": loop / n * 1e3,
+                    "store_thread_cpu_ms_per_request": writer / n * 1e3,
+                    "gc_ms_per_request": sum(gc_s) / n * 1e3,
+                    "gc_gen_ms": [round(x * 1e3, 2) for x in gc_s],
+                    "admission_spread_ms": (max(called) - min(called)) * 1e3,
+                    "first_sent_to_last_received_ms": (max(res["received"]) - min(res["sent"])) * 1e3,
+                })  # fmt: skip
+            spans = sum([len(await store.query_spans(k.split("/")[0])) for k in keys])
+    finally:
+        gc.callbacks.remove(gc_clock)
+        child.stdin.close()
+        await child.wait()
+        await store.close()
+        tmp.cleanup()
+
+    def med(xs: list[float]) -> float:
+        return round(statistics.median(xs), 3)
+
+    result: dict[str, Any] = {
+        "benchmark": "proxy_bench --burst",
+        "machine": _machine(load_before),
+        "workload": {
+            "requests_per_burst": n,
+            "rounds": args.rounds,
+            "store": args.store,
+            "response_tokens": args.response_tokens,
+            "route": "/rollout/{rid}/attempt/{aid}/v1/chat/completions",
+            "request": "one first-turn chat completion per attempt, all at once, each on a new connection",
+            "engine": "barrier stub: every generate waits until all of the burst's have arrived, then all answer",
+        },
+        "per_request_cpu_ms": {
+            k.removesuffix("_per_request").removesuffix("_cpu_ms"): med([x[k] for x in rounds])
+            for k in rounds[0]
+            if k.endswith("cpu_ms_per_request")
+        },
+        "latency_ms_median": {
+            "send_to_engine": med([x["to_engine"] * 1e3 for x in rows]),
+            "engine_to_received": med([x["from_engine"] * 1e3 for x in rows]),
+            "client": med([x["client"] * 1e3 for x in rows]),
+            "admission_spread": med([x["admission_spread_ms"] for x in rounds]),
+            "first_sent_to_last_received": med([x["first_sent_to_last_received_ms"] for x in rounds]),
+        },
+        "gc_ms_per_request_median": med([x["gc_ms_per_request"] for x in rounds]),
+        "gc_threshold": list(gc.get_threshold()),
+        "latency_ms_max": {
+            "send_to_engine": round(max(x["to_engine"] for x in rows) * 1e3, 3),
+            "engine_to_received": round(max(x["from_engine"] for x in rows) * 1e3, 3),
+        },
+        "rounds": rounds,
+        "spans_recorded_last_round": spans,
+    }
+    if profile is not None:
+        import pstats
+
+        profile.dump_stats(args.profile)
+        stats = pstats.Stats(profile)
+        result["profile_cumulative_ms_per_request"] = _phases(stats, n * args.rounds)
+    return result
+
+
+# the proxy's phases as functions of the event-loop thread (cumulative time under cProfile, which
+# roughly doubles it: compare phases with each other, not with the unprofiled CPU figures)
+PHASES = {
+    "http_parse_and_dispatch (uvicorn)": ("httptools_impl.py", "data_received"),
+    "read_json": ("app.py", "read_json"),
+    "parse_model (pydantic request)": ("schemas.py", "parse_model"),
+    "check_live (store reads)": ("service.py", "check_live"),
+    "ledger.plan (template + tokens)": ("ledger.py", "plan"),
+    "sampling": ("service.py", "sampling"),
+    "_text (decode)": ("service.py", "_text"),
+    "record (LLMCall + add_span)": ("service.py", "record"),
+    "ledger.record": ("ledger.py", "record"),
+    "chat_json (response)": ("responses.py", "chat_json"),
+    "response write (uvicorn send)": ("httptools_impl.py", "send"),
+}
+
+
+def _phases(stats: Any, requests: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, (file, func) in PHASES.items():
+        total = sum(v[3] for (f, _, fn), v in stats.stats.items() if f.endswith(file) and fn == func)
+        out[name] = round(total / requests * 1e3, 4)
+    out["total_loop_thread"] = round(stats.total_tt / requests * 1e3, 4)
+    return out
+
+
+def _machine(load: float) -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_1m_at_start": load,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", help=argparse.SUPPRESS)
@@ -244,19 +522,30 @@ def main() -> None:
         "--concurrency", type=int, nargs="+", default=[8, 32, 128], help="connections per run"
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each throughput run")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help=f"default {RESULTS} ({BURST_RESULTS} with --burst)")
+    parser.add_argument("--burst", type=int, default=0, help="N requests at one moment (see run_burst)")
+    parser.add_argument("--burst-client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=10, help="--burst: timed bursts")
+    parser.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="--burst: the store")
+    parser.add_argument("--response-tokens", type=int, default=128, help="--burst: tokens per answer")
+    parser.add_argument("--gc-threshold", type=int, nargs=3, help="--burst: gc.set_threshold for the run")
+    parser.add_argument("--profile", help="--burst: write a cProfile of the event-loop thread here")
     args = parser.parse_args()
+    if args.burst_client:
+        asyncio.run(_burst_client())
+        return
     if args.client:
         print(json.dumps(asyncio.run(_client(json.loads(args.client)))))
         return
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
-    result = asyncio.run(run(args))
+    result = asyncio.run(run_burst(args) if args.burst else run(args))
     text = json.dumps(result, indent=2)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    out = args.out or (BURST_RESULTS if args.burst else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
