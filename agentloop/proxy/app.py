@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes per rollout attempt (``/rollout/{rid}/attempt/{aid}/v1/...``) and
+"""The proxy's ASGI app (Starlette): OpenAI routes per rollout attempt (``/rollout/{rid}/attempt/{aid}/v1/...``) and
 for app sessions (``/v1/...``, session id in the ``X-Session-Id`` header).
 
 Routes (each under both prefixes): ``POST chat/completions``, ``POST completions``, ``GET models``,
@@ -30,14 +30,14 @@ from typing import Any
 import anyio
 import orjson
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
 from pydantic import SecretStr
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
 
 from agentloop.proxy import anthropic, openai_responses, responses
+from agentloop.proxy.disconnect import ClientWatch
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -121,9 +121,11 @@ def build_app(
     api_key: SecretStr | str | None,
     max_body_bytes: int,
     body_timeout_s: float = BODY_TIMEOUT_S,
-) -> FastAPI:
+) -> Starlette:
     """The proxy's ASGI app around ``service``."""
-    app = FastAPI(title="agentloop proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    # Starlette, not FastAPI: the routes below are plain Starlette routes, and FastAPI's own middleware
+    # (telemetry, body limit, exit stack) cost event-loop CPU on every request for nothing here
+    app = Starlette()
     auth = BearerAuth(api_key)
 
     async def read_json(request: Request) -> Any:
@@ -200,13 +202,10 @@ def build_app(
     async def chat(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
         req: ChatCompletionRequest = parse_model(ChatCompletionRequest, body, "chat completion request")
-        gen = await service.chat(
-            target,
-            req,
-            body["messages"],
-            request_key=request_key(request),
-            client_gone=request.is_disconnected,
-        )
+        with ClientWatch(request.receive) as client:
+            gen = await service.chat(
+                target, req, body["messages"], request_key=request_key(request), client_gone=client.gone
+            )
         ids, lps = want_ids(request, body), bool(req.logprobs)
         if req.stream:
             chunks = responses.chat_chunks(gen, service.tokenizer, lps, ids, req.include_usage)
@@ -216,9 +215,10 @@ def build_app(
     async def completions(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
         req: CompletionRequest = parse_model(CompletionRequest, body, "completion request")
-        gen = await service.complete(
-            target, req, request_key=request_key(request), client_gone=request.is_disconnected
-        )
+        with ClientWatch(request.receive) as client:
+            gen = await service.complete(
+                target, req, request_key=request_key(request), client_gone=client.gone
+            )
         ids, lps = want_ids(request, body), req.logprobs is not None
         if req.stream:
             return _stream(
@@ -229,13 +229,10 @@ def build_app(
     async def messages(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
         req, chat_req, chat_messages = anthropic.parse(body)
-        gen = await service.chat(
-            target,
-            chat_req,
-            chat_messages,
-            request_key=request_key(request),
-            client_gone=request.is_disconnected,
-        )
+        with ClientWatch(request.receive) as client:
+            gen = await service.chat(
+                target, chat_req, chat_messages, request_key=request_key(request), client_gone=client.gone
+            )
         ids, stops = want_ids(request, body), req.stop_sequences or []
         if req.stream:
             return _stream(anthropic.message_events(gen, service.tokenizer, stops, ids), headers)
@@ -244,13 +241,10 @@ def build_app(
     async def responses_api(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
         req, chat_req, chat_messages = openai_responses.parse(body)
-        gen = await service.chat(
-            target,
-            chat_req,
-            chat_messages,
-            request_key=request_key(request),
-            client_gone=request.is_disconnected,
-        )
+        with ClientWatch(request.receive) as client:
+            gen = await service.chat(
+                target, chat_req, chat_messages, request_key=request_key(request), client_gone=client.gone
+            )
         ids = want_ids(request, body)
         if req.stream:
             return _stream(openai_responses.response_events(gen, req, service.tokenizer, ids), headers)
@@ -265,7 +259,7 @@ def build_app(
                 "max_model_len": service.engine.max_context}  # fmt: skip
         return _json(orjson.dumps({"object": "list", "data": [card]}), headers)
 
-    # Plain Starlette routes (request in, response out): FastAPI's dependency solver would cost
+    # Plain routes (request in, response out): a dependency solver would cost
     # more per request than the proxy's own work, and the bodies are validated by hand anyway.
     for prefix, session in (("/rollout/{rollout_id}/attempt/{attempt_id}/v1", False), ("/v1", True)):
         app.add_route(f"{prefix}/chat/completions", guarded(chat, session), methods=["POST"])
@@ -310,23 +304,21 @@ def build_app(
     app.add_route("/v1/sessions", list_sessions, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    async def _http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         kind = _STATUS_TYPES.get(exc.status_code, "invalid_request_error")
         return error_response(
             ProxyError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
         )
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(bad_request(f"invalid request: {exc.errors()[:1]}"))
-
-    @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected proxy error", path=request.url.path)
         return error_response(
             ProxyError(503, f"internal proxy error: {type(exc).__name__}", "service_unavailable")
         )
+
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
 
     return app
 
