@@ -45,6 +45,7 @@ from agentloop.errors import (
     StaleAttemptError,
 )
 from agentloop.proxy.chat import ChatTemplate, canonical_message, canonical_response, tool_dicts
+from agentloop.proxy.detok import text_decoder
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
@@ -223,6 +224,7 @@ class ProxyService:
         self.model_names = frozenset((model_name, *model_aliases))  # what a session request may name
         self.template, self.ledger, self.sessions = template, ledger, sessions
         self.tokenizer = template.tokenizer
+        self._decode = text_decoder(self.tokenizer)  # = tokenizer.decode(ids, skip_special_tokens=True)
         self.engine_timeout_s, self.store_timeout_s = engine_timeout_s, store_timeout_s
         self.default_max_tokens, self.default_sampling = default_max_tokens, dict(default_sampling)
         self.url_template: str | None = None  # set by Proxy once the port is known
@@ -425,7 +427,7 @@ class ProxyService:
             raise ProxyError(
                 503, "the engine returned logprobs that do not match its tokens", "service_unavailable"
             )
-        if out.logprobs is not None and not all(math.isfinite(lp) for lp in out.logprobs):
+        if out.logprobs is not None and not all(map(math.isfinite, out.logprobs)):
             # a NaN/inf log-prob would poison the trainer's ratios; the store refuses it anyway
             log.error("engine returned non-finite logprobs", key=routing_key)
             raise ProxyError(
@@ -453,7 +455,7 @@ class ProxyService:
     def _text(self, out: TokenOutput, stop: list[str]) -> tuple[list[int], str]:
         ids = out.token_ids
         text_ids = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        text = self._decode(text_ids)
         if stop:  # the engine keeps a matched stop string in its output; OpenAI leaves it out
             cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
             if cut >= 0:
