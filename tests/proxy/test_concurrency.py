@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import ssl
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
 from agentloop.store.memory import MemoryStore
+from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import LLMCall
-from tests.proxy.conftest import attempt_url, running_proxy
+from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
 from tests.proxy.engines import EchoEngine
 
 AGENTS = 200
@@ -46,3 +50,130 @@ async def test_200_concurrent_agents_all_finish(tokenizer: Any, oai: Any) -> Non
         head = calls[0].prompt_ids + calls[0].response_ids
         assert calls[1].prompt_ids[: len(head)] == head and calls[1].ledger_break is None
     assert len(engine.calls) == 2 * AGENTS
+
+
+# ---------------------------------------------------------------- durability under a burst (SQLite store)
+
+BURST = 48
+
+
+async def _burst(proxy: Any, attempts: list[Any]) -> list[httpx.Response]:
+    """One chat completion per attempt, all at once, each with the token ids in its answer."""
+    answers: dict[int, httpx.Response] = {}
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def call(i: int, att: Any) -> None:
+            answers[i] = await client.post(
+                attempt_url(proxy, att) + "/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": f"task {i}"}], "seed": i},
+                headers={"X-Return-Token-Ids": "1"},
+            )
+
+        async with anyio.create_task_group() as tg:
+            for i, att in enumerate(attempts):
+                tg.start_soon(call, i, att)
+    return [answers[i] for i in range(len(attempts))]
+
+
+async def test_a_burst_of_calls_is_durable_in_the_store_before_each_answer(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """Each answer leaves only once its span is committed: another connection to the file sees it
+    the moment the answer arrives (a process killed then would lose nothing it answered). The
+    commit is held back a while (another connection holds the write lock as the burst's answers are
+    ready), so an answer sent before its commit would be caught."""
+    path = tmp_path / "store.db"
+    store = SQLiteStore(path)
+    attempts = [await new_attempt(store, {"i": i}) for i in range(BURST)]
+    reader = sqlite3.connect(path, isolation_level=None)
+    locker = sqlite3.connect(path, isolation_level=None)
+    engine = Gated(tokenizer, BURST)
+    seen: dict[str, list[int]] = {}
+    answers: dict[int, httpx.Response] = {}
+    try:
+        async with running_proxy(engine, store) as proxy, httpx.AsyncClient(timeout=30) as client:
+
+            async def call(i: int, att: Any) -> None:
+                r = await client.post(
+                    attempt_url(proxy, att) + "/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"task {i}"}]},
+                    headers={"X-Return-Token-Ids": "1"},
+                )
+                rows = reader.execute(  # committed rows only: this connection is not the store's
+                    "SELECT data FROM spans WHERE attempt_id=?", (att.attempt.attempt_id,)
+                ).fetchall()
+                assert r.status_code == 200, r.text
+                assert len(rows) == 1, f"call {i} was answered before its span was committed"
+                seen[att.attempt.attempt_id] = json.loads(rows[0][0])["payload"]["response_ids"]
+                answers[i] = r
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i, att in enumerate(attempts):
+                        tg.start_soon(call, i, att)
+                    await engine.arrived.wait()
+                    locker.execute("BEGIN IMMEDIATE")  # the spans' commit waits for this lock
+                    engine.go.set()
+                    await anyio.sleep(0.5)
+                    assert not answers, "answers left while their spans could not be committed"
+                    locker.execute("ROLLBACK")
+    finally:
+        reader.close()
+        locker.close()
+        await store.close()
+    assert len(engine.calls) == BURST
+    for i, att in enumerate(attempts):
+        assert seen[att.attempt.attempt_id] == answers[i].json()["token_ids"]  # the very ids answered
+
+
+class Gated(EchoEngine):
+    """Holds every generation until ``go``; ``arrived`` is set once ``n`` are waiting (one GPU batch)."""
+
+    def __init__(self, tokenizer: Any, n: int) -> None:
+        super().__init__(tokenizer)
+        self.n, self.waiting = n, 0
+        self.arrived, self.go = anyio.Event(), anyio.Event()
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, request_id: str | None = None) -> Any:
+        self.waiting += 1
+        if self.waiting == self.n:
+            self.arrived.set()
+        await self.go.wait()
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+async def test_a_store_that_fails_under_a_burst_answers_every_waiting_call_with_503(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """Another process holds the store's write lock while a burst's spans are written: every call of
+    the batch gets a 503 store_error once the store gives up (no hang, no 500), nothing is recorded,
+    and the proxy answers normally once the lock is gone."""
+    path = tmp_path / "store.db"
+    store = SQLiteStore(path, busy_timeout_s=0.5)
+    attempts = [await new_attempt(store, {"i": i}) for i in range(BURST + 1)]
+    locker = sqlite3.connect(path, isolation_level=None)
+    engine = Gated(tokenizer, BURST)
+    try:
+        async with running_proxy(engine, store) as proxy:
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    results: list[httpx.Response] = []
+
+                    async def burst() -> None:
+                        results.extend(await _burst(proxy, attempts[:BURST]))
+
+                    tg.start_soon(burst)
+                    await engine.arrived.wait()
+                    locker.execute("BEGIN IMMEDIATE")  # the write lock, held as another process would
+                    engine.go.set()
+                assert [r.status_code for r in results] == [503] * BURST
+                assert {r.json()["error"]["type"] for r in results} == {"store_error"}
+                locker.execute("ROLLBACK")
+                after = await _burst(proxy, attempts[BURST:])
+    finally:
+        locker.close()
+    assert after[0].status_code == 200, after[0].text
+    for att in attempts[:BURST]:
+        assert await store.query_spans(att.rollout_id) == []
+    assert len(await store.query_spans(attempts[BURST].rollout_id)) == 1
+    await store.close()
