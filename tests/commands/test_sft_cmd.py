@@ -108,3 +108,61 @@ def test_a_run_writes_the_model_to_start_rl_from(
     from agentloop.engine.models import resolve_model
 
     assert resolve_model(warm.actor_rollout_ref.model.path) == run / "final_model"  # RL starts from it
+
+
+# ---------------------------------------------------------------- the README's sequence
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+_TINY_DEMO = "--steps 1 --batch-size 2 --n 2 --train-size 4 --val-size 2 --max-tokens 16"
+# README text -> what this test runs instead ({tiny}: the tiny model's folder); each must be in the block
+SFT_TINY = {
+    "--task tools --name tools-grpo": f"--task tools --name tools-grpo --model {{tiny}} {_TINY_DEMO}",
+    "--min-reward 1.0": "--any-reward --set data.train_batch_size=2",  # a random model earns no reward
+    "--name tools-rl": f"--name tools-rl {_TINY_DEMO}",
+}
+
+
+def readme_sft_commands() -> list[str]:
+    """The commands of the README's ```bash block under "Warm-starting with SFT" (continuations joined,
+    comment lines left out)."""
+    import re
+
+    section = README.read_text().split("### Warm-starting with SFT", 1)[1]
+    [block] = re.findall(r"^```bash\n(.*?)^```", section, flags=re.S | re.M)[:1]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.slow  # three commands as subprocesses: two tiny tools-demo runs (Ray) and an SFT run
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_the_readme_sft_sequence_runs_as_written(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    commands = readme_sft_commands()
+    assert [c.split()[:2] for c in commands] == [
+        ["agentloop", "demo"],
+        ["agentloop", "sft"],
+        ["agentloop", "demo"],
+    ]
+    text = "\n".join(commands)
+    missing = [t for t in SFT_TINY if t not in text]
+    assert not missing, f"the README's SFT block no longer holds {missing}: update SFT_TINY"
+    env = {**os.environ, "PYTHONPATH": str(README.parent)}
+    for command in commands:
+        for old, new in SFT_TINY.items():
+            command = command.replace(old, new.replace("{tiny}", str(tiny_model_dir)))
+        argv = [str(Path(sys.executable).with_name("agentloop")), *shlex.split(command, comments=True)[1:]]
+        out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"{command}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    runs = tmp_path / "runs"
+    assert (runs / "tools-grpo" / "store.db").is_file()
+    assert (runs / "tools-sft" / "final_model" / "model.safetensors").is_file()
+    sft_metrics = [json.loads(x) for x in (runs / "tools-sft" / "metrics.jsonl").read_text().splitlines()]
+    assert any("sft/loss" in row for row in sft_metrics)
+    rl_config = json.loads((runs / "tools-rl" / "config.json").read_text())
+    assert rl_config["actor_rollout_ref"]["model"]["path"] == "runs/tools-sft/final_model"  # RL from SFT
+    assert (runs / "tools-rl" / "metrics.jsonl").is_file()
