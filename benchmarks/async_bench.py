@@ -147,6 +147,7 @@ def leg(args: argparse.Namespace, mode: str, model: str, tasks: list[dict[str, A
     result = Trainer(config(args, mode, model, run_dir)).fit(long_tail_agent, tasks)
     wall = time.perf_counter() - t0
     rows = [r for r in result.history if "reward/mean" in r]
+    trained = [r for r in rows if "timing/step_s" in r]
     ends = [r["timing/elapsed_s"] for r in rows]
     steady = (len(ends) - 1) / (ends[-1] - ends[0]) * 3600 if len(ends) > 1 else float("nan")
     samples = [r.get("batch/samples", 0.0) for r in rows]
@@ -157,7 +158,9 @@ def leg(args: argparse.Namespace, mode: str, model: str, tasks: list[dict[str, A
         "steps": len(rows),
         "steps_per_hour": round(steady, 1),
         "wall_s": round(wall, 1),
-        "mean_step_s": round(statistics.fmean(r["timing/step_s"] for r in rows), 2),
+        "mean_step_s": round(statistics.fmean(r["timing/step_s"] for r in trained), 2),
+        "mean_phase_s": _phases(trained[1:] or trained),  # step 1 holds the one-off warm-up
+        "steps_without_update": len(rows) - len(trained),  # every sample cut or dropped: nothing to train
         "reward_first": round(rewards[0], 4),
         "reward_last_quarter_mean": round(statistics.fmean(rewards[-tail:]), 4),
         "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0),
@@ -170,9 +173,24 @@ def leg(args: argparse.Namespace, mode: str, model: str, tasks: list[dict[str, A
                 "elapsed_s": round(r["timing/elapsed_s"], 2),
                 "rollout_s": round(r.get("timing/rollout_s", float("nan")), 2),
                 "update_s": round(r.get("timing/update_s", float("nan")), 2),
+                "sync_s": round(r.get("timing/sync_s", float("nan")), 3),
             }
             for i, r in enumerate(rows)
         ],
+    }
+
+
+def _phases(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Where a step's time went, means over ``rows``: waiting for its rollouts, the update (as the
+    driver waits for it), the weight sync, and the rest (adapter, batch building, bookkeeping)."""
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r.get(key, 0.0) for r in rows)
+
+    known = {"wait_s": mean("timing/wait_s"), "update_s": mean("timing/update_wall_s"),
+             "sync_s": mean("timing/sync_s")}  # fmt: skip
+    return {
+        k: round(v, 3) for k, v in {**known, "other_s": mean("timing/step_s") - sum(known.values())}.items()
     }
 
 

@@ -1,15 +1,18 @@
-"""Scale-out figures: trainer tokens/s on 1 vs 2 ranks, rollout tokens/s on 1 vs 2 engine replicas,
+"""Scale-out figures: trainer tokens/s on 1 vs N ranks, rollout tokens/s on 1 vs N engine replicas,
 and the time to sync a 0.5B-class model's weights into every replica. Prints JSON (and writes --out).
 
-    # 2 GPUs (NCCL; Qwen2-0.5B shape with random weights, built locally: no hub)
+    # N = every visible GPU (NCCL; Qwen2-0.5B shape with random weights, built locally: no hub)
     python benchmarks/scale_bench.py --device cuda --out benchmarks/results/scale_bench_2gpu.json
+    python benchmarks/scale_bench.py --device cuda --out benchmarks/results/scale_bench_4gpu.json  # 4 GPUs
     # CPU smoke run (gloo; the tiny test model)
     python benchmarks/scale_bench.py --device cpu
 
 Trainer: one PPO/GRPO update (old-logprob pass + forward/backward + AdamW) of a synthetic batch, through
-trainer/dp.py (FSDP2) with world size 1 and then 2. Rollout: concurrent requests with distinct
-attempt keys through agentloop/engine/replicas.py. Sync (``--only-sync`` measures just this): trainer/weight_sync.py
-with 2 ranks and 2 replicas colocated (CUDA IPC; ``weight_sync.sync_s``) and with 1 rank and 1 replica
+trainer/dp.py (FSDP2) with world size 1 and then N; the batch grows with N (32 samples a GPU) so
+every rank keeps a full micro-batch. Rollout: ``engine_batch`` x N concurrent requests with distinct
+attempt keys through agentloop/engine/replicas.py (one replica runs them in N waves, N replicas in
+one each). Sync (``--only-sync`` measures just this): trainer/weight_sync.py
+with N ranks and N replicas colocated (CUDA IPC; ``weight_sync.sync_s``) and with 1 rank and 1 replica
 on different GPUs (NCCL broadcast; ``weight_sync_split.sync_s``); as a baseline the old path,
 ``EngineReplicaPool.update_weights`` of the bf16 weights (``ray.put`` once, every replica loads) and
 the same from the trainer ranks (``named_weights`` gathered to rank 0, then the pool).
@@ -207,14 +210,15 @@ async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
         strategy = PlacementGroupSchedulingStrategy(bundles, placement_group_bundle_index=i)
         return {"num_gpus": 0.5, "num_cpus": 0, "scheduling_strategy": strategy}
 
+    n = args.gpus
     if args.device == "cuda":
         from ray.util.placement_group import placement_group
 
-        bundles = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="PACK")
+        bundles = placement_group([{"GPU": 1}] * n, strategy="PACK")
         ray.get(bundles.ready())
-    pool = EngineReplicaPool.create(model, 2, args.device, actor_options=colocated, max_batch_size=8)
+    pool = EngineReplicaPool.create(model, n, args.device, actor_options=colocated, max_batch_size=8)
     group = DataParallelGroup.create(
-        _config(model, args.batch, args), model, args.device, 2, actor_options=colocated
+        _config(model, args.batch, args), model, args.device, n, actor_options=colocated
     )
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     try:
@@ -233,7 +237,7 @@ async def _weight_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
             await pool.update_weights(await group.named_weights.remote(dtype))
             full_times.append(time.perf_counter() - t0)
         return {
-            "replicas": 2,
+            "replicas": n,
             "weights_gb": nbytes / 1e9,
             "dtype": str(dtype),
             "direct": new,  # CUDA IPC on GPUs; the gloo broadcast on CPU
@@ -277,6 +281,12 @@ async def _split_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
             ray.kill(r)
 
 
+TARGETS = {  # 2 GPUs: the first scale-out targets; 4 GPUs: issue 20's
+    2: {"trainer": 1.8, "rollout": 1.8, "sync_s": 1.0},
+    4: {"trainer": 3.5, "rollout": 3.6, "sync_s": 0.5},
+}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -296,21 +306,30 @@ async def main() -> None:
     ap.add_argument(
         "--only-sync", action="store_true", help="measure the weight sync only (skip trainer, rollout)"
     )
-    ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs 2 replicas")
+    ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
+    ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")
+    ap.add_argument(
+        "--gpus", type=int, default=None, help="N: ranks and replicas to scale to (default: every GPU)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = args.device == "cuda"
-    defaults = dict(batch=64 if gpu else 8, prompt_len=512 if gpu else 32, response_len=512 if gpu else 16,
-                    token_budget=16384 if gpu else 256, requests=128 if gpu else 8, gen_tokens=128 if gpu else 8,
-                    engine_batch=64 if gpu else 8)  # fmt: skip
+    n_gpus = torch.cuda.device_count() if gpu else 0
+    args.gpus = args.gpus or (n_gpus if gpu else 2)
+    if args.gpus < 2 or (gpu and args.gpus > n_gpus):
+        raise SystemExit(
+            f"--gpus must be in [2, {n_gpus if gpu else 'any'}] (GPUs visible: {n_gpus}), got {args.gpus}"
+        )
+    n = args.gpus
+    engine_batch = args.engine_batch or (64 if gpu else 8)
+    defaults = dict(batch=32 * n if gpu else 4 * n, prompt_len=512 if gpu else 32, response_len=512 if gpu else 16,
+                    token_budget=16384 if gpu else 256, requests=engine_batch * n, gen_tokens=128 if gpu else 8,
+                    engine_batch=engine_batch)  # fmt: skip
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     import ray
 
-    n_gpus = torch.cuda.device_count() if gpu else 0
-    if gpu and n_gpus < 2:
-        raise SystemExit(f"--device cuda needs 2 GPUs, found {n_gpus}")
     root = str(Path(__file__).resolve().parents[1])  # Ray workers import agentloop/trainer from here
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_gpus=n_gpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -323,7 +342,9 @@ async def main() -> None:
         "ray": ray.__version__,
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
+        "scale_to": n,
     }
+    target = TARGETS.get(n, TARGETS[2])
 
     def save() -> None:  # after each part, so a later failure keeps the figures measured so far
         if args.out:
@@ -332,36 +353,36 @@ async def main() -> None:
 
     if not args.only_sync and not args.only_rollout:
         t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
-        t2 = await _train_tokens_per_s(model, 2, args, share=1.0)
+        tn = await _train_tokens_per_s(model, n, args, share=1.0)
         result["trainer"] = {
             "1": t1,
-            "2": t2,
-            "speedup": t2["tokens_per_s"] / t1["tokens_per_s"],
-            "target": 1.8,
+            str(n): tn,
+            "speedup": tn["tokens_per_s"] / t1["tokens_per_s"],
+            "target": target["trainer"],
         }
         save()
-    if not args.only_sync:
+    if not args.only_sync and not args.only_trainer:
         r1 = await _rollout_tokens_per_s(model, 1, args)
-        r2 = await _rollout_tokens_per_s(model, 2, args)
+        rn = await _rollout_tokens_per_s(model, n, args)
         result["rollout"] = {
             "1": r1,
-            "2": r2,
-            "speedup": r2["tokens_per_s"] / r1["tokens_per_s"],
-            "target": 1.8,
+            str(n): rn,
+            "speedup": rn["tokens_per_s"] / r1["tokens_per_s"],
+            "target": target["rollout"],
             "submission": "one streaming actor call per replica per event-loop tick",
         }
         save()
         if args.only_rollout:  # A/B: one actor call per request, as before batched submission
             a1 = await _rollout_tokens_per_s(model, 1, args, batch_submit=False)
-            a2 = await _rollout_tokens_per_s(model, 2, args, batch_submit=False)
+            an = await _rollout_tokens_per_s(model, n, args, batch_submit=False)
             result["rollout_one_call_per_request"] = {
                 "1": a1,
-                "2": a2,
-                "speedup": a2["tokens_per_s"] / a1["tokens_per_s"],
+                str(n): an,
+                "speedup": an["tokens_per_s"] / a1["tokens_per_s"],
             }
             save()
-    if not args.only_rollout:
-        result["weight_sync"] = {**await _weight_sync(model, args), "target_s": 1.0}
+    if not args.only_rollout and not args.only_trainer:
+        result["weight_sync"] = {**await _weight_sync(model, args), "target_s": target["sync_s"]}
         save()
         result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
         save()
