@@ -10,6 +10,15 @@ HTTP/1.1 over keep-alive sockets, so its own CPU stays small next to the proxy's
 openai client costs more per request than the proxy itself on a 2-core machine).
 
     python benchmarks/proxy_bench.py            # prints JSON, writes benchmarks/results/proxy_bench.json
+
+``--burst N`` measures what engine_bench --via-proxy sees on a GPU (N agents, one chat completion
+each, all at once) without one: N first-turn requests at one moment, each on a new connection, a
+SQLite store (``--store``), and a barrier engine that answers all N once all have arrived. It reports
+the proxy process's CPU per request (process, event-loop thread, store writer thread, GC) and
+send -> engine, engine -> received. ``--profile FILE`` adds a cProfile of the event-loop thread.
+benchmarks/results/proxy_cpu_profile.json holds the before/after figures of issue 20.
+
+    python benchmarks/proxy_bench.py --burst 128 --rounds 8     # writes benchmarks/results/proxy_burst_cpu.json
 """
 
 from __future__ import annotations
