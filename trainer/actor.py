@@ -18,7 +18,6 @@ One update on a Batch:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
@@ -168,11 +167,10 @@ class Actor:
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)  # (B, R)
-        with self._gathered(model):
-            for mb, rows in self._split_micro_batches(batch):
-                lp, _ = self._forward(model, mb, entropy=False)  # (b, r)
-                if len(rows):  # a padding micro-batch (trainer/dp.py) holds no row of batch
-                    out[rows, : lp.shape[1]] = lp
+        for mb, rows in self._split_micro_batches(batch):
+            lp, _ = self._forward(model, mb, entropy=False)  # (b, r)
+            if len(rows):  # a padding micro-batch (trainer/dp.py) holds no row of batch
+                out[rows, : lp.shape[1]] = lp
         model.train(was_training)
         return self._gather_rows(out) * batch.response_mask
 
@@ -185,15 +183,6 @@ class Actor:
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         """The (B, R) log-probs of every row, from ``out`` holding the rows this process computed."""
         return out
-
-    def _gathered(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        """Around the micro-batches of one pass over ``model``: trainer/dp.py keeps the sharded
-        parameters gathered from the first micro-batch to the last; nothing to do on one process."""
-        return contextlib.nullcontext()
-
-    def _before_backward(self, last: bool) -> None:
-        """Before each micro-batch's backward (``last``: the mini-batch's final one); trainer/dp.py
-        syncs gradients across ranks only on the last."""
 
     # ------------------------------------------------------------ the update
 
@@ -306,25 +295,7 @@ class Actor:
             totals["actor/grad_norm"] = 0.0
             return totals
         active_tokens = max(float(active.response_mask.sum()), 1.0)  # the rows the metrics average over
-        micro = self._split_micro_batches(active)
-        with self._gathered(self.model):
-            totals = self._accumulate(micro, totals, denom, pg_denom, active_tokens)
-        totals["actor/grad_norm"] = self._apply_gradients()
-        return totals
-
-    def _accumulate(
-        self,
-        micro: list[tuple[Batch, torch.Tensor]],
-        totals: dict[str, float],
-        denom: float,
-        pg_denom: float,
-        active_tokens: float,
-    ) -> dict[str, float]:
-        """Forward and backward of every micro-batch of a mini-batch: gradients add up in ``.grad``."""
-        actor = self.config.actor_rollout_ref.actor
-        agg = actor.loss_agg_mode
-        pg_agg = "seq-mean-token-mean" if actor.policy_loss == "gspo" else agg
-        for i, (mb, _rows) in enumerate(micro):
+        for mb, _rows in self._split_micro_batches(active):
             m = mb.response_mask.bool()  # (b, r)
             r = mb.response_length
             logprobs, ent = self._forward(self.model, mb, entropy=True)
@@ -361,12 +332,12 @@ class Actor:
                 )
                 loss = loss + actor.kl_loss_coef * kl
                 totals["actor/kl_loss"] += float(kl)
-            self._before_backward(last=i == len(micro) - 1)
             loss.backward()
             totals["actor/pg_loss"] += float(policy_loss.detach())
             totals["actor/entropy"] += float(entropy.detach())
             totals["actor/clip_frac"] += float(pl.clip_frac) * share
             totals["actor/approx_kl"] += float(pl.approx_kl) * share
+        totals["actor/grad_norm"] = self._apply_gradients()
         return totals
 
     def _apply_gradients(self) -> float:

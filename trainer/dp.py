@@ -5,12 +5,6 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
     rank r: split_by_tokens(batch, N)[r] ─► micro-batches ─► forward/backward (FSDP2 all-gathers
             params per layer, reduce-scatters grads: each rank keeps 1/N of params, grads, AdamW state)
 
-* Communication once per mini-batch, not per micro-batch (``keep_gathered``, ``sync_gradients_on``):
-  each unit's parameters stay gathered from the first micro-batch's forward to the last one's
-  backward, and gradients accumulate unsharded until the last backward reduce-scatters them. This
-  holds a full copy of the parameters and the gradients on each rank during a pass, so it is on only
-  where that fits (``gathered_fits``: at most a quarter of the GPU; always on CPU).
-
 * Balance: rows are dealt greedily, longest first, to the rank holding the fewest tokens.
 * Equivalence with one rank: every loss term is divided by the *whole* mini-batch's token (or
   sequence) count, which each rank reads from the full mini-batch it holds; gradients are then
@@ -30,10 +24,9 @@ unsharded copy on each rank. Checkpoints hold full (unsharded) state dicts writt
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -108,52 +101,6 @@ def shard(model: nn.Module, layers: Any) -> None:
             module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-
-
-GATHERED_MEMORY_SHARE = 0.25  # keep_gathered when full params + grads take at most this share of the GPU
-
-
-def gathered_fits(model: nn.Module, device: torch.device) -> bool:
-    """Whether a full copy of the parameters and one of the gradients (what ``keep_gathered`` holds
-    during a mini-batch) fit in ``GATHERED_MEMORY_SHARE`` of the GPU; always on CPU (gloo, tests).
-    Call before sharding (the parameters are still whole)."""
-    if device.type != "cuda":
-        return True
-    full = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    return full <= GATHERED_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
-
-
-@contextlib.contextmanager
-def keep_gathered(model: nn.Module) -> Iterator[None]:
-    """Within one pass over the micro-batches of a mini-batch: each unit's parameters are
-    all-gathered by the first micro-batch's forward and stay gathered to the last one (instead of
-    an all-gather per micro-batch forward and another per backward), then are resharded.
-
-    Costs one full copy of the parameters on every rank for the pass; ``gathered_fits`` decides."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.set_reshard_after_backward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.set_reshard_after_forward(True, recurse=False)
-            unit.set_reshard_after_backward(True, recurse=False)
-            unit.set_requires_gradient_sync(True, recurse=False)
-            unit.reshard()  # before the optimizer step, which updates the shards
-
-
-def sync_gradients_on(model: nn.Module, last: bool) -> None:
-    """Gradients accumulate unsharded on each rank through a mini-batch's micro-batches and are
-    reduce-scattered once, in the last micro-batch's backward (not once per micro-batch)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_requires_gradient_sync(last, recurse=False)
 
 
 def _sum_over_ranks(
@@ -242,7 +189,6 @@ class ShardedActor(Actor):
         self.rank, self.world_size = rank, world_size
         super().__init__(config, model_path, device)
         self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
-        self.keep_gathered = gathered_fits(self.model, self.device)
         shard(self.model, getattr(getattr(self.model, "model", None), "layers", None))
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
@@ -287,15 +233,6 @@ class ShardedActor(Actor):
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
         return _sum_over_ranks(totals, _SUMMED_METRICS, self.device)
-
-    def _gathered(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        if model is not self.model or not self.keep_gathered:
-            return contextlib.nullcontext()
-        return keep_gathered(model)
-
-    def _before_backward(self, last: bool) -> None:
-        if self.keep_gathered:
-            sync_gradients_on(self.model, last)
 
     # ------------------------------------------------------------ weights and checkpoints
 
