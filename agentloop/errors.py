@@ -18,7 +18,7 @@
     ├── ConfigError              a trainer config key or value is not valid (also a ValueError)
     ├── EmptyBatchError          no usable training sample in a batch (also a ValueError)
     ├── TrainerTimeoutError      a wait in the training loop passed its deadline (also a TimeoutError)
-    ├── JudgeError               an LLM judge gave no usable scores after its retries (agentloop/judge.py)
+    ├── JudgeError               an LLM judge gave no usable scores after its retries (agentloop/judge/)
     └── ToolError                a tool was defined, looked up or called wrongly
         ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
         ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)

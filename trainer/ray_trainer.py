@@ -174,7 +174,7 @@ class Trainer:
 
         ``reward=al.judge_reward(...)``: once a step's rollouts finished, an LLM judge scores the
         attempts at each task relative to each other and each score is stored as a Reward span (see
-        agentloop/judge.py); the agent returns None, or a value added to the judge's score.
+        agentloop/judge/); the agent returns None, or a value added to the judge's score.
 
         Returns the run folder, the metrics and ``model_dir``: the trained model as a Hugging Face folder
         (``<run folder>/final_model``). The run folder follows the one-run-one-folder rule of

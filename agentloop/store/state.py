@@ -257,7 +257,7 @@ def accept_span(
 
     One write after the end is allowed: a Reward span on the latest attempt of a succeeded rollout (a
     score computed once the attempt finished, such as an LLM judge's over the attempts at one task,
-    agentloop/judge.py); it changes nothing else on the attempt."""
+    agentloop/judge/); it changes nothing else on the attempt."""
     if span.rollout_id != rollout.rollout_id:
         raise InvalidRequestError(
             f"span.rollout_id {span.rollout_id} does not match rollout {rollout.rollout_id}"
