@@ -1,0 +1,42 @@
+"""benchmarks/proxy_bench.py --burst: N calls at one moment through a real proxy + SQLite store, every one
+answered 200 and recorded, the proxy's CPU per request and the latency split reported."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import anyio
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "proxy_bench.py"
+
+
+def _load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("proxy_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.e2e
+async def test_a_burst_is_answered_recorded_and_measured() -> None:
+    bench = _load_bench()
+    n, rounds = 16, 2
+    args = argparse.Namespace(
+        burst=n, rounds=rounds, store="sqlite", response_tokens=32, profile=None, gc_threshold=None
+    )
+    with anyio.fail_after(120):
+        result = await bench.run_burst(args)  # asserts every answer was a 200 itself
+    assert result["spans_recorded_last_round"] == n
+    assert len(result["rounds"]) == rounds
+    cpu = result["per_request_cpu_ms"]
+    assert 0 < cpu["loop_thread"] <= cpu["process"] and cpu["store_thread"] > 0
+    latency = result["latency_ms_median"]
+    # the barrier engine answers once all n arrived: no call reaches it after the batch went, and the
+    # last answer comes after the first call was sent
+    assert 0 <= latency["admission_spread"] <= latency["first_sent_to_last_received"]
+    assert latency["send_to_engine"] > 0 and latency["engine_to_received"] > 0
