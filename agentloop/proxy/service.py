@@ -557,7 +557,7 @@ class ProxyService:
             response_versions=mixed_versions(out),
             latency_s=time.perf_counter() - started,
         )
-        if client_gone is not None and await client_gone():
+        if client_gone is not None and await _has_left(client_gone):
             log.info("client gone before the answer; not recorded", key=target.key)
             raise client_gone_error()
         await self.record(target, call)
@@ -588,7 +588,7 @@ class ProxyService:
             response_versions=mixed_versions(out),
             latency_s=time.perf_counter() - started,
         )
-        if client_gone is not None and await client_gone():
+        if client_gone is not None and await _has_left(client_gone):
             log.info("client gone before the answer; not recorded", key=target.key)
             raise client_gone_error()
         await self.record(target, call)
@@ -646,6 +646,15 @@ class ProxyService:
 _REQUEST_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
 
 
+async def _has_left(client_gone: ClientGone) -> bool:
+    """What ``client_gone()`` says; a check that fails cannot tell, so the client counts as there."""
+    try:
+        return await client_gone()
+    except Exception as exc:
+        log.warning("client check failed; taken as still connected", error=repr(exc)[:200])
+        return False
+
+
 async def _unless_gone(work: Awaitable[T], client_gone: ClientGone) -> T | None:
     """``work``'s result, or None once ``client_gone()`` says the client left (``work`` is cancelled).
 
@@ -663,7 +672,7 @@ async def _unless_gone(work: Awaitable[T], client_gone: ClientGone) -> T | None:
 
         async def check() -> None:
             nonlocal timer
-            if await client_gone():
+            if await _has_left(client_gone):
                 scope.cancel()
             else:
                 timer = loop.call_later(DISCONNECT_POLL_S, poll)

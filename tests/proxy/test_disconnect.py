@@ -8,6 +8,8 @@ from typing import Any
 import anyio
 
 from agentloop.proxy.disconnect import ClientWatch
+from agentloop.proxy.schemas import ChatCompletionRequest, parse_model
+from agentloop.proxy.service import Target
 from agentloop.store.memory import MemoryStore
 from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
 from tests.proxy.engines import EchoEngine
@@ -65,3 +67,24 @@ async def test_a_client_that_closes_its_connection_mid_generation_is_aborted_and
     assert waited < 2.0  # noticed within a poll or two (DISCONNECT_POLL_S), not at the generation's end
     assert engine.aborted[0].startswith(f"{att.rollout_id}/{att.attempt.attempt_id}/")
     assert await store.query_spans(att.rollout_id) == []
+
+
+async def test_a_client_check_that_fails_leaves_the_generation_running(tokenizer: Any) -> None:
+    engine, store = EchoEngine(tokenizer, delay_s=1.2), MemoryStore()  # two polls while generating
+    async with running_proxy(engine, store) as proxy:
+        att = await new_attempt(store)
+        target = Target(att.rollout_id, att.attempt.attempt_id)
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi."}]}
+        req = parse_model(ChatCompletionRequest, body, "chat completion request")
+        asked = 0
+
+        async def broken() -> bool:
+            nonlocal asked
+            asked += 1
+            raise OSError("the connection's state cannot be read")
+
+        with anyio.fail_after(10):
+            gen = await proxy.service.chat(target, req, body["messages"], client_gone=broken)
+    assert asked >= 3  # polled twice while generating, asked once more before recording
+    assert gen.token_ids and engine.aborted == []
+    assert len(await store.query_spans(att.rollout_id)) == 1  # answered and recorded
