@@ -119,6 +119,9 @@ TARGETS: tuple[Target, ...] = (
         False,
     ),
     Target("scale_bench.py", "weight_sync_2gpu.json", "weight_sync.sync_s", "<=", 1.0, "2-replica weight sync s (IPC)", False),
+    Target("scale_bench.py", "scale_bench_4gpu.json", "trainer.speedup", ">=", 3.5, "4-GPU trainer speedup", False),
+    Target("scale_bench.py", "scale_bench_4gpu.json", "rollout.speedup", ">=", 3.6, "4-replica rollout speedup", False),
+    Target("scale_bench.py", "scale_bench_4gpu.json", "weight_sync.sync_s", "<=", 0.5, "4-replica weight sync s (IPC)", False),
     Target("scale_bench.py", "weight_sync_2gpu.json", "weight_sync_split.sync_s", "<=", 1.0, "split weight sync s (NCCL)", False),
     Target("async_bench.py", "async_bench_gpu.json", "speedup_steps_per_hour", ">=", 1.8, "fully async vs sync steps/h (long tail)", False),
 )  # fmt: skip
