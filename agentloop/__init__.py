@@ -1,6 +1,6 @@
 """agentloop: an async agent-loop SDK with an embedded RL trainer that keeps exact token ids.
 
-Public names are imported lazily (``import agentloop`` stays cheap: torch, fastapi and the
+Public names are imported lazily (``import agentloop`` stays cheap: torch, starlette and the
 store backends load on first use); the exception tree (``agentloop.errors``, which imports
 nothing) eagerly. ``__all__`` is the public API: tests/test_public_api.py checks it against the
 README's list (both ways), DESIGN.md's names, ``_LAZY`` and the ``TYPE_CHECKING`` imports below,
