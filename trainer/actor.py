@@ -88,7 +88,6 @@ class Actor:
             self.model = _wrap_lora(self.model, config)
         # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
         self.compiled = arr.actor.use_torch_compile and self.device.type == "cuda"
-        self.bf16 = uses_bf16(self.device, arr.actor.cpu_autocast)
         if self.compiled:
             _compile_layers(self.model)
         self.fused_head = _head_shortcut_is_exact(self.model, self.device)
@@ -132,8 +131,9 @@ class Actor:
         """Logprobs (b, R) of the response tokens and, if asked, their entropy (b, R), under each
         token's sampling temperature (logits / T; T = 0, greedy, takes the raw logits)."""
         p, r = mb.prompt_length, mb.response_length
+        cuda = self.device.type == "cuda"
         temps = mb.logit_temperatures()[:, :r, None]  # (b, R, 1)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
             fused = _response_hidden(model, mb, p, r, self.shared_prompts) if self.fused_head else None
             if fused is not None:
                 hidden, head = fused
@@ -141,7 +141,7 @@ class Actor:
                     hidden / temps.to(hidden.dtype),  # (h / T) @ W.T = logits / T: the head has no bias
                     head.weight,
                     mb.responses,
-                    compute_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                    compute_dtype=torch.bfloat16 if cuda else torch.float32,
                     compile=self.compiled,
                 )
                 return logprobs, (ent if entropy else None)
@@ -598,28 +598,6 @@ def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
     if bool(keep.all()):
         return mini
     return mini.select(keep.nonzero().flatten())
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (AMX-BF16 or AVX512-BF16; Linux's /proc/cpuinfo).
-    Elsewhere bf16 is emulated and slower than fp32."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
-    )
-    return bool({"amx_bf16", "avx512_bf16"} & set(flags))
-
-
-def uses_bf16(device: torch.device, cpu_autocast: str) -> bool:
-    """bf16 autocast for the policy's passes: always on GPUs, on CPU as ``actor.cpu_autocast`` says."""
-    if device.type == "cuda":
-        return True
-    if device.type != "cpu":
-        return False
-    return cpu_autocast == "bf16" or (cpu_autocast == "auto" and cpu_has_native_bf16())
 
 
 def _local_count(mask: torch.Tensor, agg: str) -> float:

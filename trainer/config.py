@@ -276,11 +276,6 @@ class ActorConfig(_Section):
     use_torch_compile: bool = Field(
         default=True, description="torch.compile the decoder layers and LM-head statistics (CUDA only)."
     )
-    cpu_autocast: Literal["off", "bf16", "auto"] = Field(
-        default="off",
-        description="On CPU, run the policy's forward/backward in bf16 autocast (fp32 master weights): "
-        "auto where the CPU has native bf16 (AMX or AVX512-BF16); GPUs always use bf16 autocast.",
-    )
 
     @model_validator(mode="before")
     @classmethod

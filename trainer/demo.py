@@ -162,10 +162,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--test-freq", type=int, default=0, help="validate every N steps (0: before/after only)")
     p.add_argument("--seed", type=int, default=0, help="data split and sampling seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument(
-        "--cpu-autocast", choices=("off", "bf16", "auto"), default="off",
-        help="CPU update in bf16 autocast (auto: where the CPU has native bf16); actor.cpu_autocast",
-    )  # fmt: skip
     return p
 
 
@@ -186,7 +182,6 @@ def grpo_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dic
                 "use_engine_logprobs": True,  # the engine's logprobs match the policy's (gap ~1e-5): no extra forward
                 "optim": {"lr": args.lr, "weight_decay": 0.0},
                 "grad_clip": 1.0,
-                "cpu_autocast": getattr(args, "cpu_autocast", "off"),  # the tools demo has no such option
             },
         },
         "algorithm": {"adv_estimator": "grpo"},
