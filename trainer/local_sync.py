@@ -25,38 +25,15 @@ from typing import Any
 
 import torch
 
-from trainer.weight_sync import (
-    Layout,
-    SyncReport,
-    alloc_buckets,
-    entry_index,
-    open_ipc,
-    pack_one,
-    plan_layout,
-    unpack,
-)
+from trainer.weight_sync import Layout, SyncReport, gpu_uuid, manifest_of, open_ipc, pack, plan_layout, unpack
 
 # ---------------------------------------------------------------- in the trainer worker
 
 
-def gpu_uuid(device: torch.device) -> str | None:
-    """The GPU's UUID (what "the same GPU" means across processes), None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict without the later names of a shared tensor (tied weights go once)."""
-    seen: set[int] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        key = value.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = value
-    return out
+def sent_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without tied aliases (``lm_head`` = ``embed_tokens`` goes once)."""
+    aliases = manifest_of(model).aliases
+    return {k: v for k, v in model.state_dict().items() if k not in aliases}
 
 
 class SharedWeights:
@@ -74,14 +51,11 @@ class SharedWeights:
         """Buckets of every weight (in ``dtype``) on ``device`` and their IPC handles."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        tensors = _unique_tensors(model)
+        tensors = sent_tensors(model)
         if self.layout is None or self.dtype != dtype:
             specs = {k: (tuple(v.shape), dtype) for k, v in tensors.items()}
             self.layout, self.dtype = plan_layout(specs), dtype
-        self.buckets = alloc_buckets(self.layout, device)
-        index = entry_index(self.layout)
-        for name, value in tensors.items():
-            pack_one(self.buckets, index, name, value)
+        self.buckets = pack(tensors, self.layout, device)
         torch.cuda.synchronize(device)
         return self.layout, [reduce_tensor(b)[1] for b in self.buckets]
 
@@ -139,4 +113,4 @@ class LocalIPCSync:
         return SyncReport(version, t2 - t0, t1 - t0, t2 - t1, layout.nbytes, 1, 0)
 
 
-__all__ = ["LocalIPCSync", "SharedWeights", "engine_target", "gpu_uuid"]
+__all__ = ["LocalIPCSync", "SharedWeights", "engine_target", "sent_tensors"]

@@ -43,7 +43,7 @@ from agentloop.runner import Runner, _as_agent
 from agentloop.store.base import Store
 from agentloop.types import Reward, RolloutConfig, RolloutStatus, Triplet
 from trainer import checkpoint as ck
-from trainer import local_sync
+from trainer import local_sync, weight_sync
 from trainer.actor import Actor, resolve_device
 from trainer.batch import build_batch
 from trainer.checkpoint import CheckpointManager, DataCursor, RunPlan
@@ -73,7 +73,7 @@ class TrainerWorker:
     def ipc_info(self) -> dict[str, Any]:
         """What trainer/local_sync.py needs to know: this worker's GPU (UUID) and whether it has LoRA."""
         lora = self.actor.config.actor_rollout_ref.model.lora_rank > 0
-        return {"gpu": local_sync.gpu_uuid(self.actor.device), "lora": lora}
+        return {"gpu": weight_sync.gpu_uuid(self.actor.device), "lora": lora}
 
     def share_weights(self, dtype: torch.dtype) -> tuple[Any, list[Any]]:
         """The weights in ``dtype`` as CUDA IPC handles (held until ``release_shared_weights``)."""
@@ -576,9 +576,8 @@ class Trainer:
 
     async def _sync_weights(self, worker: Any, engine: Any) -> tuple[int, dict[str, float]]:
         """New weights into the engine: data-parallel ranks straight into a replica pool (CUDA IPC /
-        NCCL, trainer/weight_sync.py), else through the driver (``engine.update_weights``)."""
-        from trainer import weight_sync
-
+        NCCL, trainer/weight_sync.py), a worker on the engine's GPU by CUDA IPC (trainer/local_sync.py),
+        else through the driver (``engine.update_weights``)."""
         if weight_sync.supports(worker, engine):
             if self._weight_sync is None:
                 self._weight_sync = weight_sync.WeightSync(worker, engine)

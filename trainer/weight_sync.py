@@ -219,8 +219,8 @@ def send_specs(
     return {k: (engine.specs[k][0], engine.specs[k][1]) for k in trainer if k in sent}
 
 
-def _device_id(device: torch.device) -> str | None:
-    """The GPU's UUID (what colocation means), None on CPU."""
+def gpu_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (what colocation means, across processes), None on CPU."""
     if device.type != "cuda":
         return None
     return str(torch.cuda.get_device_properties(device).uuid)
@@ -269,7 +269,7 @@ def _broadcast(pg: Any, tensors: list[torch.Tensor]) -> None:
 def rank_info(worker: Any) -> dict[str, Any]:
     actor = worker._ready()
     shapes = {k: tuple(v.shape) for k, v in actor.model.state_dict().items()}  # DTensor: global shape
-    return {"rank": worker.rank, "device_id": _device_id(actor.device), "shapes": shapes}
+    return {"rank": worker.rank, "device_id": gpu_uuid(actor.device), "shapes": shapes}
 
 
 def rank_join(worker: Any, addr: str, port: int, size: int, backend: str, timeout_s: float) -> None:
@@ -323,7 +323,7 @@ def _engine_device(replica: Any) -> torch.device:
 
 
 async def replica_info(replica: Any) -> dict[str, Any]:
-    return {"device_id": _device_id(_engine_device(replica)), "manifest": manifest_of(replica.engine.model)}
+    return {"device_id": gpu_uuid(_engine_device(replica)), "manifest": manifest_of(replica.engine.model)}
 
 
 async def replica_join(
@@ -551,12 +551,11 @@ __all__ = [
     "SyncReport",
     "WeightSync",
     "alloc_buckets",
-    "entry_index",
     "fetch_engine_weights",
+    "gpu_uuid",
     "manifest_of",
     "open_ipc",
     "pack",
-    "pack_one",
     "plan_layout",
     "send_specs",
     "supports",

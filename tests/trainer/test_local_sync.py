@@ -12,7 +12,7 @@ import torch
 
 from agentloop.engine import load_engine
 from tests.trainer.samples import actor_config, small_batch
-from trainer.local_sync import LocalIPCSync, _unique_tensors, engine_target
+from trainer.local_sync import LocalIPCSync, engine_target, sent_tensors
 
 
 def test_tied_weights_are_sent_once(tiny_model_dir: Path) -> None:
@@ -20,7 +20,7 @@ def test_tied_weights_are_sent_once(tiny_model_dir: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     state = model.state_dict()
-    unique = _unique_tensors(model)
+    unique = sent_tensors(model)
     assert model.config.tie_word_embeddings  # the tiny model ties lm_head to embed_tokens, as SmolLM2
     assert "model.embed_tokens.weight" in unique and "lm_head.weight" not in unique
     assert set(state) - set(unique) == {"lm_head.weight"}
