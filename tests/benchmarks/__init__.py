@@ -1,0 +1,18 @@
+"""Tests of the scripts under benchmarks/ (loaded by path: benchmarks/ is not a package)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/``name``.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

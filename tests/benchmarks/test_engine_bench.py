@@ -7,29 +7,19 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import math
 from pathlib import Path
-from types import ModuleType
 
 import anyio
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_bench.py"
-
-
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("engine_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks import load_benchmark
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("agent_procs", [2, 0], ids=["agents-in-2-processes", "agents-in-process"])
 async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path, agent_procs: int) -> None:
-    bench = _load_bench()
+    bench = load_benchmark("engine_bench")
     agents, new_tokens, reps = 8, 8, 2
     args = argparse.Namespace(
         backend="torch", model="tiny", device="cpu", prompts=agents, new_tokens=new_tokens, reps=reps,
@@ -69,7 +59,7 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path,
 async def test_agent_processes_fail_loudly() -> None:
     """An agent process that fails or exits says so (its traceback, or its pid and exit code) instead
     of hanging the bench."""
-    bench = _load_bench()
+    bench = load_benchmark("engine_bench")
     procs = await bench.AgentProcesses.start(2)
     try:
         await procs._send(procs.procs[1], {"not": "a round"})  # the worker fails on the job: an error line
@@ -86,7 +76,7 @@ async def test_agent_processes_fail_loudly() -> None:
 
 
 def test_random_models_get_the_tokenizer_vocabulary_in_their_own_folder() -> None:
-    bench = _load_bench()
+    bench = load_benchmark("engine_bench")
     name, folder = bench.tokenizer_vocab_config("qwen2-0.5b", "/tmp/qwen05/")
     assert (name, folder) == ("qwen2-0.5b-vocab49152", "/tmp/qwen05-vocab49152")
     derived, base = bench.RANDOM_CONFIGS[name], bench.RANDOM_CONFIGS["qwen2-0.5b"]

@@ -4,27 +4,16 @@ answered 200 and recorded, the proxy's CPU per request and the latency split rep
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 
 import anyio
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "proxy_bench.py"
-
-
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("proxy_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks import load_benchmark
 
 
 @pytest.mark.e2e
 async def test_a_burst_is_answered_recorded_and_measured() -> None:
-    bench = _load_bench()
+    bench = load_benchmark("proxy_bench")
     n, rounds = 16, 2
     args = argparse.Namespace(
         burst=n, rounds=rounds, store="sqlite", response_tokens=32, profile=None, gc_threshold=None
