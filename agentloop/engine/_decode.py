@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 import torch
 
+from agentloop.engine import _fused_sampling
 from agentloop.engine._cpu_decode import CpuDecoder, supports
 from agentloop.engine._kv import SlotKVCache
 from agentloop.engine._sampling import SampleMode, sample
@@ -47,6 +48,7 @@ class ModelRunner:
         self._max_batch = max_batch
         self.static_sampling = device.type == "cuda"  # no host sync inside a step: top-p by radix select
         self.cuda_graphs = bool(cuda_graphs) and self.static_sampling
+        self.fused_sampling = _fused_sampling.available(device)  # greedy / plain modes in one kernel
         self.graph_shapes = self.cuda_graphs  # bucketed shapes; tests set it on CPU to check the padding
         self._ints = torch.zeros(4, max_batch, dtype=torch.long, device=device)  # ids, positions, top_k, key
         self._floats = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # temperature, top_p
@@ -122,9 +124,13 @@ class ModelRunner:
             mask = (self._arange[:kv_len][None, :] <= pos)[:, None, None, :]  # (b, 1, 1, kv_len)
             out = self._model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                               logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
-            logits = out.logits[:, -1].float()  # (b, V)
+            logits = out.logits[:, -1]  # (b, V), the head's dtype
         i, f = self._ints[:, :b], self._floats[:, :b]
-        tokens, logprobs = sample(logits, f[0], i[2], f[1], i[3], mode, self.static_sampling, greedy_rows)
+        if self.fused_sampling and mode in ("greedy", "plain"):
+            tokens, logprobs = _fused_sampling.fused_sample(logits, f[0], i[3], mode, greedy_rows)
+        else:
+            logits = logits.float()
+            tokens, logprobs = sample(logits, f[0], i[2], f[1], i[3], mode, self.static_sampling, greedy_rows)
         return torch.stack([tokens.double(), logprobs.double()])  # (2, b)
 
     # ------------------------------------------------------------------ CUDA graphs

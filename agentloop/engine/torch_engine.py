@@ -49,6 +49,7 @@ import collections
 import inspect
 import queue
 import random
+import sys
 import threading
 import time
 import uuid
@@ -77,6 +78,8 @@ from agentloop.engine.base import (
 from agentloop.errors import EngineError
 
 log = structlog.get_logger(__name__)
+
+GIL_SWITCH_INTERVAL_S = 0.0002  # see shorten_gil_switch_interval
 
 
 @dataclass(eq=False)
@@ -221,6 +224,7 @@ class TorchEngine:
             if self._thread is None or not self._thread.is_alive():
                 if self._device.type == "cpu":
                     free_openmp_pool_of_this_thread()
+                shorten_gil_switch_interval()
                 self._thread = threading.Thread(target=self._loop, name="agentloop-torch-engine", daemon=True)
                 self._thread.start()
 
@@ -596,6 +600,21 @@ def _first_of_each_prompt_first(group: list[_Request]) -> list[_Request]:
         (repeats if key in seen else firsts).append(req)
         seen.add(key)
     return firsts + repeats
+
+
+def shorten_gil_switch_interval() -> None:
+    """Lower the interpreter's GIL switch interval to ``GIL_SWITCH_INTERVAL_S`` (never raise it).
+
+    Why: the engine thread drops the GIL inside every torch call and must take it back after, while
+    the event loop thread (the proxy parsing, templating and recording 128 agents' calls) holds it.
+    A thread that wants the GIL asks the holder to let go only after the switch interval, 5 ms by
+    default: a decode step of a few ms then waits several times that for the GIL at each torch call,
+    and the GPU idles. At 0.2 ms the engine thread waits at most that long per hand-off, and the
+    event loop loses only the cost of the extra switches. It is process-wide (``sys.setswitchinterval``).
+    """
+    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        log.info("engine.gil_switch_interval", seconds=GIL_SWITCH_INTERVAL_S)
 
 
 def free_openmp_pool_of_this_thread() -> None:

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from agentloop.engine import _fused_sampling
 from agentloop.engine._sampling import sample
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
@@ -88,13 +89,31 @@ def main() -> None:
         runner._graph_step(key, b)
         graph = runner._graphs[key][0]
         result["graph_replay_top_p_ms"] = round(cuda_ms(graph.replay), 3)
+        runner._floats[0, :b] = 1.0  # plain sampling (temperature 1, no top-p): torch ops vs one kernel
+        raw = forward().logits[:, -1]
+        if _fused_sampling.available(dev):
+            result["sample_plain_fused_ms"] = round(
+                cuda_ms(lambda: _fused_sampling.fused_sample(raw, f[0], i[3], "plain", False)), 3
+            )
+        for fused in (False, True):
+            if fused and not _fused_sampling.available(dev):
+                continue
+            runner.fused_sampling = fused
+            runner.drop_graphs()
+            name = "fused" if fused else "torch"
+            result[f"eager_step_plain_{name}_ms"] = round(
+                cuda_ms(lambda: runner._forward(b, args.kv_len, "plain", False)), 3
+            )
+            key = (b, args.kv_len, "plain", False)
+            runner._graph_step(key, b)
+            result[f"graph_replay_plain_{name}_ms"] = round(cuda_ms(runner._graphs[key][0].replay), 3)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                runner._forward(b, args.kv_len, "top_p", False)
+                runner._forward(b, args.kv_len, "plain", False)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40), file=sys.stderr)
     print(json.dumps(result, indent=2))
 
 

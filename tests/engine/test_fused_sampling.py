@@ -1,0 +1,102 @@
+"""The one-kernel greedy / plain sampler (engine/_fused_sampling.py) against ``sample()``.
+
+The kernel needs Triton and a CUDA device: those tests run on the GPU machine and are skipped
+elsewhere with a visible reason; the argument checks and the CPU fallback run everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentloop.engine import _fused_sampling
+from agentloop.engine._decode import ModelRunner
+from agentloop.engine._sampling import row_key, sample
+
+CUDA = torch.device("cuda")
+needs_kernel = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _fused_sampling.available(CUDA)),
+    reason="the fused sampler needs Triton and a CUDA device (runs on the GPU machine)",
+)
+
+
+def _inputs(rows: int, vocab: int, seed: int, greedy_every: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(CUDA)
+    temp = torch.rand(rows, generator=g) * 1.5 + 0.05
+    if greedy_every:
+        temp[::greedy_every] = 0.0
+    temp[1] = 1e-7  # below the clamp: taken as 1e-5 by both
+    keys = torch.tensor([row_key(seed + r, r) for r in range(rows)], dtype=torch.long)
+    return logits, temp.to(CUDA), keys.to(CUDA)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [151936, 49152, 2049, 7])
+@pytest.mark.parametrize("greedy_every", [0, 3])
+def test_plain_matches_sample_token_for_token(vocab: int, greedy_every: int) -> None:
+    logits, temp, keys = _inputs(64, vocab, seed=vocab + greedy_every, greedy_every=greedy_every)
+    unused = torch.zeros(64, dtype=torch.long, device=CUDA)
+    ones = torch.ones(64, device=CUDA)
+    ref_tok, ref_lp = sample(logits, temp, unused, ones, keys, "plain", True, greedy_every > 0)
+    tok, lp = _fused_sampling.fused_sample(logits, temp, keys, "plain", greedy_every > 0)
+    assert torch.equal(tok, ref_tok)
+    # fp32 log-sum-exp in another summation order: a few ulps of values up to ~|40|
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-5)
+
+
+@needs_kernel
+def test_bf16_logits_are_read_as_their_fp32_cast() -> None:
+    logits, temp, keys = _inputs(32, 151936, seed=5)
+    low = logits.to(torch.bfloat16)
+    tok, lp = _fused_sampling.fused_sample(low, temp, keys, "plain")
+    ref_tok, ref_lp = _fused_sampling.fused_sample(low.float(), temp, keys, "plain")
+    assert torch.equal(tok, ref_tok)
+    # another compiled variant (2-byte loads) may sum the lanes in another order: ulps, no more
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-5)
+
+
+@needs_kernel
+def test_noise_is_the_hash_bit_for_bit() -> None:
+    """Flat logits: the token is the argmax of the noise alone, so any difference in a noise value
+    (an approximate log near u = 1, a hash bit) shows as another token in some of 256 rows."""
+    logits = torch.zeros(256, 151936, device=CUDA)
+    temp = torch.ones(256, device=CUDA)
+    keys = torch.tensor([row_key(7, r) for r in range(256)], dtype=torch.long, device=CUDA)
+    unused = torch.zeros(256, dtype=torch.long, device=CUDA)
+    ref_tok, _ = sample(logits, temp, unused, temp, keys, "plain", True, False)
+    tok, lp = _fused_sampling.fused_sample(logits, temp, keys, "plain", False)
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(lp, torch.full_like(lp, -float(torch.log(torch.tensor(151936.0)))))
+
+
+@needs_kernel
+def test_greedy_mode_is_argmax_with_raw_logprobs() -> None:
+    logits, _, keys = _inputs(48, 151936, seed=11)
+    logits[3, 17] = logits[3, 90] = logits[3].max() + 1  # a tie: the lowest id wins, as torch.argmax
+    temp = torch.zeros(48, device=CUDA)
+    tok, lp = _fused_sampling.fused_sample(logits, temp, keys, "greedy")
+    assert torch.equal(tok, logits.argmax(-1))
+    assert int(tok[3]) == 17
+    ref = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, rtol=0, atol=2e-5)
+
+
+def test_rejects_modes_and_layouts_it_does_not_serve() -> None:
+    logits = torch.zeros(4, 10)
+    temp, keys = torch.ones(4), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="modes 'greedy' and 'plain', got 'top_p'"):
+        _fused_sampling.fused_sample(logits, temp, keys, "top_p")
+    with pytest.raises(ValueError, match="unit stride along V"):
+        _fused_sampling.fused_sample(logits.t(), temp, keys, "plain")
+
+
+def test_cpu_runner_keeps_the_torch_sampler() -> None:
+    assert not _fused_sampling.available(torch.device("cpu"))
+    runner = ModelRunner(None, _NoCache(), "past_key_values", 4, 64, torch.device("cpu"), False, False)
+    assert runner.fused_sampling is False
+
+
+class _NoCache:
+    generation = 0
+    capacity = 64
