@@ -1,8 +1,9 @@
 """Agents of ``engine_bench.py --via-proxy --agent-procs P``, in a process of their own.
 
 ``engine_bench.py`` starts P of these, as real agents run in runner processes outside the proxy's.
-Each keeps one event loop for the whole run and imports only the standard library and ``openai``
-(no torch). One JSON object a line on stdin and stdout, parent to worker / worker to parent::
+Each keeps one event loop for the whole run and imports only the standard library, ``openai`` and
+``agentloop.event_loop`` (no torch). One JSON object a line on stdin and stdout, parent to worker /
+worker to parent::
 
     {"agents": [{"i", "base_url", "messages"}], "max_tokens", "temperature", "top_p"}
                                                    -> builds one AsyncOpenAI per agent  -> {"ready": k}
@@ -11,6 +12,8 @@ Each keeps one event loop for the whole run and imports only the standard librar
                                                        finish_reason, sent, received], ...]}
     {"cmd": "quit"} or end of input                -> exits
 
+The loop is uvloop where it is installed (agentloop.event_loop), asyncio's own with
+``AGENTLOOP_UVLOOP=0`` in the environment (it is inherited from engine_bench.py's process).
 Times are ``time.time()`` (one clock for every process of the host): ``start`` when "go" is read,
 ``end`` when the last response is parsed, ``sent`` / ``received`` around each agent's call.
 Any failure answers ``{"error": traceback}`` in place of the expected line. stdout carries the
@@ -84,4 +87,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from agentloop import event_loop  # light: anyio, no torch
+
+    event_loop.run(main)  # uvloop where installed; AGENTLOOP_UVLOOP=0: asyncio's own loop

@@ -19,6 +19,9 @@ send -> engine, engine -> received. ``--profile FILE`` adds a cProfile of the ev
 benchmarks/results/proxy_cpu_profile.json holds the before/after figures of issue 20.
 
     python benchmarks/proxy_bench.py --burst 128 --rounds 8     # writes benchmarks/results/proxy_burst_cpu.json
+
+The proxy runs on uvloop where it is installed (agentloop.event_loop); ``--no-uvloop`` (or
+``AGENTLOOP_UVLOOP=0``) puts it on asyncio's own loop, for an A/B. The load generator is on asyncio's.
 """
 
 from __future__ import annotations
@@ -539,7 +542,13 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=128, help="--burst: tokens per answer")
     parser.add_argument("--gc-threshold", type=int, nargs=3, help="--burst: gc.set_threshold for the run")
     parser.add_argument("--profile", help="--burst: write a cProfile of the event-loop thread here")
+    parser.add_argument(
+        "--no-uvloop",
+        action="store_true",
+        help="the proxy on asyncio's own loop even where uvloop is installed",
+    )
     args = parser.parse_args()
+    # the load generator stays on asyncio's loop either way: only the proxy's loop changes in an A/B
     if args.burst_client:
         asyncio.run(_burst_client())
         return
@@ -548,8 +557,12 @@ def main() -> None:
         return
     import structlog
 
+    from agentloop import event_loop
+
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
-    result = asyncio.run(run_burst(args) if args.burst else run(args))
+    use_uvloop = False if args.no_uvloop else None  # None: uvloop where installed, unless $AGENTLOOP_UVLOOP=0
+    result = event_loop.run(run_burst if args.burst else run, args, use_uvloop=use_uvloop)
+    result["event_loop"] = event_loop.loop_name(use_uvloop)
     text = json.dumps(result, indent=2)
     print(text)
     out = args.out or (BURST_RESULTS if args.burst else RESULTS)

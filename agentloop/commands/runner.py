@@ -9,12 +9,15 @@ heart-beating and the store's watchdog requeues them after ``unresponsive_s``: n
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+from agentloop import event_loop
 from agentloop.cli import UsageError
 from agentloop.errors import ImportObjectError
 from agentloop.importing import import_object
@@ -93,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner(agent, store, concurrency=args.concurrency, worker_id=args.worker_id)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
-    stats = runner.run_sync(max_rollouts=args.max_rollouts)
+    # Runner.run_sync's loop, on uvloop where installed (agentloop.event_loop)
+    handle = threading.current_thread() is threading.main_thread()
+    stats = event_loop.run(
+        functools.partial(runner.run, max_rollouts=args.max_rollouts, handle_signals=handle)
+    )
     sys.stdout.write(f"agentloop runner {runner.worker_id}: {vars(stats)}\n")
     if runner.stop_signal is not None:  # stopped by Ctrl-C / SIGTERM: one line, the shell's exit code
         name = signal.Signals(runner.stop_signal).name

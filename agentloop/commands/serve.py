@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
+from agentloop import event_loop
 from agentloop.cli import UsageError
 
 KEY_ENV = "AGENTLOOP_PROXY_API_KEY"
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             f"or set ${KEY_ENV} (or serve on 127.0.0.1)"
         )
     try:
-        anyio.run(serve, args)
+        event_loop.run(serve, args)  # on uvloop where installed
     except ModelResolutionError as exc:
         raise UsageError(f"--model: {exc}") from None
     return 0
