@@ -287,9 +287,8 @@ class ProxyService:
         if target.session_id is not None:
             return {}
         rid, aid = target.rollout_id, target.attempt_id
-        with self._store_errors("get_rollout/get_attempt"):
-            rollout = await self.store.get_rollout(rid)  # type: ignore[arg-type]
-            attempt = await self.store.get_attempt(rid, aid)  # type: ignore[arg-type]
+        with self._store_errors("get_rollout_attempt"):  # one store call (was get_rollout + get_attempt)
+            rollout, attempt = await self.store.get_rollout_attempt(rid, aid)  # type: ignore[arg-type]
         if attempt.status.is_terminal:
             raise ProxyError(
                 409,

@@ -69,6 +69,11 @@ class Store(Protocol):
 
     async def get_attempt(self, rollout_id: str, attempt_id: str) -> Attempt: ...
 
+    async def get_rollout_attempt(self, rollout_id: str, attempt_id: str) -> tuple[Rollout, Attempt]:
+        """The rollout and one of its attempts, read together: one store call where the proxy's
+        liveness check made two (``get_rollout`` + ``get_attempt``) per LLM call."""
+        ...
+
     async def list_attempts(self, rollout_id: str) -> list[Attempt]: ...
 
     async def list_rollouts(

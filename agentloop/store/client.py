@@ -52,6 +52,7 @@ MAX_WAIT_S = 30.0  # longest server-side wait per request; the client loops for 
 ROLLOUT_LIST = TypeAdapter(list[Rollout])
 ATTEMPT_LIST = TypeAdapter(list[Attempt])
 SPAN_LIST = TypeAdapter(list[Span])
+ROLLOUT_ATTEMPT = TypeAdapter(tuple[Rollout, Attempt])
 _ERROR_CLASSES: dict[str, type[AgentLoopError]] = {
     "invalid_json": InvalidRequestError,
     "invalid_request": InvalidRequestError,
@@ -184,6 +185,14 @@ class StoreClient:
             _q(state.require_id("attempt_id", attempt_id)),
         )
         return Attempt.model_validate_json(await self._request("GET", f"/v1/rollouts/{rid}/attempts/{aid}"))
+
+    async def get_rollout_attempt(self, rollout_id: str, attempt_id: str) -> tuple[Rollout, Attempt]:
+        rid, aid = (
+            _q(state.require_id("rollout_id", rollout_id)),
+            _q(state.require_id("attempt_id", attempt_id)),
+        )
+        data = await self._request("GET", f"/v1/rollouts/{rid}/attempts/{aid}/with_rollout")
+        return ROLLOUT_ATTEMPT.validate_json(data)
 
     async def list_attempts(self, rollout_id: str) -> list[Attempt]:
         rid = _q(state.require_id("rollout_id", rollout_id))

@@ -195,6 +195,10 @@ class MemoryStore:
         self._rollout(rollout_id)
         return self._attempt(rollout_id, attempt_id).model_copy()
 
+    async def get_rollout_attempt(self, rollout_id: str, attempt_id: str) -> tuple[Rollout, Attempt]:
+        rollout = self._rollout(rollout_id)
+        return rollout.model_copy(), self._attempt(rollout_id, attempt_id).model_copy()
+
     async def list_attempts(self, rollout_id: str) -> list[Attempt]:
         self._rollout(rollout_id)
         return [a.model_copy() for a in self._attempts[rollout_id].values()]

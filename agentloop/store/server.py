@@ -55,7 +55,7 @@ from agentloop.http_server import EmbeddedServer, ServerState
 from agentloop.resources import Resources
 from agentloop.store._keys import Key, Keys, Who, admin_key_of, owner_of, runner_key
 from agentloop.store.base import Store
-from agentloop.store.client import ATTEMPT_LIST, MAX_WAIT_S, ROLLOUT_LIST, SPAN_LIST
+from agentloop.store.client import ATTEMPT_LIST, MAX_WAIT_S, ROLLOUT_ATTEMPT, ROLLOUT_LIST, SPAN_LIST
 from agentloop.types import (
     JSON,
     AttemptStatus,
@@ -272,6 +272,11 @@ def create_app(
     async def get_attempt(request: Request) -> Response:
         p = request.path_params
         return _json(await store.get_attempt(p["rollout_id"], p["attempt_id"]))
+
+    @route("GET", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}/with_rollout")
+    async def get_rollout_attempt(request: Request) -> Response:
+        p = request.path_params
+        return _json(await store.get_rollout_attempt(p["rollout_id"], p["attempt_id"]), ROLLOUT_ATTEMPT)
 
     @route("POST", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
     async def update_attempt(request: Request) -> Response:

@@ -420,6 +420,13 @@ class SQLiteStore:
 
         return await self._call(op, mode=_READ)
 
+    async def get_rollout_attempt(self, rollout_id: str, attempt_id: str) -> tuple[Rollout, Attempt]:
+        def op(conn: sqlite3.Connection) -> tuple[tuple[Rollout, Attempt], list[str]]:
+            rollout = self._load(conn, rollout_id)[0]
+            return (rollout, self._load_attempt(conn, rollout_id, attempt_id)[0]), []
+
+        return await self._call(op, mode=_READ)
+
     async def list_attempts(self, rollout_id: str) -> list[Attempt]:
         def op(conn: sqlite3.Connection) -> tuple[list[Attempt], list[str]]:
             self._load(conn, rollout_id)

@@ -152,10 +152,10 @@ class HangingStore(MemoryStore):
         super().__init__()
         self.hang = hang
 
-    async def get_attempt(self, rollout_id: str, attempt_id: str) -> Any:
-        if self.hang == "get_attempt":
+    async def get_rollout_attempt(self, rollout_id: str, attempt_id: str) -> Any:
+        if self.hang == "get_rollout_attempt":
             await anyio.sleep_forever()
-        return await super().get_attempt(rollout_id, attempt_id)
+        return await super().get_rollout_attempt(rollout_id, attempt_id)
 
     async def add_span(self, span: Any) -> Any:
         if self.hang == "add_span":
@@ -163,7 +163,7 @@ class HangingStore(MemoryStore):
         return await super().add_span(span)
 
 
-@pytest.mark.parametrize("hang", ["get_attempt", "add_span"])
+@pytest.mark.parametrize("hang", ["get_rollout_attempt", "add_span"])
 async def test_a_hanging_store_times_out_with_503(tokenizer: Any, hang: str) -> None:
     engine, store = EchoEngine(tokenizer), HangingStore(hang)
     async with running_proxy(engine, store, store_timeout_s=0.3) as proxy:
@@ -176,7 +176,8 @@ async def test_a_hanging_store_times_out_with_503(tokenizer: Any, hang: str) -> 
     assert (
         error["type"] == "store_error" and "did not answer" in error["message"] and "0.3s" in error["message"]
     )
-    assert len(engine.calls) == (0 if hang == "get_attempt" else 1)  # no generation for an unchecked attempt
+    # no generation for an unchecked attempt
+    assert len(engine.calls) == (0 if hang == "get_rollout_attempt" else 1)
 
 
 async def test_auth_and_body_limit(tokenizer: Any) -> None:

@@ -272,6 +272,25 @@ async def test_unknown_ids(store: Store) -> None:
         await store.cancel_rollout("ro-weird/../id")
 
 
+async def test_get_rollout_attempt_is_get_rollout_and_get_attempt(store: Store) -> None:
+    """One call (the proxy's liveness check) that answers what the two reads answer, errors included."""
+    await store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, retry_on=["failed"]))
+    first = await store.dequeue_rollout()
+    assert first is not None
+    rid, aid = first.rollout_id, first.attempt.attempt_id
+    await store.update_attempt(rid, aid, status="failed")  # requeued: this attempt is superseded
+    second = await store.dequeue_rollout()
+    assert second is not None
+    for att in (aid, second.attempt.attempt_id):
+        rollout, attempt = await store.get_rollout_attempt(rid, att)
+        assert rollout == await store.get_rollout(rid) and attempt == await store.get_attempt(rid, att)
+    assert rollout.num_attempts == 2 and (await store.get_rollout_attempt(rid, aid))[1].status == "failed"
+    with pytest.raises(NotFoundError, match="ro-missing"):
+        await store.get_rollout_attempt("ro-missing", aid)
+    with pytest.raises(NotFoundError, match="at-missing"):
+        await store.get_rollout_attempt(rid, "at-missing")
+
+
 async def test_bad_arguments_raise_validation_errors(store: Store) -> None:
     with pytest.raises(ValueError, match="mode"):
         await store.enqueue_rollout("x", mode="training")  # type: ignore[arg-type]
