@@ -15,6 +15,10 @@ Both sides warm up on the full batch (4 tokens) before the timed run; the engine
 (ms per decode step, prefill seconds, CUDA graph captures / replays) come with the result.
     python benchmarks/engine_bench.py --backend vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
 
+``--torch-vs-vllm``: TorchEngine against raw vLLM ``AsyncLLM`` without and with logprobs, warm in one
+process (N random-token prompts of ``--prompt-len`` x M new tokens, temperature 1, eos ignored):
+    python benchmarks/engine_bench.py --torch-vs-vllm --random-config qwen2-0.5b --prompts 128 --new-tokens 128
+
 ``--via-proxy``: what the proxy costs in generated tokens/s. ONE engine (``--backend torch|vllm``)
 serves the same workload two ways in alternating rounds: N ``engine.generate`` calls at once
 (direct), and N agents at once, each with its own ``openai.AsyncOpenAI`` client making one chat
@@ -564,6 +568,9 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x 16 new tokens")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="TorchEngine without CUDA graphs (A/B)")
     ap.add_argument("--via-proxy", action="store_true", help="direct engine vs N agents through the proxy")
+    ap.add_argument(
+        "--torch-vs-vllm", action="store_true", help="TorchEngine vs raw vLLM without and with logprobs (GPU)"
+    )
     ap.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="--via-proxy: the store")
     ap.add_argument(
         "--agent-procs",
@@ -594,6 +601,13 @@ async def main() -> None:
     if args.via_proxy:
         result = await bench_via_proxy(path, args)
         result["machine"] = machine_info(result["device"])
+        emit(result, args.out)
+        return
+    if args.torch_vs_vllm:
+        from vllm_bench import bench_torch_vs_vllm
+
+        result = await bench_torch_vs_vllm(path, args)
+        result["machine"] = machine_info("cuda")
         emit(result, args.out)
         return
     if args.backend == "vllm":

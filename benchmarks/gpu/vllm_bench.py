@@ -125,3 +125,109 @@ async def bench_vllm(path: Path, args: Any) -> dict[str, Any]:
         "init_s": {"raw": round(raw_init, 1), "agentloop": round(ours_init, 1)},
         "vllm": __import__("vllm").__version__,
     }
+
+
+async def bench_torch_vs_vllm(path: Path, args: Any) -> dict[str, Any]:
+    """TorchEngine against raw vLLM ``AsyncLLM`` without and with logprobs, warm in one process.
+
+    The same work each way and round: N fresh random-token prompts of ``--prompt-len`` x M new tokens,
+    eos ignored, temperature 1 (TorchEngine's plain Gumbel-max sampling; vLLM's default sampler),
+    bf16. TorchEngine always returns the sampled token's logprob; raw vLLM runs once with
+    ``logprobs=None`` and once with ``logprobs=0``. Rounds rotate raw / raw+logprobs / torch.
+    """
+    import torch
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from agentloop.engine.base import SamplingParams
+    from agentloop.engine.torch_engine import TorchEngine
+
+    n, m, vocab = args.prompts, args.new_tokens, 151936
+    raw = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(path), dtype="bfloat16", gpu_memory_utilization=0.4, enable_prefix_caching=True,
+            logprobs_mode="raw_logprobs", max_logprobs=1, seed=0, generation_config="vllm",
+            max_num_seqs=256, max_model_len=4096, disable_log_stats=True,
+        )
+    )  # fmt: skip
+    torch_engine = TorchEngine(path, device="cuda", dtype=torch.bfloat16, max_batch_size=n)
+    kinds = {
+        lp: VSamplingParams(
+            temperature=1.0,
+            max_tokens=m,
+            ignore_eos=True,
+            logprobs=lp,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        for lp in (None, 0)
+    }
+    sp = SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, logprobs=True)
+
+    async def raw_round(seed: int, logprobs: int | None) -> float:
+        async def one(rid: str, p: list[int]) -> int:
+            final = None
+            async for out in raw.generate(TokensPrompt(prompt_token_ids=p), kinds[logprobs], request_id=rid):
+                final = out
+            assert final is not None and (logprobs is None or final.outputs[0].logprobs is not None)
+            return len(final.outputs[0].token_ids)
+
+        batch = _prompts(n, args.prompt_len, vocab, seed)
+        t = time.perf_counter()
+        counts = await asyncio.gather(*[one(f"raw-{seed}-{i}", p) for i, p in enumerate(batch)])
+        dt = time.perf_counter() - t
+        assert sum(counts) == n * m, (sum(counts), n * m)
+        return n * m / dt
+
+    async def torch_round(seed: int) -> float:
+        batch = _prompts(n, args.prompt_len, vocab, seed)
+        t = time.perf_counter()
+        outs = await asyncio.gather(
+            *[
+                torch_engine.generate(p, sp.model_copy(update={"seed": seed * n + i}))
+                for i, p in enumerate(batch)
+            ]
+        )
+        dt = time.perf_counter() - t
+        assert sum(len(o.token_ids) for o in outs) == n * m
+        assert all(o.logprobs is not None and len(o.logprobs) == m for o in outs)
+        return n * m / dt
+
+    rounds: dict[str, list[float]] = {"vllm": [], "vllm_logprobs": [], "torch": []}
+    try:
+        await raw_round(1, None)  # warm-up: the rest of vLLM's lazy init, TorchEngine's graph captures
+        await raw_round(2, 0)
+        await torch_round(3)
+        for r in range(args.reps):
+            rounds["vllm"].append(await raw_round(100 + 3 * r, None))
+            rounds["vllm_logprobs"].append(await raw_round(101 + 3 * r, 0))
+            rounds["torch"].append(await torch_round(102 + 3 * r))
+        stats = torch_engine.stats()
+    finally:
+        raw.shutdown()
+        await torch_engine.stop()
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    return {
+        "model": args.model,
+        "dtype": "bfloat16",
+        "workload": {
+            "prompts": n,
+            "prompt_len": args.prompt_len,
+            "new_tokens": m,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "rounds": args.reps,
+        },
+        "raw_vllm_tokens_per_s": round(med["vllm"], 1),
+        "raw_vllm_logprobs_tokens_per_s": round(med["vllm_logprobs"], 1),
+        "torch_engine_tokens_per_s": round(med["torch"], 1),
+        "ratio_vs_vllm": round(med["torch"] / med["vllm"], 3),
+        "ratio_vs_vllm_logprobs": round(med["torch"] / med["vllm_logprobs"], 3),
+        "targets": {"ratio_vs_vllm": 0.75, "ratio_vs_vllm_logprobs": 1.2},
+        "rounds": {k: [round(x, 1) for x in v] for k, v in rounds.items()},
+        "torch_engine_decode_ms_per_step": stats.get("decode_ms_per_step"),
+        "vllm": __import__("vllm").__version__,
+    }

@@ -1,0 +1,149 @@
+"""Where a data-parallel (FSDP2) trainer update spends its time, per rank (a diagnostic, not a target).
+
+    torchrun --nproc_per_node N benchmarks/gpu/dp_phases.py --rows 128
+
+Every rank builds scale_bench's batch (``--rows`` samples in all, prompts and responses of 50-100% of
+``--prompt-len`` / ``--response-len``), a ``ShardedActor`` over the N ranks, and times its update with
+each phase wrapped in ``cuda.synchronize()`` timers: the old-logprob pass, each micro-batch's forward
+and backward, the gradient step (clip + AdamW), and the rest. Prints one JSON line per rank (its
+tokens, micro-batch shapes and phase seconds) and, on rank 0, the update time without the timers.
+No Ray: torchrun starts the ranks, so it runs where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from scale_bench import _batch, _config  # noqa: E402
+
+from benchmarks.gpu.random_model import build_random_model  # noqa: E402
+from trainer.dp import ShardedActor  # noqa: E402
+
+
+class PhaseTimer:
+    """Accumulates synchronized wall time per phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.shapes: list[list[int]] = []
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+
+        return timed
+
+
+def _fsdp_options(args: argparse.Namespace) -> None:
+    """Pass FSDP2 options to trainer.dp.shard's ``fully_shard`` calls (an A/B without code changes)."""
+    import functools
+
+    import torch.distributed.fsdp as fsdp
+
+    kwargs: dict[str, Any] = {}
+    if args.bf16_params:
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if args.no_reshard:
+        kwargs["reshard_after_forward"] = False
+    if kwargs:
+        fsdp.fully_shard = functools.partial(fsdp.fully_shard, **kwargs)  # type: ignore[assignment]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--bf16-params", action="store_true", help="FSDP2 all-gathers bf16 parameters (fp32 grads)"
+    )
+    ap.add_argument("--no-reshard", action="store_true", help="FSDP2 keeps parameters gathered after forward")
+    args = ap.parse_args()
+    _fsdp_options(args)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    model = str(build_random_model("qwen2-0.5b")) if rank == 0 else ""
+    holder = [model]
+    dist.broadcast_object_list(holder)
+    args.batch, args.device = args.rows, "cuda"
+    config = _config(holder[0], args.rows, args)
+    actor = ShardedActor(config, holder[0], "cuda", rank, world)
+    batch = _batch(args.rows, args.prompt_len, args.response_len)
+
+    actor.update(batch)  # warm-up
+    plain = []
+    for _ in range(args.reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        actor.update(batch)
+        torch.cuda.synchronize()
+        plain.append(time.perf_counter() - t0)
+
+    timer = PhaseTimer()
+    actor._old_logprobs = timer.wrap("old_logprobs", actor._old_logprobs)  # type: ignore[method-assign]
+    actor._apply_gradients = timer.wrap("apply_gradients", actor._apply_gradients)  # type: ignore[method-assign]
+    forward = actor._forward
+
+    def forward_noted(model: Any, mb: Any, entropy: bool) -> Any:
+        shape = mb.input_ids.shape
+        timer.shapes.append([int(shape[0]), int(shape[1]), int(mb.attention_mask.sum())])
+        return forward(model, mb, entropy)
+
+    actor._forward = timer.wrap("forward", forward_noted)  # type: ignore[method-assign]
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = timer.wrap("backward", backward)  # type: ignore[method-assign]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    actor.update(batch)
+    torch.cuda.synchronize()
+    timed_total = time.perf_counter() - t0
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    report = {
+        "rank": rank,
+        "world": world,
+        "rows": args.rows,
+        "bf16_params": args.bf16_params,
+        "no_reshard": args.no_reshard,
+        "update_s_median": round(statistics.median(plain), 4),
+        "update_s_all": [round(x, 4) for x in plain],
+        "timed_update_s": round(timed_total, 4),
+        "phase_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+        "phase_calls": timer.calls,
+        "forward_shapes_rows_width_tokens": timer.shapes,
+        "note": "forward includes the old-logprob forwards (also inside old_logprobs)",
+        "gpu": torch.cuda.get_device_name(),
+    }
+    print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
