@@ -224,6 +224,17 @@ class OptimConfig(_Section):
 _CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high")
 
 
+class FSDPConfig(_Section):
+    """How FSDP2 shards the actor (and critic) when the trainer spans several ranks (verl's fsdp_config)."""
+
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="Free each layer's gathered parameters after its forward (all-gathered again for the "
+        "backward); False keeps them from forward to backward: one all-gather per layer and micro-batch "
+        "instead of two, at the memory of the whole unsharded model on every rank.",
+    )
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(
         default=8, ge=1, description="Prompts per optimizer step (x rollout.n samples)."
@@ -275,6 +286,9 @@ class ActorConfig(_Section):
     )
     use_torch_compile: bool = Field(
         default=True, description="torch.compile the decoder layers and LM-head statistics (CUDA only)."
+    )
+    fsdp_config: FSDPConfig = Field(
+        default_factory=FSDPConfig, description="FSDP2 settings of a data-parallel (multi-rank) update."
     )
 
     @model_validator(mode="before")

@@ -88,14 +88,15 @@ def rank_micro_batches(
     return mine
 
 
-def shard(model: nn.Module, layers: Any) -> None:
+def shard(model: nn.Module, layers: Any, reshard_after_forward: bool = True) -> None:
     """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
-    gradients summed over ranks, not averaged (the losses use the whole batch's denominators)."""
+    gradients summed over ranks, not averaged (the losses use the whole batch's denominators).
+    ``reshard_after_forward=False`` keeps gathered parameters until the backward (FSDPConfig)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in layers or []:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
@@ -147,7 +148,8 @@ class ShardedCritic(Critic):
     ) -> None:
         super().__init__(config, model_path, device, shared_prompts=False)
         self.rank, self.world_size = rank, world_size
-        shard(self.model, getattr(self.model.decoder, "layers", None))
+        reshard = config.actor_rollout_ref.actor.fsdp_config.reshard_after_forward
+        shard(self.model, getattr(self.model.decoder, "layers", None), reshard)
         optim = config.critic.optim
         self.optimizer = torch.optim.AdamW(  # over the DTensor shards now
             self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
@@ -189,7 +191,8 @@ class ShardedActor(Actor):
         self.rank, self.world_size = rank, world_size
         super().__init__(config, model_path, device)
         self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
-        shard(self.model, getattr(getattr(self.model, "model", None), "layers", None))
+        reshard = config.actor_rollout_ref.actor.fsdp_config.reshard_after_forward
+        shard(self.model, getattr(getattr(self.model, "model", None), "layers", None), reshard)
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
         self.optimizer = torch.optim.AdamW(

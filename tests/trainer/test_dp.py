@@ -15,7 +15,9 @@ from trainer.config import TrainerConfig
 from trainer.dp import DataParallelGroup, balance_by_tokens
 
 
-def _config(model_dir: Path, token_budget: int, estimator: str = "grpo") -> TrainerConfig:
+def _config(
+    model_dir: Path, token_budget: int, estimator: str = "grpo", reshard_after_forward: bool = True
+) -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
             "algorithm": {"adv_estimator": estimator},
@@ -30,6 +32,7 @@ def _config(model_dir: Path, token_budget: int, estimator: str = "grpo") -> Trai
                     "optim": {"lr": 1e-3, "weight_decay": 0.0},
                     "grad_clip": 1.0,
                     "entropy_coeff": 0.01,
+                    "fsdp_config": {"reshard_after_forward": reshard_after_forward},
                 },
             },
             "trainer": {"device": "cpu"},
@@ -66,8 +69,13 @@ def test_balance_by_tokens_is_greedy_and_deterministic() -> None:
 
 
 @pytest.mark.e2e
-def test_two_ranks_take_the_same_step_as_one(tiny_model_dir: Path, ray_local: None) -> None:
-    cfg = _config(tiny_model_dir, token_budget=40)  # several micro-batches per rank, uneven counts
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_two_ranks_take_the_same_step_as_one(
+    tiny_model_dir: Path, ray_local: None, reshard_after_forward: bool
+) -> None:
+    """Also with parameters kept gathered from forward to backward: fewer all-gathers, the same step."""
+    # several micro-batches per rank, uneven counts
+    cfg = _config(tiny_model_dir, token_budget=40, reshard_after_forward=reshard_after_forward)
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
     before = single.named_weights()
@@ -216,3 +224,28 @@ def test_ranks_checkpoint_in_safetensors_and_resume_the_same_step(
     if estimator == "gae":  # the critic too: the same values, loss and update after the resume
         for key in ("critic/vf_loss", "critic/values_mean", "critic/grad_norm", "actor/pg_loss"):
             assert again[key] == going_on[key], key
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_shard_keeps_gathered_parameters_only_when_asked(
+    tiny_model_dir: Path, reshard_after_forward: bool
+) -> None:
+    """After a forward, FSDP2 leaves a layer's parameters gathered (plain tensors) only with
+    reshard_after_forward=False; resharded ones are DTensor shards again."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainer.actor import load_policy
+    from trainer.dp import shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = load_policy(tiny_model_dir, torch.device("cpu"))
+        layers = model.model.layers
+        shard(model, layers, reshard_after_forward)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+        gathered = not isinstance(layers[0].self_attn.q_proj.weight, DTensor)
+        assert gathered is (not reshard_after_forward)
+    finally:
+        dist.destroy_process_group()
