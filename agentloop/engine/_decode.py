@@ -126,12 +126,29 @@ class ModelRunner:
                               logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
             logits = out.logits[:, -1]  # (b, V), the head's dtype
         i, f = self._ints[:, :b], self._floats[:, :b]
-        if self.fused_sampling and mode in ("greedy", "plain"):
-            tokens, logprobs = _fused_sampling.fused_sample(logits, f[0], i[3], mode, greedy_rows)
+        fused = self._fused_sample(logits, f[0], i[3], mode, greedy_rows)
+        if fused is not None:
+            tokens, logprobs = fused
         else:
             logits = logits.float()
             tokens, logprobs = sample(logits, f[0], i[2], f[1], i[3], mode, self.static_sampling, greedy_rows)
         return torch.stack([tokens.double(), logprobs.double()])  # (2, b)
+
+    def _fused_sample(
+        self, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor, mode: SampleMode,
+        greedy_rows: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The one-kernel sampler where it serves ``mode``; None: use ``sample()``. A kernel that fails
+        (no compiler for this GPU, say) turns it off for good instead of failing the step: the first call
+        is a capture's eager warm-up or an eager step, never inside a capture."""
+        if not self.fused_sampling or mode not in ("greedy", "plain"):
+            return None
+        try:
+            return _fused_sampling.fused_sample(logits, temperature, key, mode, greedy_rows)
+        except Exception as exc:
+            log.warning("engine.fused_sampling_failed", error=f"{type(exc).__name__}: {exc}")
+            self.fused_sampling = False
+            return None
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_step(self, key: GraphKey, n: int) -> torch.Tensor:

@@ -6,12 +6,17 @@ elsewhere with a visible reason; the argument checks and the CPU fallback run ev
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import anyio
 import pytest
 import torch
 
 from agentloop.engine import _fused_sampling
 from agentloop.engine._decode import ModelRunner
 from agentloop.engine._sampling import row_key, sample
+from agentloop.engine.base import SamplingParams
+from tests.engine.conftest import make_engine
 
 CUDA = torch.device("cuda")
 needs_kernel = pytest.mark.skipif(
@@ -100,3 +105,32 @@ def test_cpu_runner_keeps_the_torch_sampler() -> None:
 class _NoCache:
     generation = 0
     capacity = 64
+
+
+async def test_a_failing_kernel_falls_back_to_the_torch_sampler(
+    tiny_model_dir: Path, chat_prompt: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that cannot run (no compiler for the GPU, say) costs no request: the step samples with
+    sample() and the runner stops trying the kernel; the tokens are the torch sampler's."""
+    calls = []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise RuntimeError("no kernel for this device")
+
+    sp = SamplingParams(temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+    reference = make_engine("torch", tiny_model_dir)
+    try:
+        expected = await reference.generate(chat_prompt, sp)
+    finally:
+        await reference.stop()
+    monkeypatch.setattr(_fused_sampling, "fused_sample", broken)
+    engine = make_engine("torch", tiny_model_dir)
+    engine._runner.fused_sampling = True  # as on a CUDA device with Triton
+    try:
+        with anyio.fail_after(60):
+            out = await engine.generate(chat_prompt, sp)
+    finally:
+        await engine.stop()
+    assert calls == [1] and engine._runner.fused_sampling is False
+    assert out.token_ids == expected.token_ids and out.finish_reason == "length"
