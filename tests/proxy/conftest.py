@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,6 +14,23 @@ import pytest
 from agentloop.proxy.server import Proxy
 from agentloop.store.memory import MemoryStore
 from agentloop.types import AttemptedRollout
+
+# The proxy runs on the caller's loop: asyncio's, or uvloop's under agentloop.event_loop.run (agentloop
+# serve). Modules whose tests lean on the loop (timers, tasks, connections) run on both, with
+#     anyio_backend = both_loops  (a module-level fixture override)
+LOOPS = [
+    pytest.param("asyncio", id="asyncio"),
+    pytest.param(
+        ("asyncio", {"use_uvloop": True}),
+        id="uvloop",
+        marks=pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop not installed"),
+    ),
+]
+
+
+@pytest.fixture(params=LOOPS)
+def both_loops(request: pytest.FixtureRequest) -> Any:
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,10 @@ import httpx
 from agentloop.store.memory import MemoryStore
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import LLMCall
-from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
+from tests.proxy.conftest import attempt_url, both_loops, new_attempt, running_proxy
 from tests.proxy.engines import EchoEngine
+
+anyio_backend = both_loops  # asyncio's loop and uvloop's (tests/proxy/conftest.py)
 
 AGENTS = 200
 

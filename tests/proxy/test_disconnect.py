@@ -11,8 +11,10 @@ from agentloop.proxy.disconnect import ClientWatch
 from agentloop.proxy.schemas import ChatCompletionRequest, parse_model
 from agentloop.proxy.service import Target
 from agentloop.store.memory import MemoryStore
-from tests.proxy.conftest import attempt_url, new_attempt, running_proxy
+from tests.proxy.conftest import attempt_url, both_loops, new_attempt, running_proxy
 from tests.proxy.engines import EchoEngine
+
+anyio_backend = both_loops  # asyncio's loop and uvloop's (tests/proxy/conftest.py)
 
 
 async def test_client_watch_turns_gone_on_http_disconnect_and_its_block_ends_the_watch() -> None:
