@@ -53,6 +53,7 @@ from agentloop.device import pick_device
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.models import resolve_model
 from agentloop.engine.torch_engine import TorchEngine
+from agentloop.event_loop import loop_name
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 from random_model import RANDOM_CONFIGS, build_random_model
@@ -534,6 +535,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         "proxied_call_latency_ms": _latency_ms(latency_rows, spreads),
         "weights_versions_recorded": sorted(v for v in weights_versions if v is not None),
         "gc_freeze": args.gc_freeze,
+        "event_loop": loop_name(),
         "full_gc_in_timed_rounds": {  # a collection of generation 2 stops every thread of this process
             way: {"count": len(ms), "ms": round(sum(ms), 1)} for way, ms in gen2_ms.items()
         },
@@ -665,4 +667,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from agentloop.event_loop import run
+
+    run(main)  # uvloop where installed (AGENTLOOP_UVLOOP=0: asyncio's loop), as agentloop serve runs

@@ -73,6 +73,29 @@ def _fsdp_options(args: argparse.Namespace) -> None:
         fsdp.fully_shard = functools.partial(fsdp.fully_shard, **kwargs)  # type: ignore[assignment]
 
 
+def _profile(actor: ShardedActor, batch: Any, out: str | None) -> None:
+    """One update under torch.profiler; rank 0 writes its kernels by CUDA time, with the update's wall
+    time and the summed kernel time of the compute kernels and of NCCL's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        actor.update(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if out is None:
+        return
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == cuda]
+    nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
+    compute = sum(e.self_device_time_total for e in kernels if "nccl" not in e.key.lower()) / 1e6
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    with open(out, "w") as f:
+        f.write(f"wall_s {wall:.4f} compute_kernels_s {compute:.4f} nccl_kernels_s {nccl:.4f}\n{table}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=128)
@@ -84,6 +107,8 @@ def main() -> None:
         "--bf16-params", action="store_true", help="FSDP2 all-gathers bf16 parameters (fp32 grads)"
     )
     ap.add_argument("--no-reshard", action="store_true", help="FSDP2 keeps parameters gathered after forward")
+    ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
+    ap.add_argument("--profile", default=None, help="rank 0 writes a kernel table of one update to this file")
     args = ap.parse_args()
     _fsdp_options(args)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -94,6 +119,8 @@ def main() -> None:
     dist.broadcast_object_list(holder)
     args.batch, args.device = args.rows, "cuda"
     config = _config(holder[0], args.rows, args)
+    if args.no_compile:
+        config = config.with_overrides(["actor_rollout_ref.actor.use_torch_compile=false"])
     actor = ShardedActor(config, holder[0], "cuda", rank, world)
     batch = _batch(args.rows, args.prompt_len, args.response_len)
 
@@ -106,6 +133,9 @@ def main() -> None:
         actor.update(batch)
         torch.cuda.synchronize()
         plain.append(time.perf_counter() - t0)
+
+    if args.profile:
+        _profile(actor, batch, args.profile if rank == 0 else None)
 
     timer = PhaseTimer()
     actor._old_logprobs = timer.wrap("old_logprobs", actor._old_logprobs)  # type: ignore[method-assign]
