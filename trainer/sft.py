@@ -29,255 +29,39 @@ once. The run folder is the RL trainer's (trainer/checkpoint.py): ``run.json``, 
 the ``sft`` section), checkpoints that resume (``trainer.resume``), and ``final_model/`` that
 ``actor_rollout_ref.model.path`` of an RL run (``Trainer.fit``, ``agentloop train``) starts from.
 No critic, reference model or KL term is built: a config that asks for them is trained without.
+
+This module is the run; its parts: ``sft_config`` (the ``sft`` section, ``load_configs``),
+``sft_data`` (choosing attempts, the split, the batch) and ``sft_actor`` (the NLL step). Their public
+names are imported from here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import random
-import sqlite3
 import time
-import urllib.parse
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import structlog
-from pydantic import Field, ValidationError
 
-from agentloop.adapter import spans_to_triplets
 from agentloop.errors import ConfigError, EmptyBatchError
 from agentloop.store.base import Store
-from agentloop.types import Attempt, AttemptStatus, Rollout, RolloutStatus, Triplet
+from agentloop.types import Triplet
 from trainer import checkpoint as ck
-from trainer.actor import Actor, _local_count
-from trainer.algorithms import agg_loss, attempt_row_weights
-from trainer.batch import Batch, build_batch
-from trainer.config import TrainerConfig, _Section, format_validation_error
+from trainer.actor import Actor
+from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLogger, plot_curves
 from trainer.ray_trainer import TrainerWorker
+from trainer.sft_actor import SFTActor
+from trainer.sft_config import SFTConfig, load_configs, sft_trainer_config
+from trainer.sft_data import Selection, _batch, open_store, select_attempts, split_tasks
 
 log = structlog.get_logger("agentloop.trainer.sft")
 
 LOSS_PLOT = "loss_curve.png"
-
-
-class SFTConfig(_Section):
-    """Which recorded attempts SFT trains on, and the held-out split (the ``sft`` section)."""
-
-    min_reward: float | None = Field(
-        default=1.0, description="Train on attempts whose total reward is at least this; None: any reward."
-    )
-    modes: list[Literal["train", "val"]] = Field(
-        default=["train"], min_length=1, description="Rollout modes to take attempts from."
-    )
-    include_failed: bool = Field(
-        default=False,
-        description="Also attempts that did not succeed (a retried rollout's earlier ones) whose reward "
-        "passes; False: the succeeded attempt of each succeeded rollout only.",
-    )
-    val_fraction: float = Field(
-        default=0.1, ge=0, lt=1, description="Share of the tasks held out for validation NLL (whole tasks)."
-    )
-
-
-class _SFTRoot(_Section):
-    sft: SFTConfig = Field(default_factory=SFTConfig, description="The sft section (errors name sft.KEY).")
-
-
-# ---------------------------------------------------------------- choosing the data
-
-
-@dataclass
-class Selection:
-    """The chosen attempts (each a list of merged samples) and what the store held."""
-
-    attempts: list[list[Triplet]]
-    tasks: list[str]  # the task key of each attempt (its rollout input as JSON)
-    seen: Counter[str] = field(default_factory=Counter)  # "mode/status" -> rollouts
-    rewards: Counter[str] = field(default_factory=Counter)  # reward of the attempts of the right mode
-
-
-def open_store(path: str | Path) -> Store:
-    """A SQLiteStore on an existing agentloop store: the file, or a run folder's ``store.db``.
-
-    Checked read-only first: a missing path or a file that is not an agentloop store is an error,
-    never a new store (SQLiteStore creates what it does not find)."""
-    from agentloop.store.sqlite import SQLiteStore
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / "store.db"
-    if not p.is_file():
-        where = "has no store.db" if p.name == "store.db" and p.parent.is_dir() else "does not exist"
-        raise FileNotFoundError(
-            f"store {str(path)!r} {where}; give a run folder written by training or a store file"
-        )
-    try:
-        conn = sqlite3.connect("file:" + urllib.parse.quote(str(p.resolve())) + "?mode=ro", uri=True)
-        try:
-            conn.execute("SELECT 1 FROM rollouts LIMIT 1")
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        raise ValueError(f"{p} is not an agentloop store ({exc})") from None
-    return SQLiteStore(p)
-
-
-async def select_attempts(store: Store, sft: SFTConfig, strategy: Any = "identical") -> Selection:
-    """The attempts of ``store`` that pass ``sft``'s filters, as merged samples (adapter.merge_turns).
-
-    Raises EmptyBatchError when none does, naming what the store holds (modes, statuses, rewards)."""
-    from agentloop.adapter import merge_turns
-
-    chosen = Selection(attempts=[], tasks=[])
-    for rollout in await store.list_rollouts():
-        chosen.seen[f"{rollout.mode}/{rollout.status.value}"] += 1
-        if rollout.mode not in sft.modes or not rollout.num_attempts:
-            continue
-        for attempt_id in await _attempt_ids(store, rollout, sft.include_failed):
-            spans = await store.query_spans(rollout.rollout_id, attempt_id)
-            triplets = spans_to_triplets(spans, strategy, rollout=rollout).triplets
-            reward = _attempt_reward(triplets)
-            chosen.rewards["none" if reward is None else f"{reward:g}"] += 1
-            if not triplets or (sft.min_reward is not None and (reward is None or reward < sft.min_reward)):
-                continue
-            chosen.attempts.append(
-                merge_turns([t.model_copy(update={"reward": reward or 0.0}) for t in triplets])
-            )
-            chosen.tasks.append(json.dumps(rollout.input, sort_keys=True, default=str))
-    if not chosen.attempts:
-        raise EmptyBatchError(_nothing_matches(chosen, sft))
-    return chosen
-
-
-async def _attempt_ids(store: Store, rollout: Rollout, include_failed: bool) -> list[str]:
-    if not include_failed:
-        if rollout.status is not RolloutStatus.SUCCEEDED:
-            return []
-        return ["latest"]  # a rollout ends at its first succeeded attempt: the latest one
-    attempts: list[Attempt] = await store.list_attempts(rollout.rollout_id)
-    active = (AttemptStatus.PREPARING, AttemptStatus.RUNNING)
-    return [a.attempt_id for a in attempts if a.status not in active]
-
-
-def _attempt_reward(triplets: list[Triplet]) -> float | None:
-    """The attempt's total reward (the sum of its Reward spans), None without one."""
-    for t in triplets:
-        total = t.metadata.get("attempt_reward")
-        if isinstance(total, int | float):
-            return float(total)
-    return None
-
-
-def _nothing_matches(chosen: Selection, sft: SFTConfig) -> str:
-    total = sum(chosen.seen.values())
-    if not total:
-        return "the store holds no rollouts; record some first (agentloop train, a Runner, agentloop serve --train)"
-    held = ", ".join(f"{n} {k}" for k, n in sorted(chosen.seen.items()))
-    rewards = ", ".join(f"{k} x {n}" for k, n in sorted(chosen.rewards.items(), key=lambda kv: kv[0]))
-    which = "attempts" if sft.include_failed else "succeeded attempts"
-    got = f"their {which} scored: {rewards}" if rewards else f"none of them has {which} in modes {sft.modes}"
-    fixes = [] if sft.min_reward is None else [f"lower --min-reward (sft.min_reward, now {sft.min_reward:g})"]
-    if sft.modes == ["train"]:
-        fixes.append("add --mode val")
-    if not sft.include_failed:
-        fixes.append("--include-failed")
-    return (
-        f"no attempt passes the filter (modes {sft.modes}, min_reward {sft.min_reward}); the store holds "
-        f"{total} rollouts ({held}); {got}; to train on more: {', '.join(fixes) or 'record better rollouts'}"
-    )
-
-
-def split_tasks(tasks: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Attempt indices (train, val): whole tasks held out, chosen by a seeded shuffle of the distinct tasks;
-    at least one task trains. Deterministic for a seed and the same data."""
-    distinct = sorted(set(tasks))
-    random.Random(seed).shuffle(distinct)
-    n_val = min(math.ceil(val_fraction * len(distinct)), len(distinct) - 1) if val_fraction > 0 else 0
-    held = set(distinct[:n_val])
-    train = [i for i, t in enumerate(tasks) if t not in held]
-    val = [i for i, t in enumerate(tasks) if t in held]
-    return train, val
-
-
-# ---------------------------------------------------------------- the loss
-
-
-class SFTActor(Actor):
-    """The policy and its optimizer, trained by NLL instead of a policy loss; the Actor's forward,
-    micro-batching, warm-up, clipping, weights and checkpoints as they are."""
-
-    def nll_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on ``batch``: the NLL of its response_mask tokens (mask 0: tool output,
-        template, padding: never trained), aggregated by ``actor.loss_agg_mode`` over the whole batch
-        while micro-batches accumulate gradients."""
-        actor = self.config.actor_rollout_ref.actor
-        t0 = time.perf_counter()
-        batch = batch.to(self.device)
-        mask = batch.response_mask.bool()  # (B, R)
-        agg = actor.loss_agg_mode
-        denom = _local_count(mask, agg)  # one denominator for the batch: micro-batches add up to it
-        if agg == "attempt-mean-token-mean":
-            batch.extras["row_weights"] = attempt_row_weights(mask, batch.row_attempts())
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for mb, _rows in self._split_micro_batches(batch):
-            logprobs, _ = self._forward(self.model, mb, entropy=False)  # (b, r)
-            nll = agg_loss(
-                -logprobs, mb.response_mask, agg, denominator=denom, row_weights=mb.extras.get("row_weights")
-            )
-            nll.backward()
-            loss_sum += float(nll.detach())  # note: CPU-GPU sync
-        grad_norm = self._apply_gradients()
-        self.step += 1
-        tokens = float(mask.sum())
-        elapsed = time.perf_counter() - t0
-        return {
-            "sft/loss": loss_sum,
-            "sft/tokens": tokens,
-            "sft/samples": float(len(batch)),
-            "actor/grad_norm": grad_norm,
-            "actor/lr": self.optimizer.param_groups[0]["lr"],
-            "timing/update_s": elapsed,
-            "perf/update_tokens_per_s": float(batch.attention_mask.sum()) / max(elapsed, 1e-9),
-        }
-
-    def mean_nll(self, batch: Batch) -> float:
-        """Token-mean NLL of ``batch``'s response_mask tokens under the current weights (no gradient)."""
-        batch = batch.to(self.device)
-        logprobs = self.compute_logprobs(batch)  # (B, R), 0 where masked
-        return float(-logprobs.sum() / batch.response_mask.sum().clamp(min=1))
-
-
-def sft_trainer_config(config: TrainerConfig) -> TrainerConfig:
-    """``config`` as the SFT actor uses it: no critic, no reference model, no KL term."""
-    out = config.model_copy(deep=True)
-    arr = out.actor_rollout_ref
-    dropped = [
-        name
-        for name, on in (
-            ("critic", config.uses_critic),
-            ("actor_rollout_ref.actor.use_kl_loss", arr.actor.use_kl_loss),
-            ("algorithm.use_kl_in_reward", out.algorithm.use_kl_in_reward),
-        )
-        if on
-    ]
-    if dropped:
-        log.warning("sft.ignores", keys=dropped, why="SFT trains the policy alone")
-    out.critic.enable = False
-    arr.actor.use_kl_loss = False
-    out.algorithm.use_kl_in_reward = False
-    return out
-
-
-# ---------------------------------------------------------------- the run
 
 
 @dataclass
@@ -294,33 +78,6 @@ class SFTResult:
     val_attempts: int = 0
     resumed_from: int | None = None
     already_finished: bool = False
-
-
-def load_configs(
-    config: dict[str, Any] | TrainerConfig | None, sft: dict[str, Any] | SFTConfig | None = None
-) -> tuple[TrainerConfig, SFTConfig]:
-    """The trainer config and the ``sft`` section, from one dict (``sft`` as a key in it) or two."""
-    data = json.loads(json.dumps(config)) if isinstance(config, dict) else config
-    section = data.pop("sft", None) if isinstance(data, dict) else None
-    if isinstance(data, dict) and isinstance(data.get("data"), dict) and "train_batch_size" in data["data"]:
-        # RL's mini-batch must divide its batch; SFT has one optimizer step per batch: one mini-batch
-        actor = data.setdefault("actor_rollout_ref", {}).setdefault("actor", {})
-        if isinstance(actor, dict):
-            actor.setdefault("ppo_mini_batch_size", data["data"]["train_batch_size"])
-    if sft is None:
-        sft = section
-    elif section is not None:
-        raise ConfigError("the sft section is given twice: in the config dict and as sft=; give it once")
-    cfg = TrainerConfig.from_dict(data)
-    if not isinstance(sft, SFTConfig):
-        try:
-            sft = _SFTRoot.model_validate({"sft": sft or {}}).sft
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, _SFTRoot)) from None
-    if "experiment_name" not in cfg.trainer.model_fields_set:  # not RL's runs/<project>/default
-        cfg = cfg.model_copy(deep=True)
-        cfg.trainer.experiment_name = "sft"
-    return cfg, sft
 
 
 def run_sft(
@@ -393,16 +150,6 @@ def _check_vocab(attempts: list[list[Triplet]], actor: Actor) -> None:
             f"{vocab} embeddings: these rollouts were recorded with another model's tokenizer; train the "
             "model that recorded them (the run's actor_rollout_ref.model.path)"
         )
-
-
-def _batch(attempts: Sequence[list[Triplet]], cfg: TrainerConfig, pad: int) -> tuple[Batch, dict[str, int]]:
-    batch, stats = build_batch(
-        [t for attempt in attempts for t in attempt],
-        max_prompt_length=cfg.data.max_prompt_length,
-        max_response_length=cfg.data.max_response_length,
-        pad_token_id=pad,
-    )
-    return replace(batch, temperatures=None), stats  # the model's own NLL: logits at temperature 1
 
 
 def _train(

@@ -23,16 +23,8 @@ import torch
 
 from agentloop.errors import ConfigError, EmptyBatchError
 from agentloop.store.sqlite import SQLiteStore
-from agentloop.types import AttemptStatus, LLMCall, Reward, Span, Triplet
-from trainer.sft import (
-    SFTActor,
-    SFTConfig,
-    load_configs,
-    open_store,
-    run_sft,
-    select_attempts,
-    split_tasks,
-)
+from agentloop.types import AttemptStatus, LLMCall, Reward, Span
+from trainer.sft import SFTConfig, load_configs, open_store, run_sft, select_attempts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -207,7 +199,28 @@ def test_sft_on_correct_calc_x_trajectories_raises_held_out_accuracy(
     assert record["status"] == "finished" and record["kind"] == "sft" and record["step"] == result.steps
 
 
-# ---------------------------------------------------------------- data: filter, masks, split
+# ---------------------------------------------------------------- the public names
+
+
+def test_trainer_sft_keeps_the_names_of_its_parts() -> None:
+    """trainer.sft is the import path (the CLI, the README): its parts' public names stay importable."""
+    import trainer.sft as sft
+    from trainer import sft_actor, sft_config, sft_data
+
+    assert sorted(sft.__all__) == sorted(
+        ["SFTActor", "SFTConfig", "SFTResult", "open_store", "run_sft", "select_attempts", "split_tasks"]
+    )
+    moved = {
+        sft_actor: ["SFTActor"],
+        sft_config: ["SFTConfig", "load_configs", "sft_trainer_config"],
+        sft_data: ["Selection", "open_store", "select_attempts", "split_tasks"],
+    }
+    for part, names in moved.items():
+        for name in names:
+            assert getattr(sft, name) is getattr(part, name), (part.__name__, name)
+
+
+# ---------------------------------------------------------------- data: filter and masks
 
 
 async def test_the_min_reward_filter_and_its_error(teacher_store: tuple[Path, list[float]]) -> None:
@@ -250,75 +263,6 @@ async def test_a_recorded_trajectory_trains_the_model_tokens_only(
     masked = [t for t, m in zip(sample.response_ids, mask, strict=True) if not m]
     assert model == calls[0].response_ids + calls[1].response_ids
     assert "<|im_start|>tool" in tok.decode(masked) and "<tool_call>" not in tok.decode(masked)
-
-
-def _triplet(response: list[int], mask: list[int]) -> Triplet:
-    return Triplet(
-        prompt_ids=[1, 520, 33, 981, 4],
-        response_ids=response,
-        response_mask=mask,
-        reward=1.0,
-        metadata={"rollout_id": "r", "attempt_id": "a"},
-    )
-
-
-class _Probe(SFTActor):
-    """Keeps the gradient of its last step (the optimizer step itself runs at lr 0)."""
-
-    grads: torch.Tensor
-
-    def _apply_gradients(self) -> float:
-        self.grads = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
-        return super()._apply_gradients()
-
-
-def _loss_and_grad(actor: _Probe, t: Triplet) -> tuple[float, torch.Tensor]:
-    from trainer.sft import _batch
-
-    batch, _ = _batch([[t]], actor.config, pad=2)
-    loss = actor.nll_step(batch)["sft/loss"]
-    return loss, actor.grads.clone()
-
-
-def test_only_response_mask_tokens_make_the_loss(tiny_model_dir: Path) -> None:
-    """The loss is the NLL of the mask-1 tokens (hand-computed from the plain forward), and masked tokens
-    that nothing after them is conditioned on change neither the loss nor the gradient."""
-    from trainer.sft import _batch
-
-    cfg, _ = load_configs(
-        {"trainer": {"device": "cpu"}, "actor_rollout_ref": {"model": {"path": str(tiny_model_dir)}}}
-    )
-    actor = _Probe(cfg, tiny_model_dir, "cpu")
-    actor.optimizer.param_groups[0]["lr"] = 0.0  # the weights stay as they are between the calls
-    response, mask = [77, 301, 12, 800, 801, 802, 55, 56, 900, 901], [1, 1, 1, 0, 0, 0, 1, 1, 0, 0]
-    t = _triplet(response, mask)
-    batch, _ = _batch([[t]], cfg, pad=2)
-    with torch.no_grad():
-        logits = actor.model(input_ids=batch.input_ids).logits[0].float()  # (P+R, V)
-    p = batch.prompt_length
-    logp = torch.log_softmax(logits[p - 1 : p - 1 + len(response)], -1)  # (R, V) position t scores token t+1
-    token_lp = logp[torch.arange(len(response)), torch.tensor(response)]
-    expected = float(-(token_lp * torch.tensor(mask)).sum() / sum(mask))
-    loss, grad = _loss_and_grad(actor, t)
-    # the actor's forward (with its attention mask and position ids) and this one differ by float noise:
-    # each logit sums ~1150 fp32 products along the tiny model's path, error sqrt(1150) * eps * |logit|,
-    # |logit| <= 20, a log-prob twice that (tests/proxy/test_torch_engine.py); the mean keeps that bound
-    assert loss == pytest.approx(expected, abs=2 * 1150**0.5 * torch.finfo(torch.float32).eps * 20)
-
-    tail_changed = _triplet([*response[:8], 4000, 4001], mask)  # the last masked tokens differ
-    loss2, grad2 = _loss_and_grad(actor, tail_changed)
-    assert loss2 == loss and torch.equal(grad2, grad)
-    model_changed = _triplet([78, *response[1:]], mask)  # a model token differs: the loss must notice
-    assert _loss_and_grad(actor, model_changed)[0] != loss
-
-
-def test_the_split_holds_out_whole_tasks_deterministically() -> None:
-    tasks = [f"t{i % 10}" for i in range(40)]  # 10 tasks, 4 attempts each
-    train, val = split_tasks(tasks, 0.2, seed=3)
-    assert (train, val) == split_tasks(tasks, 0.2, seed=3) and sorted(train + val) == list(range(40))
-    assert len({tasks[i] for i in val}) == 2 and not {tasks[i] for i in val} & {tasks[i] for i in train}
-    assert split_tasks(tasks, 0.2, seed=4) != (train, val)
-    assert split_tasks(["only"] * 3, 0.5, seed=0) == ([0, 1, 2], [])  # one task: it trains
 
 
 # ---------------------------------------------------------------- checkpoints and resume
