@@ -272,6 +272,18 @@ class _TimedEngine:
         return out
 
 
+_ENGINE_COUNTERS = ("prefill_batches", "prefill_s", "decode_steps", "decode_rows", "decode_s")
+
+
+def _engine_counters(engine: Any) -> dict[str, float]:
+    """The engine's cumulative work counters that it reports (TorchEngine's stats(); {} otherwise)."""
+    stats = engine.stats() if hasattr(engine, "stats") else {}
+    out = {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
+    if "decode_ms_per_step" in stats and "decode_steps" in stats:
+        out["decode_s"] = float(stats["decode_ms_per_step"]) * float(stats["decode_steps"]) / 1000
+    return out
+
+
 def _latency_ms(rows: list[dict[str, float]], spreads: list[float]) -> dict[str, Any]:
     """Medians (and maxima) over every timed proxied call of where its time went, in ms."""
     import statistics
@@ -445,6 +457,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     weights_versions: set[int | None] = set()
     latency_rows: list[dict[str, float]] = []
     spreads: list[float] = []
+    engine_work: dict[str, dict[str, float]] = {"direct": {}, "proxy": {}}
     gc.callbacks.append(on_gc)
     try:
         if n_procs > 0:
@@ -459,6 +472,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         for r in range(args.reps):  # ABBA order: a drift over the run hits both ways alike
             for way in ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct"):
                 tag = f"{way}{r}"
+                counters_before = _engine_counters(engine)
                 if way == "direct":
                     dt, counts, fin = await direct_round(tag, sp)
                 else:
@@ -479,6 +493,8 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
                         })  # fmt: skip
                     spreads.append(max(d[5][0] for d in done) - min(d[5][0] for d in done))
                 (direct_tps if way == "direct" else proxy_tps).append(sum(counts) / dt)
+                for key, value in _engine_counters(engine).items():  # summed over the timed rounds
+                    engine_work[way][key] = engine_work[way].get(key, 0.0) + value - counters_before[key]
                 tokens[way].append(sum(counts))
                 reasons[way].update(fin)
     finally:
@@ -540,6 +556,9 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             way: {"count": len(ms), "ms": round(sum(ms), 1)} for way, ms in gen2_ms.items()
         },
         "engine_start_s": round(start_s, 1),
+        "engine_work_in_timed_rounds": {  # TorchEngine: more prefill batches through the proxy = arrivals spread
+            way: {k: round(v, 3) for k, v in work.items()} for way, work in engine_work.items()
+        },
     }
     if args.backend == "vllm":
         result["vllm"] = __import__("vllm").__version__

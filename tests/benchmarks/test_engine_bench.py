@@ -52,6 +52,10 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path,
         lat["added"]["max"] <= lat["client"]["max"] and lat["send_to_engine"]["max"] <= lat["client"]["max"]
     )
     assert set(result["full_gc_in_timed_rounds"]) == {"direct", "proxy"}
+    for way, work in result["engine_work_in_timed_rounds"].items():  # the engine's own counters, per way
+        assert work["prefill_batches"] >= reps and work["decode_steps"] > 0 and work["decode_s"] > 0
+        # each request's first token comes from its prefill, every other one from a decode row
+        assert work["decode_rows"] == sum(result["tokens_per_round"][way]) - agents * reps
     assert gc.isenabled()  # the bench leaves the collector on
 
 
