@@ -1,8 +1,8 @@
 """The event loops agentloop creates: uvloop where it is installed, else asyncio's own.
 
 agentloop's servers (proxy, store server) run in their caller's event loop, so a program that makes
-its own loop chooses it. The loops agentloop makes itself (``agentloop serve`` and ``agentloop runner``,
-the proxy benchmarks) go through ``run``, which picks uvloop when it can be imported: the proxy's
+its own loop chooses it. The loops agentloop makes itself (``Trainer.fit``, which hosts the proxy while
+training, ``Runner.run_sync``, ``agentloop serve`` and ``agentloop runner``, the proxy benchmarks) go through ``run``, which picks uvloop when it can be imported: the proxy's
 event-loop CPU per call in a burst of 128 is lower on it (benchmarks/results/proxy_cpu_profile.json).
 
 ``AGENTLOOP_UVLOOP=0`` (or false / no / off) turns it off, for an A/B or to rule it out while

@@ -34,7 +34,7 @@ import anyio.from_thread
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from agentloop import tracing
+from agentloop import event_loop, tracing
 from agentloop.agent import Agent, FunctionAgent, attempt_context, check_reward
 from agentloop.errors import InvalidTransitionError, StoreUnavailableError
 from agentloop.logging import get_logger
@@ -217,9 +217,10 @@ class Runner:
         return self.stats
 
     def run_sync(self, max_rollouts: int | None = None, handle_signals: bool = True) -> RunnerStats:
-        """``run`` in a new event loop (asyncio); handles SIGINT/SIGTERM when called from the main thread."""
+        """``run`` in a new event loop (uvloop where installed, see agentloop.event_loop); handles
+        SIGINT/SIGTERM when called from the main thread."""
         handle = handle_signals and threading.current_thread() is threading.main_thread()
-        return anyio.run(functools.partial(self.run, max_rollouts=max_rollouts, handle_signals=handle))
+        return event_loop.run(functools.partial(self.run, max_rollouts=max_rollouts, handle_signals=handle))
 
     async def _loop(self, max_rollouts: int | None) -> None:
         assert self._stop_event is not None

@@ -35,6 +35,7 @@ import anyio
 import structlog
 import torch
 
+from agentloop import event_loop
 from agentloop.adapter import group_by_attempt, triplets_for_rollouts
 from agentloop.agent import Agent
 from agentloop.errors import AgentLoopError, EmptyBatchError, TrainerTimeoutError
@@ -209,7 +210,8 @@ class Trainer:
         try:
             with _clean_stop(state):
                 try:
-                    return anyio.run(self._fit, agent, train, val, store, engine, state)
+                    # uvloop where installed: the proxy it hosts spends less CPU per call
+                    return event_loop.run(self._fit, agent, train, val, store, engine, state)
                 except BaseExceptionGroup as group:  # the loop's task group: raise the one error itself
                     leaf = _single_error(group)
                     if leaf is None:
