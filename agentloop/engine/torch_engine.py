@@ -224,7 +224,8 @@ class TorchEngine:
             if self._thread is None or not self._thread.is_alive():
                 if self._device.type == "cpu":
                     free_openmp_pool_of_this_thread()
-                shorten_gil_switch_interval()
+                if self._device.type == "cuda":  # steps of a few ms: a 5 ms wait for the GIL shows
+                    shorten_gil_switch_interval()
                 self._thread = threading.Thread(target=self._loop, name="agentloop-torch-engine", daemon=True)
                 self._thread.start()
 
