@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 GPU_MEM = 0.25  # each engine's share of the GPU; three fit on one card
+VOCAB = 151936  # the random Qwen2-0.5B shape's
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -23,25 +24,57 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, min(vocab, 49152)) for _ in range(length)] for _ in range(n)]
 
 
-async def bench_vllm(path: Path, args: Any) -> dict[str, Any]:
-    from vllm import SamplingParams as VSamplingParams
+def _raw_engine(path: Path, gpu_memory_utilization: float) -> Any:
+    """Raw vLLM ``AsyncLLM`` as every baseline here runs it: bf16, prefix caching on, raw logprobs."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(path), dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=1, seed=0,
+            generation_config="vllm", max_num_seqs=256, max_model_len=4096, disable_log_stats=True,
+        )
+    )  # fmt: skip
+
+
+def _raw_params(max_tokens: int, logprobs: int | None) -> Any:
+    """vLLM sampling at temperature 1, eos ignored, token ids only, the final output only."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VSamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
+                           detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+
+async def _raw_round(raw: Any, vsp: Any, n: int, prompt_len: int, seed: int) -> float:
+    """``n`` fresh random prompts through raw vLLM at once; generated tokens/s. Every request must make
+    ``vsp.max_tokens`` tokens, with logprobs when ``vsp`` asks for them."""
+    from vllm.inputs import TokensPrompt
+
+    async def one(rid: str, p: list[int]) -> int:
+        final = None
+        async for out in raw.generate(TokensPrompt(prompt_token_ids=p), vsp, request_id=rid):
+            final = out
+        assert final is not None and (vsp.logprobs is None or final.outputs[0].logprobs is not None)
+        return len(final.outputs[0].token_ids)
+
+    m = vsp.max_tokens
+    batch = _prompts(n, prompt_len, VOCAB, seed)
+    t = time.perf_counter()
+    counts = await asyncio.gather(*[one(f"raw-{seed}-{i}", p) for i, p in enumerate(batch)])
+    dt = time.perf_counter() - t
+    assert sum(counts) == n * m, (sum(counts), n * m)
+    return n * m / dt
+
+
+async def bench_vllm(path: Path, args: Any) -> dict[str, Any]:
     from agentloop.engine.base import SamplingParams
     from agentloop.engine.factory import load_engine
 
     n, m = args.prompts, args.new_tokens
     t0 = time.perf_counter()
-    raw = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(path), dtype="bfloat16", gpu_memory_utilization=GPU_MEM, enable_prefix_caching=True,
-            logprobs_mode="raw_logprobs", max_logprobs=1, seed=0, generation_config="vllm",
-            max_num_seqs=256, max_model_len=4096, disable_log_stats=True,
-        )
-    )  # fmt: skip
+    raw = _raw_engine(path, GPU_MEM)
     raw_init = time.perf_counter() - t0
     t0 = time.perf_counter()
     ours = load_engine(str(path), device="cuda", backend="vllm", dtype="bfloat16",
@@ -51,25 +84,12 @@ async def bench_vllm(path: Path, args: Any) -> dict[str, Any]:
     live = load_engine(str(path), device="cuda", backend="vllm", dtype="bfloat16",
                        gpu_memory_utilization=GPU_MEM, max_batch_size=256, live_stats=True)  # fmt: skip
     await live.start()
-    vsp = VSamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, logprobs=0, detokenize=False,
-                          output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    vsp = _raw_params(m, 0)
     sp = SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, logprobs=True)
-    vocab = 151936
-
-    async def raw_one(rid: str, p: list[int]) -> int:
-        final = None
-        async for out in raw.generate(TokensPrompt(prompt_token_ids=p), vsp, request_id=rid):
-            final = out
-        assert final is not None and final.outputs[0].logprobs is not None
-        return len(final.outputs[0].token_ids)
+    vocab = VOCAB
 
     async def raw_round(seed: int) -> float:
-        batch = _prompts(n, args.prompt_len, vocab, seed)
-        t = time.perf_counter()
-        counts = await asyncio.gather(*[raw_one(f"raw-{seed}-{i}", p) for i, p in enumerate(batch)])
-        dt = time.perf_counter() - t
-        assert sum(counts) == n * m, (sum(counts), n * m)
-        return n * m / dt
+        return await _raw_round(raw, vsp, n, args.prompt_len, seed)
 
     async def ours_round(seed: int, eng: Any = None) -> float:
         eng = eng or ours
@@ -136,51 +156,18 @@ async def bench_torch_vs_vllm(path: Path, args: Any) -> dict[str, Any]:
     ``logprobs=None`` and once with ``logprobs=0``. Rounds rotate raw / raw+logprobs / torch.
     """
     import torch
-    from vllm import SamplingParams as VSamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from agentloop.engine.base import SamplingParams
     from agentloop.engine.torch_engine import TorchEngine
 
-    n, m, vocab = args.prompts, args.new_tokens, 151936
-    raw = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(path), dtype="bfloat16", gpu_memory_utilization=0.4, enable_prefix_caching=True,
-            logprobs_mode="raw_logprobs", max_logprobs=1, seed=0, generation_config="vllm",
-            max_num_seqs=256, max_model_len=4096, disable_log_stats=True,
-        )
-    )  # fmt: skip
+    n, m, vocab = args.prompts, args.new_tokens, VOCAB
+    raw = _raw_engine(path, 0.4)
     torch_engine = TorchEngine(path, device="cuda", dtype=torch.bfloat16, max_batch_size=n)
-    kinds = {
-        lp: VSamplingParams(
-            temperature=1.0,
-            max_tokens=m,
-            ignore_eos=True,
-            logprobs=lp,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        for lp in (None, 0)
-    }
+    kinds = {lp: _raw_params(m, lp) for lp in (None, 0)}
     sp = SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, logprobs=True)
 
     async def raw_round(seed: int, logprobs: int | None) -> float:
-        async def one(rid: str, p: list[int]) -> int:
-            final = None
-            async for out in raw.generate(TokensPrompt(prompt_token_ids=p), kinds[logprobs], request_id=rid):
-                final = out
-            assert final is not None and (logprobs is None or final.outputs[0].logprobs is not None)
-            return len(final.outputs[0].token_ids)
-
-        batch = _prompts(n, args.prompt_len, vocab, seed)
-        t = time.perf_counter()
-        counts = await asyncio.gather(*[one(f"raw-{seed}-{i}", p) for i, p in enumerate(batch)])
-        dt = time.perf_counter() - t
-        assert sum(counts) == n * m, (sum(counts), n * m)
-        return n * m / dt
+        return await _raw_round(raw, kinds[logprobs], n, args.prompt_len, seed)
 
     async def torch_round(seed: int) -> float:
         batch = _prompts(n, args.prompt_len, vocab, seed)
