@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from agentloop.engine._sampling import _MIN_TEMPERATURE, _MIX1, _MIX2
+from agentloop.engine._sampling import _GOLDEN, _MIN_TEMPERATURE, _MIX1, _MIX2
 
 try:  # Triton ships with CUDA builds of torch; absent on CPU-only installs
     import triton
@@ -44,7 +44,7 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
-    _GOLDEN = tl.constexpr(0x9E3779B1)  # the hash's constants, as _sampling.gumbel's
+    _K_GOLDEN = tl.constexpr(_GOLDEN)  # the hash's constants: _sampling.gumbel's
     _K_MIX1 = tl.constexpr(_MIX1)
     _K_MIX2 = tl.constexpr(_MIX2)
 
@@ -83,7 +83,7 @@ if triton is not None:
             x = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
             s = libdevice.div_rn(x, divisor)  # IEEE division, as torch's
             if NOISE:
-                h = key ^ (ids.to(tl.uint32) * _GOLDEN)
+                h = key ^ (ids.to(tl.uint32) * _K_GOLDEN)
                 h = h * _K_MIX1
                 h ^= h >> 15
                 h = h * _K_MIX2

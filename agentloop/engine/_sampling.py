@@ -33,6 +33,7 @@ _FIXED_ONE = float(1 << 42)  # fixed-point scale of probabilities: a row's sum s
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 _MIX1, _MIX2 = 0x7FEB352D, 0x68E31DA5  # odd, < 2**31: a 32-bit value times one fits in int64
+_GOLDEN = 0x9E3779B1  # spreads token ids over 32 bits before the mixing
 _MIN_TEMPERATURE = 1e-5
 
 
@@ -47,7 +48,7 @@ def row_key(seed: int, step: int) -> int:
 def gumbel(key: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise ``(B, n)`` fp32 for rows' keys ``(B,)`` and token ids ``(B, n)`` or ``(n,)``
     (int64); a pure function of (key, token id)."""
-    x = key[:, None] ^ ((token_ids * 0x9E3779B1) & _M32)  # values stay < 2**32
+    x = key[:, None] ^ ((token_ids * _GOLDEN) & _M32)  # values stay < 2**32
     x = (x * _MIX1) & _M32
     x ^= x >> 15
     x = (x * _MIX2) & _M32
