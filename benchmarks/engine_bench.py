@@ -272,16 +272,17 @@ class _TimedEngine:
         return out
 
 
-_ENGINE_COUNTERS = ("prefill_batches", "prefill_s", "decode_steps", "decode_rows")  # and decode_s, derived
+# TorchEngine's cumulative counters and engine-thread seconds (its stats()): where a round's engine time went
+_ENGINE_COUNTERS = (
+    "prefill_batches", "decode_steps", "decode_rows", "graph_captures",
+    "step_s", "schedule_s", "prefill_s", "decode_s", "update_s",
+)  # fmt: skip
 
 
 def _engine_counters(engine: Any) -> dict[str, float]:
     """The engine's cumulative work counters that it reports (TorchEngine's stats(); {} otherwise)."""
     stats = engine.stats() if hasattr(engine, "stats") else {}
-    out = {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
-    if "decode_ms_per_step" in stats and "decode_steps" in stats:
-        out["decode_s"] = float(stats["decode_ms_per_step"]) * float(stats["decode_steps"]) / 1000
-    return out
+    return {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
 
 
 def _latency_ms(rows: list[dict[str, float]], spreads: list[float]) -> dict[str, Any]:

@@ -199,7 +199,9 @@ class TorchEngine:
             tuple[dict[str, torch.Tensor], asyncio.Future[int], asyncio.AbstractEventLoop]
         ] = []
         self._stats = collections.Counter[str]()
-        self._timers = {"decode_s": 0.0, "prefill_s": 0.0}
+        # seconds of the engine thread: steps in all, admission (prefill + first tokens), decode
+        # forwards, bookkeeping after a decode (append, finish, slot moves, prefix-cache stores)
+        self._timers = {"step_s": 0.0, "schedule_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "update_s": 0.0}
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -287,7 +289,7 @@ class TorchEngine:
         steps = s.get("decode_steps", 0)
         s["mean_decode_batch"] = s.get("decode_rows", 0) / steps if steps else 0.0
         s["decode_ms_per_step"] = 1e3 * self._timers["decode_s"] / steps if steps else 0.0
-        s["prefill_s"] = self._timers["prefill_s"]
+        s.update(self._timers)
         s.update(cuda_graphs=self._runner.cuda_graphs, graph_captures=self._runner.captures,
                  graph_replays=self._runner.replays)  # fmt: skip
         s.update(
@@ -359,9 +361,18 @@ class TorchEngine:
                     self._finish(req, "abort")
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._step_once()
+        finally:
+            self._timers["step_s"] += time.perf_counter() - t0
+
+    def _step_once(self) -> None:
         if self._updates and (self._policy == "inflight" or not self._running):
             self._apply_updates()
+        t0 = time.perf_counter()
         new = set(self._schedule()) if not self._updates else set()
+        self._timers["schedule_s"] += time.perf_counter() - t0
         old = [r for r in self._running if r not in new]
         if old:
             try:
@@ -371,7 +382,9 @@ class TorchEngine:
                 for req in reversed(old):  # last slot first: nothing moves
                     self._fail(req, exc)
                 return
+            t1 = time.perf_counter()
             self._update(old, tokens, logprobs)
+            self._timers["update_s"] += time.perf_counter() - t1
 
     def _schedule(self) -> list[_Request]:
         """Admit waiting requests while slots are free; prefill them in groups, sample first tokens."""
