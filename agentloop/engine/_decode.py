@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from agentloop.engine import _fused_sampling
+from agentloop.engine._attention import cudnn_attention
 from agentloop.engine._cpu_decode import CpuDecoder, supports
 from agentloop.engine._kv import SlotKVCache
 from agentloop.engine._sampling import SampleMode, sample
@@ -173,7 +174,12 @@ class ModelRunner:
 
     def _capture(self, key: GraphKey, n: int) -> torch.Tensor:
         """Warm up eagerly on a side stream (this IS the step's result: its cache writes are
-        idempotent), capture, replay; the first capture is checked against the eager result."""
+        idempotent), capture, replay; the first capture is checked against the eager result.
+        Captured with SDPA's cuDNN backend allowed (see ``cudnn_attention``)."""
+        with cudnn_attention():
+            return self._capture_step(key, n)
+
+    def _capture_step(self, key: GraphKey, n: int) -> torch.Tensor:
         stream = torch.cuda.Stream(self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):

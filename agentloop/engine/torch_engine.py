@@ -62,7 +62,7 @@ import anyio
 import structlog
 import torch
 
-from agentloop.engine._attention import use_grouped_sdpa
+from agentloop.engine._attention import avoid_cudnn_attention, use_grouped_sdpa
 from agentloop.engine._decode import DecodeRow, ModelRunner
 from agentloop.engine._kv import PrefixCache, SlotKVCache
 from agentloop.engine._sampling import row_key, sample, sample_mode
@@ -228,6 +228,7 @@ class TorchEngine:
                     free_openmp_pool_of_this_thread()
                 if self._device.type == "cuda":  # steps of a few ms: a 5 ms wait for the GIL shows
                     shorten_gil_switch_interval()
+                    avoid_cudnn_attention()  # a cuDNN plan per new prefill shape: 50-700 ms each
                 self._thread = threading.Thread(target=self._loop, name="agentloop-torch-engine", daemon=True)
                 self._thread.start()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentloop.engine._attention import grouped_sdpa, use_grouped_sdpa
+from agentloop.engine._attention import avoid_cudnn_attention, cudnn_attention, grouped_sdpa, use_grouped_sdpa
 
 
 @pytest.mark.parametrize("q", [1, 5])
@@ -46,3 +46,29 @@ def test_model_logits_are_unchanged(tiny_model_dir: Path) -> None:
         b = grouped(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(a[0, 2:], b[0, 2:])
     torch.testing.assert_close(a[1], b[1])
+
+
+def test_avoid_cudnn_attention_turns_the_backend_off_once() -> None:
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        avoid_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        avoid_cudnn_attention()  # already off: stays off
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_cudnn_attention_allows_it_inside_and_restores_the_setting() -> None:
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        with cudnn_attention():
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        with pytest.raises(RuntimeError), cudnn_attention():
+            raise RuntimeError("a failed capture")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
