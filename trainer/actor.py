@@ -184,6 +184,11 @@ class Actor:
         """The (B, R) log-probs of every row, from ``out`` holding the rows this process computed."""
         return out
 
+    def _sync_gradients(self, on: bool) -> None:
+        """Whether the next backward syncs its gradients across processes: trainer/dp.py skips the sync
+        on all but a mini-batch's last micro-batch (fsdp_config.grad_sync_per_micro_batch=false); one
+        process has nothing to sync."""
+
     # ------------------------------------------------------------ the update
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -295,48 +300,53 @@ class Actor:
             totals["actor/grad_norm"] = 0.0
             return totals
         active_tokens = max(float(active.response_mask.sum()), 1.0)  # the rows the metrics average over
-        for mb, _rows in self._split_micro_batches(active):
-            m = mb.response_mask.bool()  # (b, r)
-            r = mb.response_length
-            logprobs, ent = self._forward(self.model, mb, entropy=True)
-            old = mb.extras["old_logprobs"][:, :r]
-            adv = mb.extras["advantages"][:, :r]
-            is_weights = mb.extras.get("rollout_is_weights")
-            row_weights = mb.extras.get("row_weights")
-            pl = compute_policy_loss(
-                actor.policy_loss,
-                logprobs,
-                old,
-                adv,
-                mb.response_mask,
-                clip_ratio_low=actor.clip_ratio_low,
-                clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c,
-                loss_agg_mode=agg,
-                rollout_is_weights=None if is_weights is None else is_weights[:, :r],
-                row_weights=row_weights,
-            )
-            share = float(m.sum()) / active_tokens  # this micro-batch's share of the active tokens
-            # re-aggregate the policy loss against the mini-batch denominator
-            policy_loss = pl.loss * _local_count(m, pg_agg) / pg_denom
-            entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom, row_weights=row_weights)  # type: ignore[arg-type]
-            loss = policy_loss - actor.entropy_coeff * entropy
-            if actor.use_kl_loss:
-                ref = mb.extras["ref_logprobs"][:, :r]
-                kl = agg_loss(
-                    kl_penalty(logprobs, ref, actor.kl_loss_type),
+        micro = self._split_micro_batches(active)
+        try:
+            for i, (mb, _rows) in enumerate(micro):
+                m = mb.response_mask.bool()  # (b, r)
+                r = mb.response_length
+                logprobs, ent = self._forward(self.model, mb, entropy=True)
+                old = mb.extras["old_logprobs"][:, :r]
+                adv = mb.extras["advantages"][:, :r]
+                is_weights = mb.extras.get("rollout_is_weights")
+                row_weights = mb.extras.get("row_weights")
+                pl = compute_policy_loss(
+                    actor.policy_loss,
+                    logprobs,
+                    old,
+                    adv,
                     mb.response_mask,
-                    agg,
-                    denominator=denom,
+                    clip_ratio_low=actor.clip_ratio_low,
+                    clip_ratio_high=actor.clip_ratio_high,
+                    clip_ratio_c=actor.clip_ratio_c,
+                    loss_agg_mode=agg,
+                    rollout_is_weights=None if is_weights is None else is_weights[:, :r],
                     row_weights=row_weights,
                 )
-                loss = loss + actor.kl_loss_coef * kl
-                totals["actor/kl_loss"] += float(kl)
-            loss.backward()
-            totals["actor/pg_loss"] += float(policy_loss.detach())
-            totals["actor/entropy"] += float(entropy.detach())
-            totals["actor/clip_frac"] += float(pl.clip_frac) * share
-            totals["actor/approx_kl"] += float(pl.approx_kl) * share
+                share = float(m.sum()) / active_tokens  # this micro-batch's share of the active tokens
+                # re-aggregate the policy loss against the mini-batch denominator
+                policy_loss = pl.loss * _local_count(m, pg_agg) / pg_denom
+                entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom, row_weights=row_weights)  # type: ignore[arg-type]
+                loss = policy_loss - actor.entropy_coeff * entropy
+                if actor.use_kl_loss:
+                    ref = mb.extras["ref_logprobs"][:, :r]
+                    kl = agg_loss(
+                        kl_penalty(logprobs, ref, actor.kl_loss_type),
+                        mb.response_mask,
+                        agg,
+                        denominator=denom,
+                        row_weights=row_weights,
+                    )
+                    loss = loss + actor.kl_loss_coef * kl
+                    totals["actor/kl_loss"] += float(kl)
+                self._sync_gradients(i == len(micro) - 1)  # padded: the same count on every rank
+                loss.backward()
+                totals["actor/pg_loss"] += float(policy_loss.detach())
+                totals["actor/entropy"] += float(entropy.detach())
+                totals["actor/clip_frac"] += float(pl.clip_frac) * share
+                totals["actor/approx_kl"] += float(pl.approx_kl) * share
+        finally:
+            self._sync_gradients(True)  # also after an exception: the next backward syncs again
         totals["actor/grad_norm"] = self._apply_gradients()
         return totals
 

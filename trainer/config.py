@@ -233,6 +233,13 @@ class FSDPConfig(_Section):
         "backward); False keeps them from forward to backward: one all-gather per layer and micro-batch "
         "instead of two, at the memory of the whole unsharded model on every rank.",
     )
+    grad_sync_per_micro_batch: bool = Field(
+        default=True,
+        description="Reduce-scatter the gradients after every micro-batch's backward; False accumulates "
+        "them unsharded on each rank and reduce-scatters once per optimizer step (in the mini-batch's last "
+        "backward): one reduce-scatter per layer and mini-batch instead of one per micro-batch, at the "
+        "memory of a full-size fp32 gradient of the model on every rank. The same step either way.",
+    )
 
 
 class ActorConfig(_Section):

@@ -138,6 +138,9 @@ class Critic:
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
+    def _sync_gradients(self, on: bool) -> None:
+        """Whether the next backward syncs gradients across processes (trainer/dp.py; as the Actor's)."""
+
     def _forward(self, mb: Batch) -> torch.Tensor:
         cuda = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -204,25 +207,30 @@ class Critic:
         if not bool(mask_all.any()):
             totals["critic/grad_norm"] = 0.0
             return totals
-        for mb, _rows in self._split_micro_batches(mini):
-            r = mb.response_length
-            m = mb.response_mask.bool()
-            vpreds = self._forward(mb)  # (b, r)
-            out = value_loss(
-                vpreds,
-                mb.extras["old_values"][:, :r],
-                mb.extras["returns"][:, :r],
-                mb.response_mask,
-                cliprange_value=cc.cliprange_value,
-                loss_agg_mode=agg,
-                denominator=denom,
-                row_weights=mb.extras.get("row_weights"),
-            )
-            out.loss.backward()
-            share = float(m.sum()) / total_tokens
-            totals["critic/vf_loss"] += float(out.loss.detach())
-            totals["critic/vf_clipfrac"] += float(out.clip_frac) * share
-            totals["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), m)) * share
+        micro = self._split_micro_batches(mini)
+        try:
+            for i, (mb, _rows) in enumerate(micro):
+                r = mb.response_length
+                m = mb.response_mask.bool()
+                vpreds = self._forward(mb)  # (b, r)
+                out = value_loss(
+                    vpreds,
+                    mb.extras["old_values"][:, :r],
+                    mb.extras["returns"][:, :r],
+                    mb.response_mask,
+                    cliprange_value=cc.cliprange_value,
+                    loss_agg_mode=agg,
+                    denominator=denom,
+                    row_weights=mb.extras.get("row_weights"),
+                )
+                self._sync_gradients(i == len(micro) - 1)  # padded: the same count on every rank
+                out.loss.backward()
+                share = float(m.sum()) / total_tokens
+                totals["critic/vf_loss"] += float(out.loss.detach())
+                totals["critic/vf_clipfrac"] += float(out.clip_frac) * share
+                totals["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), m)) * share
+        finally:
+            self._sync_gradients(True)  # also after an exception: the next backward syncs again
         grad_norm = torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), cc.grad_clip)
         if math.isfinite(float(grad_norm)):
             optim = cc.optim

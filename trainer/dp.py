@@ -14,6 +14,10 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   an all-zero response mask: zero loss, zero gradient) so every rank runs the same number of
   forwards and backwards. Old/ref logprobs computed on each rank's rows are summed (all-reduce) into
   the full (B, R) tensor, so advantages are computed on the whole batch, identically everywhere.
+* Gradient reduce-scatters: one per layer and micro-batch by default; with
+  ``fsdp_config.grad_sync_per_micro_batch=false`` one per layer and mini-batch, in its last backward (the
+  same micro-batch index on every rank, the counts being padded), the others accumulating full-size
+  fp32 gradients on each rank (``sync_gradients``).
 * CPU: FSDP2 (``fully_shard``) runs over gloo in torch 2.13 (checked: forward, backward,
   reduce-scatter, ``clip_grad_norm_`` over DTensors and ``full_tensor()`` all work), so CI runs the
   same code path as the GPUs.
@@ -104,6 +108,18 @@ def shard(model: nn.Module, layers: Any, reshard_after_forward: bool = True) -> 
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
+def sync_gradients(model: nn.Module, on: bool) -> None:
+    """Turn FSDP2's gradient reduce-scatter in the next backwards on or off for every unit of ``model``;
+    while off, each rank accumulates its unsharded (full-size) gradients, and the next backward with it
+    on reduce-scatters their sum. An update that raises mid-mini-batch turns it back on but leaves the
+    unsynced gradients inside FSDP2 (the run stops there: an update is not retried)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"sync_gradients needs a model sharded by shard(), got {type(model).__name__}")
+    model.set_requires_gradient_sync(on)  # recurse=True: the root and every layer
+
+
 def _sum_over_ranks(
     totals: dict[str, float], keys: tuple[str, ...], device: torch.device
 ) -> dict[str, float]:
@@ -148,8 +164,9 @@ class ShardedCritic(Critic):
     ) -> None:
         super().__init__(config, model_path, device, shared_prompts=False)
         self.rank, self.world_size = rank, world_size
-        reshard = config.actor_rollout_ref.actor.fsdp_config.reshard_after_forward
-        shard(self.model, getattr(self.model.decoder, "layers", None), reshard)
+        fsdp = config.actor_rollout_ref.actor.fsdp_config  # the critic shards as the actor does
+        self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
+        shard(self.model, getattr(self.model.decoder, "layers", None), fsdp.reshard_after_forward)
         optim = config.critic.optim
         self.optimizer = torch.optim.AdamW(  # over the DTensor shards now
             self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
@@ -161,6 +178,10 @@ class ShardedCritic(Critic):
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)  # each row was filled by exactly one rank
         return out
+
+    def _sync_gradients(self, on: bool) -> None:
+        if not self.grad_sync_per_micro_batch:
+            sync_gradients(self.model, on)
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
@@ -191,8 +212,10 @@ class ShardedActor(Actor):
         self.rank, self.world_size = rank, world_size
         super().__init__(config, model_path, device)
         self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
-        reshard = config.actor_rollout_ref.actor.fsdp_config.reshard_after_forward
-        shard(self.model, getattr(getattr(self.model, "model", None), "layers", None), reshard)
+        fsdp = config.actor_rollout_ref.actor.fsdp_config
+        self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        shard(self.model, layers, fsdp.reshard_after_forward)
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
         self.optimizer = torch.optim.AdamW(
@@ -232,6 +255,10 @@ class ShardedActor(Actor):
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)  # each row was filled by exactly one rank: the sum is the whole (B, R)
         return out
+
+    def _sync_gradients(self, on: bool) -> None:
+        if not self.grad_sync_per_micro_batch:  # one reduce-scatter per mini-batch (FSDPConfig)
+            sync_gradients(self.model, on)
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)

@@ -1,13 +1,17 @@
 """Where a data-parallel (FSDP2) trainer update spends its time, per rank (a diagnostic, not a target).
 
-    torchrun --nproc_per_node N benchmarks/gpu/dp_phases.py --rows 128
+    torchrun --nproc_per_node N benchmarks/gpu/dp_phases.py --rows 128 [--no-compile] [--bf16-params]
+        [--bf16-reduce] [--no-reshard] [--grad-sync-per-mini-batch]
 
 Every rank builds scale_bench's batch (``--rows`` samples in all, prompts and responses of 50-100% of
 ``--prompt-len`` / ``--response-len``), a ``ShardedActor`` over the N ranks, and times its update with
 each phase wrapped in ``cuda.synchronize()`` timers: the old-logprob pass, each micro-batch's forward
 and backward, the gradient step (clip + AdamW), and the rest. Prints one JSON line per rank (its
-tokens, micro-batch shapes and phase seconds) and, on rank 0, the update time without the timers.
-No Ray: torchrun starts the ranks, so it runs where Ray is not installed.
+tokens, micro-batch shapes, phase seconds, the FSDP2 collectives it issued in the timed update, and the
+options it ran with) and the update time without the timers. No Ray: torchrun starts the ranks, so it
+runs where Ray is not installed. The FSDP2 options combine: ``--no-reshard`` and
+``--grad-sync-per-mini-batch`` set the trainer's fsdp_config, ``--bf16-params`` and ``--bf16-reduce``
+(A/B only, no config key) a MixedPrecisionPolicy passed to every ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -57,20 +61,67 @@ class PhaseTimer:
 
 
 def _fsdp_options(args: argparse.Namespace) -> None:
-    """Pass FSDP2 options to trainer.dp.shard's ``fully_shard`` calls (an A/B without code changes)."""
+    """Pass FSDP2 options that have no config key to trainer.dp.shard's ``fully_shard`` calls (an A/B
+    without code changes): the mixed-precision policy. Options with a config key go through the config
+    (``_overrides``): shard() passes reshard_after_forward itself, which would override one set here."""
     import functools
 
     import torch.distributed.fsdp as fsdp
 
-    kwargs: dict[str, Any] = {}
-    if args.bf16_params:
-        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    if args.bf16_params or args.bf16_reduce:
+        policy = fsdp.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if args.bf16_params else None,  # None: the fp32 master weights
+            reduce_dtype=torch.bfloat16 if args.bf16_reduce else torch.float32,
         )
+        fsdp.fully_shard = functools.partial(fsdp.fully_shard, mp_policy=policy)  # type: ignore[assignment]
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The trainer config keys the flags set."""
+    out = []
+    if args.no_compile:
+        out.append("actor_rollout_ref.actor.use_torch_compile=false")
     if args.no_reshard:
-        kwargs["reshard_after_forward"] = False
-    if kwargs:
-        fsdp.fully_shard = functools.partial(fsdp.fully_shard, **kwargs)  # type: ignore[assignment]
+        out.append("actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false")
+    if args.grad_sync_per_mini_batch:
+        out.append("actor_rollout_ref.actor.fsdp_config.grad_sync_per_micro_batch=false")
+    return out
+
+
+_COLLECTIVES = (  # what FSDP2 calls, by torch version (a deprecated name forwards to its successor)
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+)
+
+
+def _count_collectives(counts: dict[str, int]) -> Callable[[], None]:
+    """Count torch.distributed calls by name into ``counts`` (a call made inside another counted call,
+    as a deprecated name forwarding, counts once); returns the function that restores them."""
+    depth = [0]
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                counts[name] = counts.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    def restore() -> None:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    return restore
 
 
 def _profile(actor: ShardedActor, batch: Any, out: str | None) -> None:
@@ -106,7 +157,15 @@ def main() -> None:
     ap.add_argument(
         "--bf16-params", action="store_true", help="FSDP2 all-gathers bf16 parameters (fp32 grads)"
     )
+    ap.add_argument(
+        "--bf16-reduce", action="store_true", help="FSDP2 reduce-scatters bf16 gradients (A/B only)"
+    )
     ap.add_argument("--no-reshard", action="store_true", help="FSDP2 keeps parameters gathered after forward")
+    ap.add_argument(
+        "--grad-sync-per-mini-batch",
+        action="store_true",
+        help="fsdp_config.grad_sync_per_micro_batch=false: one gradient reduce-scatter per mini-batch",
+    )
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
     ap.add_argument("--profile", default=None, help="rank 0 writes a kernel table of one update to this file")
     args = ap.parse_args()
@@ -118,9 +177,8 @@ def main() -> None:
     holder = [model]
     dist.broadcast_object_list(holder)
     args.batch, args.device = args.rows, "cuda"
-    config = _config(holder[0], args.rows, args)
-    if args.no_compile:
-        config = config.with_overrides(["actor_rollout_ref.actor.use_torch_compile=false"])
+    overrides = _overrides(args)
+    config = _config(holder[0], args.rows, args).with_overrides(overrides)
     actor = ShardedActor(config, holder[0], "cuda", rank, world)
     batch = _batch(args.rows, args.prompt_len, args.response_len)
 
@@ -150,28 +208,44 @@ def main() -> None:
     actor._forward = timer.wrap("forward", forward_noted)  # type: ignore[method-assign]
     backward = torch.Tensor.backward
     torch.Tensor.backward = timer.wrap("backward", backward)  # type: ignore[method-assign]
+    collectives: dict[str, int] = {}
+    restore = _count_collectives(collectives)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    actor.update(batch)
+    metrics = actor.update(batch)
     torch.cuda.synchronize()
     timed_total = time.perf_counter() - t0
+    restore()
     torch.Tensor.backward = backward  # type: ignore[method-assign]
     report = {
         "rank": rank,
         "world": world,
         "rows": args.rows,
-        "bf16_params": args.bf16_params,
-        "no_reshard": args.no_reshard,
+        "options": {
+            "bf16_params": args.bf16_params,
+            "bf16_reduce": args.bf16_reduce,
+            "no_reshard": args.no_reshard,
+            "grad_sync_per_mini_batch": args.grad_sync_per_mini_batch,
+            "no_compile": args.no_compile,
+            "config_overrides": overrides,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        },
         "update_s_median": round(statistics.median(plain), 4),
         "update_s_all": [round(x, 4) for x in plain],
         "timed_update_s": round(timed_total, 4),
         "phase_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         "phase_calls": timer.calls,
+        "optimizer_steps": int(metrics["actor/optimizer_steps"]),
+        "collective_calls": collectives,  # in the timed update, by torch.distributed function
         "forward_shapes_rows_width_tokens": timer.shapes,
         "note": "forward includes the old-logprob forwards (also inside old_logprobs)",
         "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
     }
-    print(json.dumps(report), flush=True)
+    for r in range(world):  # one rank at a time: whole lines on the shared stdout
+        if r == rank:
+            print(json.dumps(report), flush=True)
+        dist.barrier()
     dist.destroy_process_group()
 
 

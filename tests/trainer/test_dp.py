@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,11 @@ from trainer.dp import DataParallelGroup, balance_by_tokens
 
 
 def _config(
-    model_dir: Path, token_budget: int, estimator: str = "grpo", reshard_after_forward: bool = True
+    model_dir: Path,
+    token_budget: int,
+    estimator: str = "grpo",
+    reshard_after_forward: bool = True,
+    grad_sync_per_micro_batch: bool = True,
 ) -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
@@ -32,7 +38,10 @@ def _config(
                     "optim": {"lr": 1e-3, "weight_decay": 0.0},
                     "grad_clip": 1.0,
                     "entropy_coeff": 0.01,
-                    "fsdp_config": {"reshard_after_forward": reshard_after_forward},
+                    "fsdp_config": {
+                        "reshard_after_forward": reshard_after_forward,
+                        "grad_sync_per_micro_batch": grad_sync_per_micro_batch,
+                    },
                 },
             },
             "trainer": {"device": "cpu"},
@@ -68,14 +77,57 @@ def test_balance_by_tokens_is_greedy_and_deterministic() -> None:
         balance_by_tokens([1], 0)
 
 
+def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[str, int]]]:
+    """Two functions to run in each rank (DPWorker.call): the first starts counting the gradient
+    reduce-scatters on the wire and the policy's forwards with autograd on (one per training micro-batch;
+    the log-prob passes run without), the second returns the counts and the number of FSDP units.
+    Nested, so Ray pickles them by value (the ranks cannot import this test module)."""
+
+    def start(worker: Any) -> None:
+        import torch.distributed as dist
+
+        counts = worker.extensions["counts"] = {"reduce_scatter": 0, "train_forward": 0}
+        # the call FSDP2 makes: reduce_scatter_single in torch 2.13, reduce_scatter_tensor before it existed
+        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        collective = getattr(dist, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts["reduce_scatter"] += 1
+            return collective(*args, **kwargs)
+
+        setattr(dist, name, counted)  # in this rank's process only, which ends with the test
+
+        def forward_hook(*_: Any) -> None:
+            counts["train_forward"] += torch.is_grad_enabled()
+
+        worker.actor.model.register_forward_hook(forward_hook)
+
+    def read(worker: Any) -> dict[str, int]:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = sum(isinstance(m, FSDPModule) for m in worker.actor.model.modules())
+        return {**worker.extensions["counts"], "units": units}
+
+    return start, read
+
+
 @pytest.mark.e2e
+@pytest.mark.parametrize("grad_sync_per_micro_batch", [True, False])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_two_ranks_take_the_same_step_as_one(
-    tiny_model_dir: Path, ray_local: None, reshard_after_forward: bool
+    tiny_model_dir: Path, ray_local: None, reshard_after_forward: bool, grad_sync_per_micro_batch: bool
 ) -> None:
-    """Also with parameters kept gathered from forward to backward: fewer all-gathers, the same step."""
-    # several micro-batches per rank, uneven counts
-    cfg = _config(tiny_model_dir, token_budget=40, reshard_after_forward=reshard_after_forward)
+    """Also with parameters kept gathered from forward to backward (fewer all-gathers) and with gradients
+    reduce-scattered once per mini-batch instead of once per micro-batch (the count is checked): the
+    same step."""
+    # several micro-batches per rank, uneven counts: 2 and 3 (5 on one rank), so one rank's last micro-batch,
+    # the one that reduce-scatters with grad_sync_per_micro_batch=False, is a padding one
+    cfg = _config(
+        tiny_model_dir,
+        token_budget=32,
+        reshard_after_forward=reshard_after_forward,
+        grad_sync_per_micro_batch=grad_sync_per_micro_batch,
+    )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
     before = single.named_weights()
@@ -85,21 +137,36 @@ def test_two_ranks_take_the_same_step_as_one(
     group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
     try:
         import anyio
+        import ray
+
+        start_counting, read_counts = _collective_counters()
+        ray.get([w.call.remote(start_counting) for w in group.workers])
 
         async def step() -> tuple[dict[str, float], dict[str, torch.Tensor]]:
             metrics = await group.update.remote(batch)
             return metrics, await group.named_weights.remote()
 
         m2, got = anyio.run(step)
+        counts = ray.get([w.call.remote(read_counts) for w in group.workers])
     finally:
         group.shutdown()
+    # every rank issues the same collectives (padded micro-batch counts), or the group would hang
+    assert counts[0] == counts[1], counts
+    steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
+    assert micro > steps, f"the batch must give several micro-batches per mini-batch: {micro} for {steps}"
+    per = micro if grad_sync_per_micro_batch else steps  # reduce-scatters per FSDP unit
+    assert counts[0]["reduce_scatter"] == units * per, (
+        f"grad_sync_per_micro_batch={grad_sync_per_micro_batch}: {counts[0]['reduce_scatter']} gradient "
+        f"reduce-scatters for {units} FSDP units, {micro} micro-batches and {steps} optimizer steps"
+    )
     assert got.keys() == expected.keys()
     moved = max(float((expected[k] - before[k]).abs().max()) for k in expected)
     assert moved > 5e-4, "the update must move the weights for the comparison to mean something"
     # Tolerances from the computation, not from one CPU. The two runs sum the same fp32 terms in other
-    # orders, so their clipped gradients differ by up to `noise`: typical error sqrt(n) * eps * M of the
-    # sums over the n tokens and, inside each term, over V = 49152 logits, of terms up to the clipped
-    # norm M = grad_clip = 1 (test_actor's micro-batch test has the same bound). One AdamW step
+    # orders (also where a rank adds up its micro-batches before the ranks are summed, not after), so
+    # their clipped gradients differ by up to `noise`: typical error sqrt(n) * eps * M of the sums over
+    # the n tokens and, inside each term, over V = 49152 logits, of terms up to the clipped norm
+    # M = grad_clip = 1 (test_actor's micro-batch test has the same bound). One AdamW step
     # from zero state moves a weight by lr * g / (|g| + adam_eps): the full lr unless |g| is tiny, so a
     # gradient within `noise` of 0 may flip sign (steps 2 * lr apart) while a larger one barely moves it.
     eps, lr, adam_eps = torch.finfo(torch.float32).eps, 1e-3, 1e-8  # the config's lr, AdamW's eps
@@ -126,9 +193,15 @@ def test_two_ranks_take_the_same_step_as_one(
 
 
 @pytest.mark.e2e
-def test_two_ranks_train_the_critic_as_one(tiny_model_dir: Path, ray_local: None) -> None:
-    """PPO with a critic (gae): the sharded critic's values, loss and update equal one device's."""
-    cfg = _config(tiny_model_dir, token_budget=40, estimator="gae")
+@pytest.mark.parametrize("grad_sync_per_micro_batch", [True, False])
+def test_two_ranks_train_the_critic_as_one(
+    tiny_model_dir: Path, ray_local: None, grad_sync_per_micro_batch: bool
+) -> None:
+    """PPO with a critic (gae): the sharded critic's values, loss and update equal one device's, also
+    with one gradient reduce-scatter per mini-batch (the critic shards as the actor's fsdp_config says)."""
+    cfg = _config(
+        tiny_model_dir, token_budget=40, estimator="gae", grad_sync_per_micro_batch=grad_sync_per_micro_batch
+    )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
     one = [single.update(batch) for _ in range(2)]
@@ -247,5 +320,39 @@ def test_shard_keeps_gathered_parameters_only_when_asked(
             model(input_ids=torch.tensor([[5, 6, 7]]))
         gathered = not isinstance(layers[0].self_attn.q_proj.weight, DTensor)
         assert gathered is (not reshard_after_forward)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_exception_mid_mini_batch_leaves_gradient_sync_on(tiny_model_dir: Path) -> None:
+    """With grad_sync_per_micro_batch=False a micro-batch that raises after an unsynced backward must not
+    leave FSDP2's gradient sync off: the next backward reduce-scatters (1 gloo rank, in this process)."""
+    import torch.distributed as dist
+
+    from trainer.dp import ShardedActor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = _config(tiny_model_dir, token_budget=32, grad_sync_per_micro_batch=False)
+        actor = ShardedActor(cfg, str(tiny_model_dir), "cpu", 0, 1)
+        batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+        forward, calls = actor._forward, []
+
+        def fails_second_training_forward(model: Any, mb: Any, entropy: bool) -> Any:
+            if torch.is_grad_enabled():  # the update's micro-batches, not the log-prob passes
+                calls.append(len(mb))
+                if len(calls) == 2:
+                    raise RuntimeError("a micro-batch failed")
+            return forward(model, mb, entropy)
+
+        actor._forward = fails_second_training_forward  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a micro-batch failed"):
+            actor.update(batch)
+        assert len(calls) == 2, "the first micro-batch's backward ran unsynced before the failure"
+        actor.optimizer.zero_grad(set_to_none=True)
+        actor.model(input_ids=batch.input_ids[:1]).logits.float().sum().backward()
+        params = [p for p in actor.model.parameters() if p.requires_grad]
+        # reduced gradients land on the sharded parameters; unsynced ones stay inside FSDP2
+        assert all(p.grad is not None for p in params), "gradient sync was left off after the exception"
     finally:
         dist.destroy_process_group()
