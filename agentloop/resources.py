@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Protocol
 
@@ -43,6 +44,11 @@ class ProxyLLM(_Resource):
 
     resource_type: Literal["proxy_llm"] = "proxy_llm"
     url_template: str = Field(description="URL with the placeholders {rollout_id} and {attempt_id}.")
+    worker_url_templates: list[str] = Field(
+        default_factory=list,
+        description="The proxy's worker processes' URL templates (Proxy(workers=N)); when set, each rollout's "
+        "calls go to one of them, picked from its rollout id, so a conversation stays with one worker.",
+    )
     model: str
     api_key: str = Field(
         default="EMPTY",
@@ -64,13 +70,31 @@ class ProxyLLM(_Resource):
             raise ValueError(f"url_template must contain {' and '.join(_PLACEHOLDERS)}; missing {missing}")
         return value
 
+    @field_validator("worker_url_templates")
+    @classmethod
+    def _each_has_placeholders(cls, value: list[str]) -> list[str]:
+        for template in value:
+            cls._has_placeholders(template)
+        return value
+
+    def serves(self, url_template: str | None) -> bool:
+        """Whether ``url_template`` is this resource's (the proxy's own or one of its workers')."""
+        return url_template is not None and (
+            url_template == self.url_template or url_template in self.worker_url_templates
+        )
+
     def get_base_url(self, rollout_id: str, attempt_id: str) -> str:
         """The base URL for one attempt of one rollout."""
         if not rollout_id or not attempt_id:
             raise ValueError(
                 f"rollout_id and attempt_id must be non-empty, got {rollout_id!r}, {attempt_id!r}"
             )
-        return self.url_template.replace("{rollout_id}", rollout_id).replace("{attempt_id}", attempt_id)
+        template = self.url_template
+        if self.worker_url_templates:  # crc32, not hash(): every process picks the same worker
+            template = self.worker_url_templates[
+                zlib.crc32(rollout_id.encode()) % len(self.worker_url_templates)
+            ]
+        return template.replace("{rollout_id}", rollout_id).replace("{attempt_id}", attempt_id)
 
     def resolve(self, rollout: _HasAttempt) -> LLM:
         """A plain LLM pointed at this attempt's URL (``rollout`` is an AttemptedRollout)."""

@@ -35,6 +35,7 @@ from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.proxy.service import ProxyService
 from agentloop.proxy.sessions import SessionTable
+from agentloop.proxy.workers import ProxyWorkers, check_shareable
 from agentloop.resources import ProxyLLM
 from agentloop.store.base import Store
 from agentloop.store.sessions import SessionJournal
@@ -103,6 +104,10 @@ class Proxy:
         advertise_host: the address clients reach the proxy at, in ``url`` and ``url_template``
             (what agents and remote runners get); default: ``host``, or this machine's address when
             ``host`` is a wildcard (0.0.0.0, ::), which no client can call.
+        workers: worker processes that serve the rollouts' calls (agentloop/proxy/workers.py): the
+            per-call parsing, templating, tokenizing and recording spread over that many processes
+            while the engine stays in this one; 0 (default): all in this process. Needs a SQLiteStore.
+            Their ports are ``worker_ports``; ``as_resource()`` routes each rollout to one of them.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class Proxy:
         max_sessions: int = 10_000,
         ledger_sweep_s: float = 5.0,
         advertise_host: str | None = None,
+        workers: int = 0,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
@@ -145,6 +151,10 @@ class Proxy:
         if key is not None and not key.get_secret_value():
             key = None
         check_bind(host, key, "the proxy", "pass api_key=")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ValueError(f"workers must be an int >= 0, got {workers!r}")
+        if workers:
+            check_shareable(store)
         self.engine, self.store, self.host = engine, store, host
         self.advertise_host = advertise_host or (machine_address() if host in _WILDCARDS else host)
         self._api_key = key
@@ -176,6 +186,13 @@ class Proxy:
             max_body_bytes=max_body_bytes,
             body_timeout_s=self.limits.body_timeout_s,
         )
+        worker_settings: dict[str, Any] = {
+            "api_key": key, "max_body_bytes": max_body_bytes, "limits": self.limits, "model_name": name,
+            "chat_template": chat_template, "engine_timeout_s": engine_timeout_s, "store_timeout_s": store_timeout_s,
+            "default_max_tokens": default_max_tokens, "default_sampling": default_sampling,
+            "max_sessions": max_sessions, "ledger_sweep_s": ledger_sweep_s, "advertise_host": self.advertise_host,
+        }  # fmt: skip
+        self._workers = ProxyWorkers(workers, engine, store, host, worker_settings) if workers else None
         self._http = EmbeddedServer(
             self.app, host, port, what="the proxy", limits=self.limits, backlog=4096, keep_alive_s=30,
             graceful_s=5, background=self._sweep_ledger,
@@ -213,6 +230,20 @@ class Proxy:
         return f"{self.url}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
 
     @property
+    def worker_ports(self) -> list[int]:
+        """The worker processes' ports (empty without workers or before start)."""
+        return self._workers.ports if self._workers is not None else []
+
+    @property
+    def worker_url_templates(self) -> list[str]:
+        """Each worker's per-attempt URL template (as ``url_template``, on the worker's port)."""
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        return [
+            f"http://{host}:{port}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
+            for port in self.worker_ports
+        ]
+
+    @property
     def model_name(self) -> str:
         """The served model's name (``/v1/models``)."""
         return self.service.model_name
@@ -239,6 +270,7 @@ class Proxy:
         ``enforce_sampling``: ``sampling``'s temperature, top_p and top_k win over a request's own."""
         return ProxyLLM(
             url_template=self.url_template,
+            worker_url_templates=self.worker_url_templates,
             model=model or self.service.model_name,
             api_key=self._api_key.get_secret_value() if self._api_key is not None else "EMPTY",
             sampling=dict(sampling or {}),
@@ -251,9 +283,22 @@ class Proxy:
         """Run the server until ``stop()``; ``task_status.started(url)`` once the socket listens."""
         if self.state is not ServerState.CREATED:
             raise RuntimeError(f"a Proxy starts once; this one is {self.state.value}")
-        async with anyio.create_task_group() as tg:
-            await tg.start(functools.partial(self._http.serve, on_bound=self._bound))
-            task_status.started(self.url)
+        await self._start_workers()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(functools.partial(self._http.serve, on_bound=self._bound))
+                task_status.started(self.url)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_workers()
+
+    async def _start_workers(self) -> None:
+        if self._workers is not None:
+            await self._workers.start()
+
+    async def _stop_workers(self) -> None:
+        if self._workers is not None:
+            await self._workers.stop()
 
     def _bound(self, port: int) -> None:
         self.service.url_template = self.url_template  # the port is known: responses name the URL
@@ -290,12 +335,18 @@ class Proxy:
 
     async def start(self) -> str:
         """Start serving in the running event loop; returns the URL once the socket listens."""
-        await self._http.start(on_bound=self._bound)
+        await self._start_workers()
+        try:
+            await self._http.start(on_bound=self._bound)
+        except BaseException:
+            await self._stop_workers()
+            raise
         return self.url
 
     async def stop(self) -> None:
         """Stop accepting requests, let in-flight ones finish (up to 5 s), and close the socket."""
         await self._http.stop()
+        await self._stop_workers()
         with contextlib.suppress(Exception):  # a failure was logged and answered 503 when it came
             await self.sessions.flush()
 

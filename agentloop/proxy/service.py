@@ -311,7 +311,7 @@ class ProxyService:
             with self._store_errors("get_resources"):
                 resources = await self.store.get_resources(version)
             llms = [v for v in resources.items.values() if hasattr(v, "sampling")]
-            mine = [v for v in llms if isinstance(v, ProxyLLM) and v.url_template == self.url_template]
+            mine = [v for v in llms if isinstance(v, ProxyLLM) and v.serves(self.url_template)]
             chosen = mine[0] if mine else (llms[0] if len(llms) == 1 else None)
             defaults = dict(chosen.sampling) if chosen is not None else {}
             if getattr(chosen, "enforce_sampling", False):

@@ -1,0 +1,224 @@
+"""Proxy worker processes: the per-call work of a proxy spread over several processes.
+
+Why: one proxied call costs ~0.5-1 ms of one core (HTTP parsing, the chat template, tokenizing,
+JSON, recording the call in the store). When 128 agents call at once, one process works through
+them one after another: the last reaches the engine ~80-100 ms after the first (an H100 host,
+benchmarks/results/proxy_loss_gpu.json), against a ~640 ms generation, and the event loop competes
+with the engine's thread for the GIL meanwhile.
+
+With ``Proxy(workers=N)`` the proxy process keeps the engine and serves it to N worker processes
+over a Unix socket (agentloop.engine.link): token ids in, token ids and logprobs out, ~0.1 ms of
+the engine process's time a call. Each worker is a whole proxy on a port of its own (same routes,
+key, limits and sampling defaults) recording into the same SQLite store. The ProxyLLM resource lists
+the workers' URL templates, and each rollout's calls go to the worker its rollout id picks
+(``ProxyLLM.get_base_url``), so a conversation's token ledger lives in one process. App sessions
+(``/v1`` on the proxy's own port) stay in the proxy process.
+
+A worker that dies is started again on its port (its in-flight calls fail; the engine aborts them
+when the worker's connection closes); workers exit when the proxy process's engine link closes,
+so none outlives a proxy that was killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import signal
+import tempfile
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import anyio
+import structlog
+
+from agentloop.engine.base import InferenceEngine
+from agentloop.engine.link import EngineHost, RemoteEngine
+from agentloop.store.base import Store
+from agentloop.store.sqlite import SQLiteStore
+
+log = structlog.get_logger("agentloop.proxy")
+
+START_TIMEOUT_S = 120.0  # a worker imports transformers and loads the tokenizer before it listens
+STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL
+RESTART_CHECK_S = 1.0  # how often dead workers are looked for
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to serve as the proxy does (picklable)."""
+
+    index: int
+    engine_socket: str
+    tokenizer_dir: str
+    max_context: int
+    store_path: str
+    host: str
+    port: int  # 0: any free port (the first start); a restart reuses the port it had
+    proxy_kwargs: dict[str, Any] = field(default_factory=dict)  # Proxy's own settings
+
+
+def check_shareable(store: Store) -> str:
+    """The path of ``store`` for worker processes to open; ValueError unless it is a SQLiteStore."""
+    if not isinstance(store, SQLiteStore):
+        raise ValueError(
+            f"Proxy(workers=N) needs a store that several processes can open: a SQLiteStore; got "
+            f"{type(store).__name__}. Use SQLiteStore(path), or workers=0"
+        )
+    return str(store.path)
+
+
+class ProxyWorkers:
+    """Starts, watches and stops the worker processes of one proxy (module docstring)."""
+
+    def __init__(self, count: int, engine: InferenceEngine, store: Store, host: str,
+                 proxy_kwargs: dict[str, Any]) -> None:  # fmt: skip
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"workers must be an int >= 1 here, got {count!r}")
+        self.count = count
+        self._engine = engine
+        self._store_path = check_shareable(store)
+        self._host_name = host
+        self._proxy_kwargs = proxy_kwargs
+        self._host = EngineHost(engine)
+        self._tokenizer_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._specs: list[WorkerSpec] = []
+        self._procs: list[BaseProcess] = []
+        self._monitor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.restarts = 0
+
+    @property
+    def ports(self) -> list[int]:
+        return [spec.port for spec in self._specs]
+
+    async def start(self) -> list[int]:
+        """Serve the engine, start every worker and wait until each listens; returns their ports."""
+        socket_path = await self._host.start()
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="agentloop-tokenizer-")
+        await anyio.to_thread.run_sync(self._engine.tokenizer.save_pretrained, self._tokenizer_dir.name)
+        base = WorkerSpec(index=0, engine_socket=str(socket_path), tokenizer_dir=self._tokenizer_dir.name,
+                          max_context=self._engine.max_context, store_path=self._store_path,
+                          host=self._host_name, port=0, proxy_kwargs=self._proxy_kwargs)  # fmt: skip
+        results = await asyncio.gather(
+            *(self._spawn(replace(base, index=i)) for i in range(self.count)), return_exceptions=True
+        )
+        started = [r for r in results if isinstance(r, tuple)]
+        self._procs = [proc for proc, _ in started]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.stop()
+            raise failed[0]
+        self._specs = [spec for _, spec in started]
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        log.info("proxy workers started", ports=self.ports)
+        return self.ports
+
+    async def _spawn(self, spec: WorkerSpec) -> tuple[BaseProcess, WorkerSpec]:
+        ctx = multiprocessing.get_context("spawn")  # no fork: the parent holds CUDA and threads
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=worker_main, args=(spec, child_end), name=f"agentloop-proxy-worker-{spec.index}",
+                           daemon=True)  # fmt: skip
+        proc.start()
+        child_end.close()
+        try:
+            ready = await anyio.to_thread.run_sync(parent_end.poll, START_TIMEOUT_S, abandon_on_cancel=True)
+            message = parent_end.recv() if ready else ("error", f"no answer within {START_TIMEOUT_S:.0f} s")
+        except EOFError:
+            message = ("error", f"it exited with code {proc.exitcode}")
+        finally:
+            parent_end.close()
+        if message[0] != "ready":
+            _end(proc)
+            raise RuntimeError(f"proxy worker {spec.index} failed to start: {message[1]}")
+        return proc, replace(spec, port=int(message[1]))
+
+    async def _watch(self) -> None:
+        """Start a worker that died again, on its port, so its rollouts' URLs keep working."""
+        while not self._stopping:
+            await asyncio.sleep(RESTART_CHECK_S)
+            for i, proc in enumerate(self._procs):
+                if proc.is_alive() or self._stopping:
+                    continue
+                log.error("proxy worker died; restarting it", index=i, exitcode=proc.exitcode,
+                          port=self._specs[i].port)  # fmt: skip
+                try:
+                    self._procs[i], _ = await self._spawn(self._specs[i])
+                    self.restarts += 1
+                except Exception as exc:  # e.g. its port was taken meanwhile: try again next round
+                    log.error("proxy worker restart failed", index=i, error=str(exc)[:300])
+
+    async def stop(self) -> None:
+        """SIGTERM every worker (each lets its in-flight calls finish, up to its proxy's grace), then
+        SIGKILL what is left after ``STOP_TIMEOUT_S``; stop serving the engine."""
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        await anyio.to_thread.run_sync(_end_all, list(self._procs))
+        await self._host.stop()
+        if self._tokenizer_dir is not None:
+            self._tokenizer_dir.cleanup()
+
+
+def _end(proc: BaseProcess) -> None:
+    _end_all([proc])
+
+
+def _end_all(procs: list[BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(STOP_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------- the worker process
+
+
+def worker_main(spec: WorkerSpec, ready: Connection) -> None:
+    """A worker process's entry point: serve until SIGTERM or until the engine link closes."""
+    from agentloop.event_loop import run
+
+    try:
+        run(_serve, spec, ready)
+    except KeyboardInterrupt:
+        pass
+
+
+async def _serve(spec: WorkerSpec, ready: Connection) -> None:
+    from transformers import AutoTokenizer
+
+    from agentloop.proxy.server import Proxy
+
+    try:
+        tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, spec.tokenizer_dir)
+        engine = RemoteEngine(spec.engine_socket, tokenizer, spec.max_context)
+        await engine.start()
+        store = SQLiteStore(spec.store_path)
+        proxy = Proxy(engine, store, spec.host, spec.port, record_sessions=False, **spec.proxy_kwargs)
+        await proxy.start()
+    except Exception as exc:
+        ready.send(("error", f"{type(exc).__name__}: {exc}"[:2000]))
+        raise
+    ready.send(("ready", proxy.port))
+    ready.close()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.closed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if engine.closed.is_set():
+        log.warning("proxy worker: the engine link closed; stopping", index=spec.index)
+    await proxy.stop()
+    await engine.stop()
+    await store.close()
