@@ -6,7 +6,14 @@
 #   2. carry [".raykit/r2", ".gpucache"]:  bash benchmarks/gpu/run_async_bench.sh install
 #   3. carry [".gg/whl"]:                  bash benchmarks/gpu/run_async_bench.sh sync [bench options]
 #   4. (nothing):                          bash benchmarks/gpu/run_async_bench.sh async [bench options]
-# Each leg writes $OUT/async_bench.json (the async leg adds itself to the sync leg's /tmp copy).
+# Each leg writes $OUT/async_bench.json (a leg adds itself to the earlier leg's /tmp copy, if there is one).
+# Run the legs in both orders on one warm machine and report the two ratios side by side: the leg that
+# runs first pays the cold torch.compile/inductor compiles (2026-11-27, H100: step 2's update took 20.8 s
+# in the sync leg run first, 3.9 s in the async leg run second; results/async_bench_gpu.json). After
+# calls 3 and 4 (sync, async), the second order is two more calls on the same machine:
+#   5. (nothing):  rm -f /tmp/async_bench.json && bash benchmarks/gpu/run_async_bench.sh async [options]
+#   6. (nothing):  bash benchmarks/gpu/run_async_bench.sh sync [options]
+# Steps/hour count after --warmup-steps (default 2) in both.
 set -u
 T0=$SECONDS
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,7 +40,7 @@ echo "installs: $((SECONDS - T0)) s"
 source benchmarks/gpu/env.sh
 export PYTHONPATH=/tmp/rsite:/tmp/site:$PWD RAY_AUTH_MODE=disabled AGENTLOOP_CACHE_DIR=/tmp/gpucache
 echo "card: $(card)" | tee "$OUT/card.txt"
-prev=(); [ "$what" = async ] && [ -f /tmp/async_bench.json ] && prev=(--previous /tmp/async_bench.json)
+prev=(); [ -f /tmp/async_bench.json ] && prev=(--previous /tmp/async_bench.json)  # the leg before, either order
 timeout -k 15 $((580 - (SECONDS - T0))) python3 benchmarks/async_bench.py --device cuda --legs "$what" \
   --out /tmp/async_bench.json "${prev[@]}" "$@" > "$OUT/$what.log" 2>&1
 rc=$?
