@@ -341,6 +341,10 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     n_procs = min(args.agent_procs, n)
     if n_procs < 0:
         raise SystemExit(f"--agent-procs must be >= 0 (0: agents in this process), got {args.agent_procs}")
+    if args.proxy_workers < 0 or (args.proxy_workers and args.store != "sqlite"):
+        raise SystemExit(
+            f"--proxy-workers must be >= 0 and needs --store sqlite, got {args.proxy_workers}, {args.store}"
+        )
     if args.backend == "vllm":
         from agentloop.engine.factory import load_engine
 
@@ -367,7 +371,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory(prefix="engine-bench-proxy-")
     store: Any = SQLiteStore(Path(tmp.name) / "store.db") if args.store == "sqlite" else MemoryStore()
     timed = _TimedEngine(engine)
-    proxy = Proxy(timed, store, default_max_tokens=m)
+    proxy = Proxy(timed, store, default_max_tokens=m, workers=args.proxy_workers)
     await proxy.start()
     template = proxy.service.template
     tls = ssl.create_default_context()  # one for all clients (building one per client costs ~20 ms)
@@ -532,6 +536,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             "clients": "one openai.AsyncOpenAI per agent, built before the clock",
         },
         "agents_in": agents_in,
+        "proxy_workers": args.proxy_workers,  # 0: the proxy's work in the engine's process
         "proxy_round_time": (
             "max(end) - min(start) of the agent processes' time.time(), 'go' read to last response parsed"
             if n_procs
@@ -604,6 +609,12 @@ async def main() -> None:
         "--gc-freeze",
         action="store_true",
         help="--via-proxy: gc.freeze() once all has started, so full collections skip the startup heap",
+    )
+    ap.add_argument(
+        "--proxy-workers",
+        type=int,
+        default=0,
+        help="--via-proxy: Proxy(workers=N), the proxy's per-call work in N processes (needs --store sqlite)",
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="--via-proxy, vllm backend")
     ap.add_argument("--out", default=None)
