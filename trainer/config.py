@@ -181,6 +181,12 @@ class RolloutConfig(_Section):
         description="Most requests one engine decodes at once; None: the engine's default.",
     )
     replicas: int = Field(default=1, ge=1, description="Inference engine replicas.")
+    proxy_workers: int = Field(
+        default=0,
+        ge=0,
+        description="Processes serving the agents' calls (Proxy(workers=N)): parsing, templating and recording "
+        "off the engine's process; 0: in it. Needs the default SQLite store.",
+    )
     engine_backend: Literal["torch", "vllm"] = Field(
         default="torch", description="Inference engine implementation."
     )

@@ -29,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import structlog
@@ -51,6 +51,9 @@ from trainer.checkpoint import CheckpointManager, DataCursor, RunPlan
 from trainer.config import TrainerConfig, engine_kwargs
 from trainer.metrics import MetricsLogger, plot_curves, read_metrics
 from trainer.placement import init_ray, place, serve_store
+
+if TYPE_CHECKING:
+    from agentloop.proxy import Proxy
 
 log = structlog.get_logger("agentloop.trainer")
 
@@ -250,11 +253,8 @@ class Trainer:
         engine: Any,
         state: _FitState,
     ) -> FitResult:
-        from secrets import token_urlsafe
-
         from agentloop.engine.factory import load_engine
         from agentloop.engine.models import resolve_model
-        from agentloop.proxy import Proxy
         from agentloop.store.sqlite import SQLiteStore
 
         cfg = self.config
@@ -313,18 +313,7 @@ class Trainer:
         result = FitResult(
             run_dir=run_dir, steps=0, resumed_from=plan.step if plan.action == "resume" else None
         )
-        proxy = Proxy(
-            engine,
-            store,
-            host=cfg.placement.proxy_host,
-            advertise_host=cfg.placement.proxy_advertise_host,
-            # a key per run: agents get it as llm.api_key (ProxyLLM.api_key, remote runners through the
-            # store's resources); no one else who can reach the port gets generations
-            api_key=token_urlsafe(32),
-            max_body_bytes=32 * 1024 * 1024,
-            default_max_tokens=cfg.data.max_response_length,
-            record_sessions=self._judge is None,  # the judge's calls (session route) are no app sessions
-        )
+        proxy = training_proxy(cfg, engine, store, record_sessions=self._judge is None)
         store_server = await serve_store(cfg, store)  # None unless placement.store_server (remote runners)
         try:
             await _deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
@@ -811,6 +800,27 @@ def _check_reward(reward: Any) -> Any:
             "a reward the agent computes itself is returned by the agent"
         )
     return reward
+
+
+def training_proxy(cfg: TrainerConfig, engine: Any, store: Store, record_sessions: bool) -> Proxy:
+    """The proxy a fit serves its agents through (not started)."""
+    from secrets import token_urlsafe
+
+    from agentloop.proxy import Proxy
+
+    return Proxy(
+        engine,
+        store,
+        host=cfg.placement.proxy_host,
+        advertise_host=cfg.placement.proxy_advertise_host,
+        # a key per run: agents get it as llm.api_key (ProxyLLM.api_key, remote runners through the
+        # store's resources); no one else who can reach the port gets generations
+        api_key=token_urlsafe(32),
+        max_body_bytes=32 * 1024 * 1024,
+        default_max_tokens=cfg.data.max_response_length,
+        record_sessions=record_sessions,  # False with a judge: its calls (session route) are no app sessions
+        workers=cfg.actor_rollout_ref.rollout.proxy_workers,
+    )
 
 
 def _served_llm(proxy: Any) -> Any:

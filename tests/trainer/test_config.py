@@ -297,3 +297,27 @@ def test_agent_rollouts_have_a_deadline_that_every_rollout_gets() -> None:
         ConfigError, match=r"actor_rollout_ref.rollout.agent_timeout_s: Input should be greater than 0"
     ):
         TrainerConfig().with_overrides(["actor_rollout_ref.rollout.agent_timeout_s=0"])
+
+
+async def test_rollout_proxy_workers_reach_the_fits_proxy(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.proxy.workers import ProxyWorkers
+    from agentloop.store.memory import MemoryStore
+    from agentloop.store.sqlite import SQLiteStore
+    from trainer.ray_trainer import training_proxy
+
+    engine = TorchEngine(tiny_model_dir)  # not started: the proxy is only built
+    store = SQLiteStore(tmp_path / "store.db")
+    try:
+        for workers in (0, 3):
+            cfg = TrainerConfig.model_validate({"actor_rollout_ref": {"rollout": {"proxy_workers": workers}}})
+            proxy = training_proxy(cfg, engine, store, record_sessions=True)
+            pool = proxy._workers
+            assert (pool.count if isinstance(pool, ProxyWorkers) else 0) == workers
+        cfg = TrainerConfig.model_validate({"actor_rollout_ref": {"rollout": {"proxy_workers": 2}}})
+        with pytest.raises(ValueError, match="SQLiteStore"):  # a store one process holds cannot be shared
+            training_proxy(cfg, engine, MemoryStore(), record_sessions=True)
+        with pytest.raises(ValueError, match="proxy_workers"):
+            TrainerConfig.model_validate({"actor_rollout_ref": {"rollout": {"proxy_workers": -1}}})
+    finally:
+        await store.close()
