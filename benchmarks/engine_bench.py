@@ -41,6 +41,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -285,9 +286,12 @@ def _engine_counters(engine: Any) -> dict[str, float]:
     return {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
 
 
-def _latency_ms(rows: list[dict[str, float]], spreads: list[float]) -> dict[str, Any]:
+def _spread_ms(spreads: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(spreads) * 1e3, 1), "max": round(max(spreads) * 1e3, 1)}
+
+
+def _latency_ms(rows: list[dict[str, float]], spreads: list[float], sends: list[float]) -> dict[str, Any]:
     """Medians (and maxima) over every timed proxied call of where its time went, in ms."""
-    import statistics
 
     def stat(key: str) -> dict[str, float]:
         xs = [r[key] * 1e3 for r in rows]
@@ -300,10 +304,10 @@ def _latency_ms(rows: list[dict[str, float]], spreads: list[float]) -> dict[str,
         "send_to_engine": stat("to_engine"),  # agent sends -> the proxy calls engine.generate
         "engine_to_received": stat("from_engine"),  # engine returns -> the agent has parsed the response
         "proxy_handler_minus_engine": stat("handler"),  # the LLMCall's latency_s - engine_generate
-        "engine_admission_spread": {  # per round: first to last request into the engine
-            "median": round(statistics.median(spreads) * 1e3, 1),
-            "max": round(max(spreads) * 1e3, 1),
-        },
+        "engine_admission_spread": _spread_ms(spreads),  # per round: first to last request into the engine
+        # per round: the agents' first to last send (their processes build the requests one after another):
+        # an admission spread no proxy can beat
+        "client_send_spread": _spread_ms(sends),
     }
 
 
@@ -462,6 +466,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     weights_versions: set[int | None] = set()
     latency_rows: list[dict[str, float]] = []
     spreads: list[float] = []
+    sends: list[float] = []
     engine_work: dict[str, dict[str, float]] = {"direct": {}, "proxy": {}}
     gc.callbacks.append(on_gc)
     try:
@@ -497,6 +502,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
                             "handler": (call.latency_s or 0.0) - engine_s,
                         })  # fmt: skip
                     spreads.append(max(d[5][0] for d in done) - min(d[5][0] for d in done))
+                    sends.append(max(d[3] for d in done) - min(d[3] for d in done))
                 (direct_tps if way == "direct" else proxy_tps).append(sum(counts) / dt)
                 for key, value in _engine_counters(engine).items():  # summed over the timed rounds
                     engine_work[way][key] = engine_work[way].get(key, 0.0) + value - counters_before[key]
@@ -554,7 +560,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         "rounds_proxy": [round(x, 1) for x in proxy_tps],
         "tokens_per_round": tokens,
         "finish_reasons": {k: dict(v) for k, v in reasons.items()},
-        "proxied_call_latency_ms": _latency_ms(latency_rows, spreads),
+        "proxied_call_latency_ms": _latency_ms(latency_rows, spreads, sends),
         "weights_versions_recorded": sorted(v for v in weights_versions if v is not None),
         "gc_freeze": args.gc_freeze,
         "event_loop": loop_name(),

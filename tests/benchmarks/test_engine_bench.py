@@ -17,19 +17,26 @@ from tests.benchmarks import load_benchmark
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("agent_procs", [2, 0], ids=["agents-in-2-processes", "agents-in-process"])
-async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path, agent_procs: int) -> None:
+@pytest.mark.parametrize(
+    ("agent_procs", "proxy_workers"),
+    [(2, 0), (0, 0), (2, 2)],
+    ids=["agents-in-2-processes", "agents-in-process", "agents-in-2-processes-proxy-workers-2"],
+)
+async def test_via_proxy_reports_the_loss_on_the_same_work(
+    tiny_model_dir: Path, agent_procs: int, proxy_workers: int
+) -> None:
     bench = load_benchmark("engine_bench")
     agents, new_tokens, reps = 8, 8, 2
     args = argparse.Namespace(
         backend="torch", model="tiny", device="cpu", prompts=agents, new_tokens=new_tokens, reps=reps,
         temperature=0.7, top_p=0.9, store="sqlite", no_cuda_graphs=True, gpu_memory_utilization=0.5,
-        agent_procs=agent_procs, gc_freeze=agent_procs > 0,
+        agent_procs=agent_procs, gc_freeze=agent_procs > 0, proxy_workers=proxy_workers,
     )  # fmt: skip
     with anyio.fail_after(120):
         result = await bench.bench_via_proxy(tiny_model_dir, args)
     assert result["mode"] == "via_proxy" and result["backend"] == "torch"
     assert result["agents_in"] == ("2 processes" if agent_procs else "the proxy's process")
+    assert result["proxy_workers"] == proxy_workers
     assert len(result["rounds_direct"]) == len(result["rounds_proxy"]) == reps
     assert all(x > 0 for x in result["rounds_direct"] + result["rounds_proxy"])
     for way in ("direct", "proxy"):
@@ -48,6 +55,7 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(tiny_model_dir: Path,
     lat = result["proxied_call_latency_ms"]
     assert 0 < lat["engine_generate"]["median"] <= lat["client"]["median"]
     assert lat["send_to_engine"]["median"] > 0 and lat["engine_to_received"]["median"] > 0
+    assert 0 <= lat["client_send_spread"]["median"] <= lat["client_send_spread"]["max"]
     assert (
         lat["added"]["max"] <= lat["client"]["max"] and lat["send_to_engine"]["max"] <= lat["client"]["max"]
     )
