@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
+import os
+import pickle
+import select
 import signal
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -85,7 +87,7 @@ class ProxyWorkers:
         self._host = EngineHost(engine)
         self._tokenizer_dir: tempfile.TemporaryDirectory[str] | None = None
         self._specs: list[WorkerSpec] = []
-        self._procs: list[BaseProcess] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
         self.restarts = 0
@@ -116,33 +118,44 @@ class ProxyWorkers:
         log.info("proxy workers started", ports=self.ports)
         return self.ports
 
-    async def _spawn(self, spec: WorkerSpec) -> tuple[BaseProcess, WorkerSpec]:
-        ctx = multiprocessing.get_context("spawn")  # no fork: the parent holds CUDA and threads
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker_main, args=(spec, child_end), name=f"agentloop-proxy-worker-{spec.index}",
-                           daemon=True)  # fmt: skip
-        proc.start()
-        child_end.close()
-        try:
-            ready = await anyio.to_thread.run_sync(parent_end.poll, START_TIMEOUT_S, abandon_on_cancel=True)
-            message = parent_end.recv() if ready else ("error", f"no answer within {START_TIMEOUT_S:.0f} s")
-        except EOFError:
-            message = ("error", f"it exited with code {proc.exitcode}")
+    async def _spawn(self, spec: WorkerSpec) -> tuple[subprocess.Popen[bytes], WorkerSpec]:
+        """Start one worker (``python -m agentloop.proxy.workers``: a fresh interpreter that never imports
+        the caller's ``__main__``, unlike multiprocessing's spawn) and wait for its port."""
+        read_fd, write_fd = os.pipe()  # the worker's one line back: "ready PORT" or "error WHY"
+        try:  # a session of its own: a Ctrl-C at the terminal reaches the proxy, which stops its workers
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "agentloop.proxy.workers", str(write_fd)],
+                stdin=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
-            parent_end.close()
-        if message[0] != "ready":
-            _end(proc)
-            raise RuntimeError(f"proxy worker {spec.index} failed to start: {message[1]}")
-        return proc, replace(spec, port=int(message[1]))
+            os.close(write_fd)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(pickle.dumps(spec))  # the spec is ours, built above: nothing untrusted
+            proc.stdin.close()
+            with os.fdopen(read_fd, "rb") as answers:
+                line = await anyio.to_thread.run_sync(_read_line, answers, abandon_on_cancel=True)
+        except BaseException:
+            _end_all([proc])
+            raise
+        kind, _, detail = line.decode(errors="replace").strip().partition(" ")
+        if kind != "ready":
+            _end_all([proc])
+            why = detail or f"it exited with code {proc.poll()}"
+            raise RuntimeError(f"proxy worker {spec.index} failed to start: {why}")
+        return proc, replace(spec, port=int(detail))
 
     async def _watch(self) -> None:
         """Start a worker that died again, on its port, so its rollouts' URLs keep working."""
         while not self._stopping:
             await asyncio.sleep(RESTART_CHECK_S)
             for i, proc in enumerate(self._procs):
-                if proc.is_alive() or self._stopping:
+                if proc.poll() is None or self._stopping:
                     continue
-                log.error("proxy worker died; restarting it", index=i, exitcode=proc.exitcode,
+                log.error("proxy worker died; restarting it", index=i, exitcode=proc.returncode,
                           port=self._specs[i].port)  # fmt: skip
                 try:
                     self._procs[i], _ = await self._spawn(self._specs[i])
@@ -164,35 +177,43 @@ class ProxyWorkers:
             self._tokenizer_dir.cleanup()
 
 
-def _end(proc: BaseProcess) -> None:
-    _end_all([proc])
+def _read_line(answers: Any) -> bytes:
+    """The worker's answer line, or b"" once it exited without one; at most ``START_TIMEOUT_S``."""
+    ready, _, _ = select.select([answers], [], [], START_TIMEOUT_S)
+    if not ready:
+        return f"error no answer within {START_TIMEOUT_S:.0f} s".encode()
+    return bytes(answers.readline())
 
 
-def _end_all(procs: list[BaseProcess]) -> None:
+def _end_all(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in procs:
-        if proc.is_alive():
+        if proc.poll() is None:
             proc.terminate()
     for proc in procs:
-        proc.join(STOP_TIMEOUT_S)
-        if proc.is_alive():
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.join(STOP_TIMEOUT_S)
+            proc.wait(STOP_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------- the worker process
 
 
-def worker_main(spec: WorkerSpec, ready: Connection) -> None:
-    """A worker process's entry point: serve until SIGTERM or until the engine link closes."""
+def worker_main(answer_fd: int) -> None:
+    """A worker process's entry point: its spec (pickled) on stdin; serves until SIGTERM or until the
+    engine link closes; "ready PORT" or "error WHY" goes back on ``answer_fd``."""
     from agentloop.event_loop import run
 
-    try:
-        run(_serve, spec, ready)
-    except KeyboardInterrupt:
-        pass
+    spec = pickle.loads(sys.stdin.buffer.read())
+    with os.fdopen(answer_fd, "wb", buffering=0) as answer:
+        try:
+            run(_serve, spec, answer)
+        except KeyboardInterrupt:
+            pass
 
 
-async def _serve(spec: WorkerSpec, ready: Connection) -> None:
+async def _serve(spec: WorkerSpec, answer: Any) -> None:
     from transformers import AutoTokenizer
 
     from agentloop.proxy.server import Proxy
@@ -205,10 +226,9 @@ async def _serve(spec: WorkerSpec, ready: Connection) -> None:
         proxy = Proxy(engine, store, spec.host, spec.port, record_sessions=False, **spec.proxy_kwargs)
         await proxy.start()
     except Exception as exc:
-        ready.send(("error", f"{type(exc).__name__}: {exc}"[:2000]))
+        answer.write(f"error {type(exc).__name__}: {exc}".replace("\n", " ")[:2000].encode() + b"\n")
         raise
-    ready.send(("ready", proxy.port))
-    ready.close()
+    answer.write(f"ready {proxy.port}\n".encode())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -222,3 +242,7 @@ async def _serve(spec: WorkerSpec, ready: Connection) -> None:
     await proxy.stop()
     await engine.stop()
     await store.close()
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]))

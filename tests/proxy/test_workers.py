@@ -140,8 +140,8 @@ async def test_workers_stop_with_the_proxy(engine: TorchEngine, store: SQLiteSto
     assert isinstance(workers, ProxyWorkers)
     procs = list(workers._procs)
     await p.stop()
-    assert all(not proc.is_alive() for proc in procs)
-    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]  # a clean stop
+    assert all(proc.poll() is not None for proc in procs)
+    assert all(proc.returncode == 0 for proc in procs), [proc.returncode for proc in procs]  # a clean stop
 
 
 def test_workers_need_a_store_several_processes_can_open(tokenizer: Any) -> None:
@@ -152,3 +152,17 @@ def test_workers_need_a_store_several_processes_can_open(tokenizer: Any) -> None
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="workers must be an int >= 0"):
             Proxy(EchoEngine(tokenizer), MemoryStore(), workers=bad)  # type: ignore[arg-type]
+
+
+async def test_a_worker_that_cannot_start_says_why_and_leaves_nothing_running(
+    tokenizer: Any, store: SQLiteStore
+) -> None:
+    from tests.proxy.engines import EchoEngine
+
+    pool = ProxyWorkers(2, EchoEngine(tokenizer), store, "127.0.0.1", {"default_max_tokens": 0})
+    with (
+        anyio.fail_after(120),
+        pytest.raises(RuntimeError, match="failed to start: ValueError: default_max_tokens"),
+    ):
+        await pool.start()
+    assert all(proc.poll() is not None for proc in pool._procs)
