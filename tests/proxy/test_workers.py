@@ -24,7 +24,7 @@ from agentloop.types import LLMCall
 from tests.proxy.conftest import attempt_url, new_attempt
 from tests.proxy.test_torch_engine import ENGINE_LOGPROB_ATOL
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]  # worker processes, one of them killed
 
 
 @pytest.fixture
