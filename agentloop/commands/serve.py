@@ -44,6 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="SQLite store for the recorded app sessions (calls and rewards)",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="processes that serve the rollouts' calls (the per-attempt routes); the engine stays in this one. "
+        "0: all in this process",
+    )
+    p.add_argument(
         "--train",
         type=Path,
         default=None,
@@ -110,7 +117,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     engine = load_engine(args.model, device=args.device)
     store = SQLiteStore(args.store)
-    proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.key)
+    proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.key, workers=args.workers)
     trainer = None
     if args.train is not None:
         trainer = await _online(args, proxy, str(resolve_model(args.model)), pick_device(args.device))
@@ -127,7 +134,8 @@ async def serve(args: argparse.Namespace) -> None:
         f"agentloop proxy serving {args.model}; key {args.key_source}\n"
         f"  OpenAI base URL (apps):   {proxy.session_base_url}\n"
         f"  per-attempt template:     {proxy.url_template}\n"
-        f"  model name:               {proxy.model_name}\n"
+        + "".join(f"  worker {i} template:      {t}\n" for i, t in enumerate(proxy.worker_url_templates))
+        + f"  model name:               {proxy.model_name}\n"
         f"  store (app sessions too): {args.store}\n{online}Ctrl-C to stop.\n"
     )
     sys.stdout.flush()
@@ -154,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {args.workers}")
     args.key, args.key_source = read_serve_key(args)
     if args.key is None and not is_loopback(args.host):
         raise UsageError(
