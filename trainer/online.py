@@ -150,7 +150,7 @@ class OnlineTrainer:
         run_dir: str | Path,
         evaluate: Evaluator | None = None,
     ) -> None:
-        from trainer.ray_trainer import TrainerWorker
+        from trainer.worker import TrainerWorker
 
         self.proxy, self.config, self.online = proxy, config, online
         self.model_path = str(model_path)

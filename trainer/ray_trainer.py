@@ -23,13 +23,12 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
-from collections import Counter, deque
-from collections.abc import Awaitable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -38,19 +37,22 @@ import torch
 from agentloop import event_loop
 from agentloop.adapter import group_by_attempt, triplets_for_rollouts
 from agentloop.agent import Agent
-from agentloop.errors import AgentLoopError, EmptyBatchError, TrainerTimeoutError
+from agentloop.errors import EmptyBatchError, TrainerTimeoutError
 from agentloop.resources import Resources
 from agentloop.runner import Runner, _as_agent
 from agentloop.store.base import Store
 from agentloop.types import Reward, RolloutConfig, RolloutStatus, Triplet
 from trainer import checkpoint as ck
 from trainer import local_sync, weight_sync
-from trainer.actor import Actor, resolve_device
+from trainer.actor import resolve_device
 from trainer.batch import build_batch
 from trainer.checkpoint import CheckpointManager, DataCursor, RunPlan
 from trainer.config import TrainerConfig, engine_kwargs
+from trainer.fit_stop import FitState, Stopped, clean_stop, single_error
 from trainer.metrics import MetricsLogger, plot_curves, read_metrics
 from trainer.placement import init_ray, place, serve_store
+from trainer.rollout_wait import cancel_quietly, deadline, failure_summary, wait_all
+from trainer.worker import TrainerWorker
 
 if TYPE_CHECKING:
     from agentloop.proxy import Proxy
@@ -58,73 +60,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("agentloop.trainer")
 
 LLM_RESOURCE = "main_llm"
-
-
-class TrainerWorker:
-    """The Ray actor that owns the policy: updates, weights and checkpoints."""
-
-    def __init__(self, config: TrainerConfig, model_path: str, device: str) -> None:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray sets OMP threads to 1 for actors
-        self.actor = Actor(config, model_path, device)
-        self._shared = local_sync.SharedWeights()
-
-    def update(self, batch: Any) -> dict[str, float]:
-        return self.actor.update(batch)
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return self.actor.named_weights()
-
-    def ipc_info(self) -> dict[str, Any]:
-        """What trainer/local_sync.py needs to know: this worker's GPU (UUID) and whether it has LoRA."""
-        lora = self.actor.config.actor_rollout_ref.model.lora_rank > 0
-        return {"gpu": weight_sync.gpu_uuid(self.actor.device), "lora": lora}
-
-    def share_weights(self, dtype: torch.dtype) -> tuple[Any, list[Any]]:
-        """The weights in ``dtype`` as CUDA IPC handles (held until ``release_shared_weights``)."""
-        return self._shared.share(self.actor.model, self.actor.device, dtype)
-
-    def release_shared_weights(self) -> None:
-        self._shared.release()
-
-    def ready(self) -> bool:
-        return True  # the model is loaded once __init__ has run
-
-    def save_checkpoint(self, path: str) -> None:
-        """Weights (safetensors) and optimizer state into a checkpoint's step folder."""
-        rank = self.actor.config.actor_rollout_ref.model.lora_rank
-        ck.save_policy(self.actor.model, self.actor.optimizer, self.actor.step, rank, Path(path))
-        critic = self.actor.critic
-        if critic is not None:  # its own weights and optimizer state, in the step's critic/ folder
-            (Path(path) / ck.CRITIC_DIR).mkdir(exist_ok=True)
-            ck.save_policy(critic.model, critic.optimizer, critic.step, 0, Path(path) / ck.CRITIC_DIR)
-
-    def load_checkpoint(self, path: str) -> int:
-        rank = self.actor.config.actor_rollout_ref.model.lora_rank
-        got = ck.load_policy_state(
-            self.actor.model, self.actor.optimizer, rank, Path(path), self.actor.device
-        )
-        if isinstance(got, dict):  # an older checkpoint: one actor.pt
-            self.actor.load_state(got)
-        else:
-            self.actor.step = got
-        critic = self.actor.critic
-        if critic is not None:
-            saved = Path(path) / ck.CRITIC_DIR
-            if not (saved / ck.WEIGHTS_FILE).exists():
-                raise ValueError(
-                    f"the checkpoint {path} has no critic (it was written by a run without a value model); "
-                    "resume with the same algorithm.adv_estimator, or start afresh with trainer.resume=disable"
-                )
-            got_critic = ck.load_policy_state(critic.model, critic.optimizer, 0, saved, critic.device)
-            critic.step = int(got_critic) if not isinstance(got_critic, dict) else 0
-        return self.actor.step
-
-    def save_model(self, model_path: str, out_dir: str, adapter_dir: str | None) -> None:
-        """The trained policy as a Hugging Face folder (LoRA merged); with LoRA also the peft adapter."""
-        ck.export_hf_model(self.actor.named_weights(), model_path, Path(out_dir))
-        if adapter_dir is not None:
-            peft_model: Any = self.actor.model
-            peft_model.save_pretrained(adapter_dir)  # peft: adapter_config.json + adapter_model.safetensors
 
 
 @dataclass
@@ -209,14 +144,14 @@ class Trainer:
         if plan.note:
             where["why"] = plan.note
         log.warning("writing run", **where)  # once per fit: where the outputs go
-        state = _FitState(plan=plan, identity=identity)
+        state = FitState(plan=plan, identity=identity)
         try:
-            with _clean_stop(state):
+            with clean_stop(state):
                 try:
                     # uvloop where installed: the proxy it hosts spends less CPU per call
                     return event_loop.run(self._fit, agent, train, val, store, engine, state)
                 except BaseExceptionGroup as group:  # the loop's task group: raise the one error itself
-                    leaf = _single_error(group)
+                    leaf = single_error(group)
                     if leaf is None:
                         raise
                     raise leaf from None
@@ -234,7 +169,7 @@ class Trainer:
         val: list[Any] | None,
         store: Store | None,
         engine: Any,
-        state: _FitState,
+        state: FitState,
     ) -> FitResult:
         """The run inside a cancel scope that a SIGINT/SIGTERM cancels (cleanup runs shielded)."""
         import asyncio
@@ -242,7 +177,7 @@ class Trainer:
         with anyio.CancelScope() as scope:
             state.loop, state.scope = asyncio.get_running_loop(), scope
             return await self._run(agent, train, val, store, engine, state)
-        raise _Stopped  # only a signal cancels the scope
+        raise Stopped  # only a signal cancels the scope
 
     async def _run(
         self,
@@ -251,7 +186,7 @@ class Trainer:
         val: list[Any] | None,
         store: Store | None,
         engine: Any,
-        state: _FitState,
+        state: FitState,
     ) -> FitResult:
         from agentloop.engine.factory import load_engine
         from agentloop.engine.models import resolve_model
@@ -275,7 +210,7 @@ class Trainer:
         layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
         if engine is None and layout.engine is None:
             kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
-            engine = await _deadline(
+            engine = await deadline(
                 anyio.to_thread.run_sync(
                     lambda: load_engine(str(model_path), device=device, **kwargs), abandon_on_cancel=True
                 ),
@@ -288,7 +223,7 @@ class Trainer:
         if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
             signal.signal(signal.SIGTERM, state.handler)
         if hasattr(worker, "ready"):
-            await _deadline(
+            await deadline(
                 worker.ready.remote(), limits.engine_s, f"the trainer worker to load {model_path}", "engine_s"
             )
         ckpt = CheckpointManager(run_dir / "checkpoints")
@@ -316,7 +251,7 @@ class Trainer:
         proxy = training_proxy(cfg, engine, store, record_sessions=self._judge is None)
         store_server = await serve_store(cfg, store)  # None unless placement.store_server (remote runners)
         try:
-            await _deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
+            await deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
             self._served = (_served_llm(proxy), engine)
             step = await self._resume(ckpt, worker, engine, cursor, store, plan)
             rollout_cfg = cfg.actor_rollout_ref.rollout
@@ -366,10 +301,10 @@ class Trainer:
                         if last:  # async mode: batches for steps that will not run
                             for p in pending:
                                 for rid in p.rollout_ids:
-                                    await _cancel_quietly(store, rid)
+                                    await cancel_quietly(store, rid)
                             pending.clear()
                         for p in pending:  # in flight on the training weights: let them finish first
-                            await _wait_all(store, p.rollout_ids, limits.rollouts_s, f"step {p.step + 1}")
+                            await wait_all(store, p.rollout_ids, limits.rollouts_s, f"step {p.step + 1}")
                         val_metrics = await validate(step)
                         result.val_history.append(val_metrics)
                         metrics.update(val_metrics)
@@ -386,7 +321,7 @@ class Trainer:
                 progress.close()
                 for p in pending:  # async mode may have enqueued beyond the last step
                     for rid in p.rollout_ids:
-                        await _cancel_quietly(store, rid)
+                        await cancel_quietly(store, rid)
                 runner.stop()
                 with anyio.move_on_after(limits.runner_s):
                     await runner_done.wait()
@@ -436,7 +371,7 @@ class Trainer:
         lora = self.config.actor_rollout_ref.model.lora_rank > 0
         adapter_dir = run_dir / ck.FINAL_ADAPTER if lora else None
         call = worker.save_model.remote(model_path, str(model_dir), str(adapter_dir) if adapter_dir else None)
-        await _deadline(call, limits.save_s, f"the final model to be written to {model_dir}", "save_s")
+        await deadline(call, limits.save_s, f"the final model to be written to {model_dir}", "save_s")
         return model_dir, adapter_dir
 
     async def _enqueue(self, store: Store, train: list[Any], cursor: DataCursor, step: int) -> _Pending:
@@ -468,7 +403,7 @@ class Trainer:
     ) -> dict[str, float]:
         limits = cfg.trainer.timeouts
         t_wait = time.perf_counter()
-        finished = await _wait_all(store, pending.rollout_ids, limits.rollouts_s, f"step {pending.step + 1}")
+        finished = await wait_all(store, pending.rollout_ids, limits.rollouts_s, f"step {pending.step + 1}")
         rollout_s = time.perf_counter() - pending.enqueued_at
         wait_s = time.perf_counter() - t_wait
         judged = await self._judge_rollouts(store, pending.rollout_ids)  # Reward spans, before the triplets
@@ -531,7 +466,7 @@ class Trainer:
             return metrics
         t_update = time.perf_counter()
         metrics.update(
-            await _deadline(
+            await deadline(
                 worker.update.remote(batch),
                 limits.update_s,
                 f"the policy update of step {pending.step + 1}",
@@ -540,7 +475,7 @@ class Trainer:
         )
         metrics["timing/update_wall_s"] = time.perf_counter() - t_update
         t_sync = time.perf_counter()
-        version, sync_metrics = await _deadline(
+        version, sync_metrics = await deadline(
             self._sync_weights(worker, engine),
             limits.weight_sync_s,
             "the new weights to reach the engine",
@@ -609,7 +544,7 @@ class Trainer:
                 for task in val
                 for i in range(n)
             ]
-            finished = await _wait_all(
+            finished = await wait_all(
                 store, ids, self.config.trainer.timeouts.rollouts_s, f"validation at step {step}"
             )
         finally:
@@ -653,7 +588,7 @@ class Trainer:
         path = ckpt.begin(step)
         limit = self.config.trainer.timeouts.save_s
         call = worker.save_checkpoint.remote(str(path))  # safetensors weights beside the optimizer state
-        await _deadline(call, limit, f"checkpoint {path} to be written", "save_s")
+        await deadline(call, limit, f"checkpoint {path} to be written", "save_s")
         ckpt.commit(step, {"step": step, "cursor": data_state})
 
     async def _resume(
@@ -668,14 +603,14 @@ class Trainer:
         # Rollouts a killed run left queued or running are cancelled: the resumed run re-enqueues its batch.
         stale = await store.list_rollouts(status=["queued", "requeued", "running"])
         for rollout in stale:
-            await _cancel_quietly(store, rollout.rollout_id)
+            await cancel_quietly(store, rollout.rollout_id)
         if plan.checkpoint is None:
             return 0
         path, state = plan.checkpoint
         limits = self.config.trainer.timeouts
         call = worker.load_checkpoint.remote(str(path))
-        await _deadline(call, limits.engine_s, f"checkpoint {path} to load", "engine_s")
-        await _deadline(
+        await deadline(call, limits.engine_s, f"checkpoint {path} to load", "engine_s")
+        await deadline(
             self._sync_weights(worker, engine),
             limits.weight_sync_s,
             "the checkpoint's weights to reach the engine",
@@ -698,9 +633,6 @@ def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
     return remote_cls.remote(config, model_path, device)
 
 
-T = TypeVar("T")
-
-
 def rollout_config(config: TrainerConfig) -> RolloutConfig:
     """What every training and validation rollout gets: an attempt that runs over
     ``rollout.agent_timeout_s`` is cancelled (status timeout) and retried once; a runner that goes
@@ -708,66 +640,6 @@ def rollout_config(config: TrainerConfig) -> RolloutConfig:
     return RolloutConfig(
         max_attempts=2, unresponsive_s=300.0, timeout_s=config.actor_rollout_ref.rollout.agent_timeout_s
     )
-
-
-async def _deadline(call: Awaitable[T], seconds: float, what: str, key: str) -> T:
-    """``await call``, or a TrainerTimeoutError naming ``what`` and the ``trainer.timeouts`` key."""
-    try:
-        with anyio.fail_after(seconds):
-            return await call
-    except TimeoutError:
-        raise TrainerTimeoutError(
-            f"gave up waiting {seconds:g} s for {what}; raise trainer.timeouts.{key} if it is only slow"
-        ) from None
-
-
-async def _wait_all(
-    store: Store, rollout_ids: list[str], idle_s: float, what: str, poll_s: float = 5.0
-) -> list[Any]:
-    """Wait until every rollout is terminal (the runner's watchdog and retries bound each attempt);
-    a TrainerTimeoutError when none of them finishes for ``idle_s`` (no runner, or one that hangs)."""
-    remaining = set(rollout_ids)
-    done: dict[str, Any] = {}
-    last_progress = time.monotonic()
-    while remaining:
-        wait = max(0.01, min(poll_s, idle_s - (time.monotonic() - last_progress)))
-        for rollout in await store.wait_for_rollouts(sorted(remaining), timeout=wait):
-            done[rollout.rollout_id] = rollout
-            remaining.discard(rollout.rollout_id)
-            last_progress = time.monotonic()
-        if remaining:
-            await store.check_timeouts()
-            if time.monotonic() - last_progress >= idle_s:
-                raise TrainerTimeoutError(
-                    f"gave up waiting for the rollouts of {what}: {len(done)} of {len(rollout_ids)} finished, "
-                    f"none in the last {idle_s:g} s; is a runner running (placement.local_runner, "
-                    "`agentloop runner`)? raise trainer.timeouts.rollouts_s if they are only slow"
-                )
-    return [done[r] for r in rollout_ids]
-
-
-async def failure_summary(store: Store, rollout_ids: list[str], limit: int = 5) -> str:
-    """The distinct errors of the rollouts' failed attempts with their counts, most frequent first:
-    ``"12 x AgentError: the agent returned 'abc', not a reward; 3 x Timeout: ..."``."""
-    counts: Counter[str] = Counter()
-    for rid in rollout_ids:
-        for attempt in await store.list_attempts(rid):
-            if attempt.error is not None:
-                first = (attempt.error.message or "").strip().splitlines()
-                text = f"{attempt.error.type}: {first[0][:300]}" if first else attempt.error.type
-                counts[text] += 1
-    if not counts:
-        return "no attempt recorded an error"
-    items = [f"{n} x {text}" for text, n in counts.most_common(limit)]
-    more = len(counts) - limit
-    return "; ".join(items) + (f"; and {more} other errors" if more > 0 else "")
-
-
-async def _cancel_quietly(store: Store, rollout_id: str) -> None:
-    try:
-        await store.cancel_rollout(rollout_id)
-    except AgentLoopError:  # already finished
-        pass
 
 
 def _attempt_metrics(triplets: list[Triplet]) -> dict[str, float]:
@@ -849,99 +721,6 @@ def _check_dataset(data: Sequence[Any] | None, name: str) -> list[Any]:
                 f"{name}[{i}] is not JSON-serialisable ({exc}); tasks travel through the store"
             ) from None
     return list(data)
-
-
-@dataclass
-class _FitState:
-    """What ``fit`` and its signal handling need to know about the run in progress."""
-
-    plan: RunPlan
-    identity: str
-    started: bool = False  # the training loop began (a failure before leaves no folder behind)
-    step: int = 0
-    signum: int | None = None
-    handler: Any = None  # the signal handler (reinstalled after ray.init, which sets its own for SIGTERM)
-    loop: Any = None  # the event loop of the run and its outermost cancel scope (a signal cancels it)
-    scope: Any = None
-
-
-class _Stopped(Exception):
-    """Raised by fit's signal handler: Ctrl-C or SIGTERM asked the run to stop."""
-
-
-def _clean_stop(state: _FitState) -> Any:
-    """While fit runs in the main thread: the first SIGINT/SIGTERM stops the run cleanly (its
-    ``finally`` blocks close the proxy, store and Ray) and fit prints one line and exits 130/143
-    instead of a stack dump; a second signal ends the process at once."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def installed() -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, _: Any) -> None:
-            if state.signum is not None:
-                os._exit(128 + signum)
-            state.signum = signum
-            if state.scope is not None:  # the loop runs: cancel the run there (finally blocks clean up)
-                state.loop.call_soon_threadsafe(state.scope.cancel)
-                return
-            raise _Stopped
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        state.handler = handler
-        try:
-            yield
-        except (_Stopped, KeyboardInterrupt) as exc:
-            _exit_stopped(state, exc)
-        except BaseExceptionGroup as group:
-            if not group.subgroup((_Stopped, KeyboardInterrupt)):
-                raise
-            _exit_stopped(state, group)
-        except SystemExit as exc:
-            if exc.code != signal.SIGTERM:  # Ray's own SIGTERM handler: sys.exit(15)
-                raise
-            state.signum = signal.SIGTERM
-            _exit_stopped(state, exc)
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    return installed()
-
-
-def _exit_stopped(state: _FitState, exc: BaseException) -> None:
-    import sys
-
-    signum = state.signum or signal.SIGINT
-    name = signal.Signals(signum).name
-    latest = (
-        CheckpointManager(state.plan.run_dir / "checkpoints").latest()
-        if state.plan.run_dir.exists()
-        else None
-    )
-    resume = (
-        f"checkpoint of step {latest[1]['step']} kept: run again to resume"
-        if latest
-        else "no checkpoint to resume from"
-    )
-    sys.stderr.write(
-        f"\ntraining stopped by {name} at step {state.step}; run folder {state.plan.run_dir} ({resume})\n"
-    )
-    sys.stderr.flush()
-    raise SystemExit(128 + signum) from None
-
-
-def _single_error(group: BaseExceptionGroup) -> BaseException | None:
-    """The one error inside nested task-group wrappers, or None when there are several."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        if len(exc.exceptions) != 1:
-            return None
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _quiet_defaults(config: TrainerConfig) -> None:

@@ -54,10 +54,10 @@ from trainer import checkpoint as ck
 from trainer.actor import Actor
 from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLogger, plot_curves
-from trainer.ray_trainer import TrainerWorker
 from trainer.sft_actor import SFTActor
 from trainer.sft_config import SFTConfig, load_configs, sft_trainer_config
 from trainer.sft_data import Selection, _batch, open_store, select_attempts, split_tasks
+from trainer.worker import TrainerWorker
 
 log = structlog.get_logger("agentloop.trainer.sft")
 

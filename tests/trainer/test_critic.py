@@ -21,7 +21,7 @@ from trainer.advantages import attempt_gae
 from trainer.algorithms import explained_variance, masked_whiten, value_loss
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
-from trainer.ray_trainer import TrainerWorker
+from trainer.worker import TrainerWorker
 
 
 def _attempt(merge: bool) -> tuple[list[Triplet], int]:

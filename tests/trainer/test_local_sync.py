@@ -57,7 +57,7 @@ async def test_cuda_worker_weights_reach_the_engine_bit_for_bit(
     cast to the engine's dtype, into a TorchEngine in this process, and the version moves."""
     import ray
 
-    from trainer.ray_trainer import TrainerWorker
+    from trainer.worker import TrainerWorker
 
     cfg = actor_config(tiny_model_dir)
     worker = ray.remote(num_gpus=1, num_cpus=0)(TrainerWorker).remote(cfg, str(tiny_model_dir), "cuda")

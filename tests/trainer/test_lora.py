@@ -19,7 +19,7 @@ from tests.trainer.samples import small_batch
 from trainer.actor import Actor
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
-from trainer.ray_trainer import TrainerWorker
+from trainer.worker import TrainerWorker
 
 ADAPTED = "model.layers.0.self_attn.q_proj.weight"  # a linear layer "all-linear" adapts
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")  # never adapted
