@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 REPLY = "Hello! How can I help you today?"
 RESULTS = Path(__file__).parent / "results" / "proxy_bench.json"
@@ -274,7 +275,7 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
 
 
 async def _burst_client() -> None:
-    """One round per stdin line ``{"host", "port", "tag", "prefixes", "max_tokens"}``: print
+    """One round per stdin line ``{"host", "ports", "tag", "prefixes", "max_tokens"}`` (a port per request): print
     ``{"ready"}``, wait for a "go" line, then every request at once, each on a connection of its own
     opened then (as an openai client connects on its first request); print ``{"sent", "received",
     "status"}`` (``time.time()`` per request)."""
@@ -286,23 +287,23 @@ async def _burst_client() -> None:
 
     while (job := await line()) is not None:
         reqs = [
-            _request(f"{p}/chat/completions", {"model": "m", "messages": _burst_messages(job["tag"], i),
-                     "max_tokens": job["max_tokens"], "temperature": 1.0, "top_p": 1.0})
-            for i, p in enumerate(job["prefixes"])
+            (port, _request(f"{p}/chat/completions", {"model": "m", "messages": _burst_messages(job["tag"], i),
+                     "max_tokens": job["max_tokens"], "temperature": 1.0, "top_p": 1.0}))
+            for i, (p, port) in enumerate(zip(job["prefixes"], job["ports"], strict=True))
         ]  # fmt: skip
         print(json.dumps({"ready": len(reqs)}), flush=True)
         await line()  # "go"
 
-        async def call(req: bytes) -> tuple[float, int, float]:
+        async def call(port: int, req: bytes) -> tuple[float, int, float]:
             sent = time.time()
-            reader, writer = await asyncio.open_connection(job["host"], job["port"])
+            reader, writer = await asyncio.open_connection(job["host"], port)
             writer.write(req)
             status = await _read_response(reader)
             received = time.time()
             writer.close()
             return sent, status, received
 
-        got = await asyncio.gather(*(call(r) for r in reqs))
+        got = await asyncio.gather(*(call(port, r) for port, r in reqs))
         print(json.dumps({"sent": [g[0] for g in got], "status": [g[1] for g in got],
                           "received": [g[2] for g in got]}), flush=True)  # fmt: skip
 
@@ -391,25 +392,32 @@ async def run_burst(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, float]] = []
     rounds: list[dict[str, float]] = []
     try:
-        async with Proxy(engine, store, default_max_tokens=args.response_tokens) as proxy:
+        async with Proxy(
+            engine, store, default_max_tokens=args.response_tokens, workers=args.workers
+        ) as proxy:
+            resource = proxy.as_resource()
+            workers = [w.pid for w in getattr(proxy._workers, "_procs", [])]
             for r in range(args.rounds + 1):  # round 0 warms up, untimed
                 attempts = []
                 for i in range(n):
                     await store.enqueue_rollout({"i": i, "round": r})
                     attempts.append(await store.dequeue_rollout("bench"))
                 keys = [f"{a.rollout_id}/{a.attempt.attempt_id}" for a in attempts]
-                job = {"host": "127.0.0.1", "port": proxy.port, "tag": f"r{r}", "max_tokens": args.response_tokens,
-                       "prefixes": [f"/rollout/{k.replace('/', '/attempt/')}/v1" for k in keys]}  # fmt: skip
+                urls = [
+                    urlsplit(resource.get_base_url(*k.split("/"))) for k in keys
+                ]  # a worker's, with workers
+                job = {"host": "127.0.0.1", "ports": [u.port for u in urls], "tag": f"r{r}",
+                       "max_tokens": args.response_tokens, "prefixes": [u.path for u in urls]}  # fmt: skip
                 child.stdin.write(json.dumps(job).encode() + b"\n")
                 assert "ready" in json.loads(await child.stdout.readline())
-                before, gc_before = clocks.read(), list(gc_clock.seconds)
+                before, gc_before, workers_before = clocks.read(), list(gc_clock.seconds), _cpu_s(workers)
                 if profile is not None and r > 0:
                     profile.enable()
                 child.stdin.write(b'"go"\n')
                 res = json.loads(await child.stdout.readline())
                 if profile is not None:
                     profile.disable()
-                after = clocks.read()
+                after, workers_after = clocks.read(), _cpu_s(workers)
                 assert res["status"] == [200] * n, f"round {r}: statuses {sorted(set(res['status']))}"
                 for a in attempts:
                     await store.update_attempt(
@@ -430,6 +438,7 @@ async def run_burst(args: argparse.Namespace) -> dict[str, Any]:
                     "loop_thread_cpu_ms_per_request": loop / n * 1e3,
                     "store_thread_cpu_ms_per_request": writer / n * 1e3,
                     "gc_ms_per_request": sum(gc_s) / n * 1e3,
+                    "worker_processes_cpu_ms_per_request": (workers_after - workers_before) / n * 1e3,
                     "gc_gen_ms": [round(x * 1e3, 2) for x in gc_s],
                     "admission_spread_ms": (max(called) - min(called)) * 1e3,
                     "first_sent_to_last_received_ms": (max(res["received"]) - min(res["sent"])) * 1e3,
@@ -455,6 +464,7 @@ async def run_burst(args: argparse.Namespace) -> dict[str, Any]:
             "response_tokens": args.response_tokens,
             "route": "/rollout/{rid}/attempt/{aid}/v1/chat/completions",
             "request": "one first-turn chat completion per attempt, all at once, each on a new connection",
+            "proxy_workers": args.workers,  # > 0: "process" is the engine's process, the workers' CPU apart
             "engine": "barrier stub: every generate waits until all of the burst's have arrived, then all answer",
         },
         "per_request_cpu_ms": {
@@ -504,6 +514,18 @@ PHASES = {
 }
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes ``pids`` so far (Linux /proc; 0 elsewhere or for none)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _phases(stats: Any, requests: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, (file, func) in PHASES.items():
@@ -542,6 +564,9 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=128, help="--burst: tokens per answer")
     parser.add_argument("--gc-threshold", type=int, nargs=3, help="--burst: gc.set_threshold for the run")
     parser.add_argument("--profile", help="--burst: write a cProfile of the event-loop thread here")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="--burst: Proxy(workers=N) (needs --store sqlite)"
+    )
     parser.add_argument(
         "--no-uvloop",
         action="store_true",

@@ -7,8 +7,9 @@ benchmarks/results/proxy_loss_gpu.json), against a ~640 ms generation, and the e
 with the engine's thread for the GIL meanwhile.
 
 With ``Proxy(workers=N)`` the proxy process keeps the engine and serves it to N worker processes
-over a Unix socket (agentloop.engine.link): token ids in, token ids and logprobs out, ~0.1 ms of
-the engine process's time a call. Each worker is a whole proxy on a port of its own (same routes,
+over a Unix socket (agentloop.engine.link): token ids in, token ids and logprobs out. The engine
+process's CPU per call fell from 1.1-1.3 ms to 0.12-0.13 ms with 2 workers (a 2-core CPU, a burst of
+128 calls, benchmarks/results/proxy_workers_cpu.json). Each worker is a whole proxy on a port of its own (same routes,
 key, limits and sampling defaults) recording into the same SQLite store. The ProxyLLM resource lists
 the workers' URL templates, and each rollout's calls go to the worker its rollout id picks
 (``ProxyLLM.get_base_url``), so a conversation's token ledger lives in one process. App sessions
