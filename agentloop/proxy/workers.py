@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
-import pickle
 import select
 import signal
 import subprocess
@@ -36,9 +37,11 @@ from typing import Any
 
 import anyio
 import structlog
+from pydantic import SecretStr
 
 from agentloop.engine.base import InferenceEngine
 from agentloop.engine.link import EngineHost, RemoteEngine
+from agentloop.http_limits import HttpLimits
 from agentloop.store.base import Store
 from agentloop.store.sqlite import SQLiteStore
 
@@ -61,6 +64,23 @@ class WorkerSpec:
     host: str
     port: int  # 0: any free port (the first start); a restart reuses the port it had
     proxy_kwargs: dict[str, Any] = field(default_factory=dict)  # Proxy's own settings
+
+    def to_json(self) -> bytes:
+        """JSON, not pickle: nothing a worker reads is ever unpickled (tests/reliability/test_security.py)."""
+        kwargs = dict(self.proxy_kwargs)
+        key = kwargs.get("api_key")
+        kwargs["api_key"] = key.get_secret_value() if isinstance(key, SecretStr) else key
+        if isinstance(kwargs.get("limits"), HttpLimits):
+            kwargs["limits"] = dataclasses.asdict(kwargs["limits"])
+        return json.dumps({**dataclasses.asdict(self), "proxy_kwargs": kwargs}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> WorkerSpec:
+        fields = json.loads(data)
+        kwargs = fields.pop("proxy_kwargs")
+        if kwargs.get("limits") is not None:
+            kwargs["limits"] = HttpLimits(**kwargs["limits"])
+        return cls(**fields, proxy_kwargs=kwargs)
 
 
 def check_shareable(store: Store) -> str:
@@ -135,7 +155,7 @@ class ProxyWorkers:
             os.close(write_fd)
         assert proc.stdin is not None
         try:
-            proc.stdin.write(pickle.dumps(spec))  # the spec is ours, built above: nothing untrusted
+            proc.stdin.write(spec.to_json())
             proc.stdin.close()
             with os.fdopen(read_fd, "rb") as answers:
                 line = await anyio.to_thread.run_sync(_read_line, answers, abandon_on_cancel=True)
@@ -202,11 +222,11 @@ def _end_all(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def worker_main(answer_fd: int) -> None:
-    """A worker process's entry point: its spec (pickled) on stdin; serves until SIGTERM or until the
+    """A worker process's entry point: its spec (JSON) on stdin; serves until SIGTERM or until the
     engine link closes; "ready PORT" or "error WHY" goes back on ``answer_fd``."""
     from agentloop.event_loop import run
 
-    spec = pickle.loads(sys.stdin.buffer.read())
+    spec = WorkerSpec.from_json(sys.stdin.buffer.read())
     with os.fdopen(answer_fd, "wb", buffering=0) as answer:
         try:
             run(_serve, spec, answer)

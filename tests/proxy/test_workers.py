@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections import Counter
@@ -166,3 +167,19 @@ async def test_a_worker_that_cannot_start_says_why_and_leaves_nothing_running(
     ):
         await pool.start()
     assert all(proc.poll() is not None for proc in pool._procs)
+
+
+def test_a_worker_spec_goes_over_as_json_and_comes_back_the_same() -> None:
+    from pydantic import SecretStr
+
+    from agentloop.http_limits import HttpLimits
+    from agentloop.proxy.workers import WorkerSpec
+
+    spec = WorkerSpec(index=1, engine_socket="/tmp/x/engine.sock", tokenizer_dir="/tmp/t", max_context=2048,
+                      store_path="/tmp/s.db", host="127.0.0.1", port=0,
+                      proxy_kwargs={"api_key": SecretStr("k3y"), "limits": HttpLimits(max_connections=7),
+                                    "default_sampling": {"temperature": 0.5}, "chat_template": None})  # fmt: skip
+    back = WorkerSpec.from_json(spec.to_json())
+    assert back.proxy_kwargs["limits"] == HttpLimits(max_connections=7)
+    assert back.proxy_kwargs["api_key"] == "k3y"  # Proxy takes the plain key as well
+    assert back == WorkerSpec(**{**dataclasses.asdict(spec), "proxy_kwargs": back.proxy_kwargs})
