@@ -174,7 +174,7 @@ def sft_config(model: Path, run_dir: Path, **trainer: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- the core claim
 
 
-@pytest.mark.e2e  # ~3 min on 2 cores: proxy + runner + store, 120 SFT steps, the engine twice
+@pytest.mark.slow  # ~2-3 min on 2 cores: proxy + runner + store, 120 SFT steps, the engine twice (CI runs it in make test-slow)
 def test_sft_on_correct_calc_x_trajectories_raises_held_out_accuracy(
     teacher_store: tuple[Path, list[float]], learner_dir: Path, tmp_path: Path
 ) -> None:
