@@ -35,7 +35,7 @@ from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.proxy.service import ProxyService
 from agentloop.proxy.sessions import SessionTable
-from agentloop.proxy.workers import ProxyWorkers, check_shareable
+from agentloop.proxy.workers import ProxyWorkers
 from agentloop.resources import ProxyLLM
 from agentloop.store.base import Store
 from agentloop.store.sessions import SessionJournal
@@ -153,8 +153,6 @@ class Proxy:
         check_bind(host, key, "the proxy", "pass api_key=")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"workers must be an int >= 0, got {workers!r}")
-        if workers:
-            check_shareable(store)
         self.engine, self.store, self.host = engine, store, host
         self.advertise_host = advertise_host or (machine_address() if host in _WILDCARDS else host)
         self._api_key = key
@@ -221,13 +219,19 @@ class Proxy:
     @property
     def url(self) -> str:
         """``http://<advertise_host>:<port>``: where clients reach the proxy."""
-        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
-        return f"http://{host}:{self.port}"
+        return self._url(self.port)
 
     @property
     def url_template(self) -> str:
         """Base URL with ``{rollout_id}`` and ``{attempt_id}`` placeholders (for ProxyLLM)."""
-        return f"{self.url}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
+        return self._template(self.port)
+
+    def _url(self, port: int) -> str:
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        return f"http://{host}:{port}"
+
+    def _template(self, port: int) -> str:
+        return f"{self._url(port)}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
 
     @property
     def worker_ports(self) -> list[int]:
@@ -237,11 +241,7 @@ class Proxy:
     @property
     def worker_url_templates(self) -> list[str]:
         """Each worker's per-attempt URL template (as ``url_template``, on the worker's port)."""
-        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
-        return [
-            f"http://{host}:{port}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1"
-            for port in self.worker_ports
-        ]
+        return [self._template(port) for port in self.worker_ports]
 
     @property
     def model_name(self) -> str:

@@ -160,11 +160,12 @@ class ProxyWorkers:
             with os.fdopen(read_fd, "rb") as answers:
                 line = await anyio.to_thread.run_sync(_read_line, answers, abandon_on_cancel=True)
         except BaseException:
-            _end_all([proc])
+            with anyio.CancelScope(shield=True):  # a cancelled start still ends the process it began
+                await _end_in_thread([proc])
             raise
         kind, _, detail = line.decode(errors="replace").strip().partition(" ")
         if kind != "ready":
-            _end_all([proc])
+            await _end_in_thread([proc])
             why = detail or f"it exited with code {proc.poll()}"
             raise RuntimeError(f"proxy worker {spec.index} failed to start: {why}")
         return proc, replace(spec, port=int(detail))
@@ -192,7 +193,7 @@ class ProxyWorkers:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
-        await anyio.to_thread.run_sync(_end_all, list(self._procs))
+        await _end_in_thread(list(self._procs))
         await self._host.stop()
         if self._tokenizer_dir is not None:
             self._tokenizer_dir.cleanup()
@@ -204,6 +205,11 @@ def _read_line(answers: Any) -> bytes:
     if not ready:
         return f"error no answer within {START_TIMEOUT_S:.0f} s".encode()
     return bytes(answers.readline())
+
+
+async def _end_in_thread(procs: list[subprocess.Popen[bytes]]) -> None:
+    """``_end_all`` off the event loop: it waits up to 2 x ``STOP_TIMEOUT_S`` for each process."""
+    await anyio.to_thread.run_sync(_end_all, procs)
 
 
 def _end_all(procs: list[subprocess.Popen[bytes]]) -> None:
