@@ -41,13 +41,13 @@ from trainer.algorithms import (
     masked_mean,
 )
 from trainer.batch import Batch, split_by_groups, split_by_token_budget
+from trainer.compiled import compile_layers, model_inputs, warm_up
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
 from trainer.head import head_logprobs
 from trainer.rollout_correction import rollout_correction
 
 if TYPE_CHECKING:
-    from peft import PeftModel
     from transformers import PreTrainedModel
 
 log = structlog.get_logger("agentloop.trainer.actor")
@@ -76,6 +76,10 @@ def load_policy(path: str | Path, device: torch.device) -> nn.Module:
 class Actor:
     """Owns the trainable policy, the optional reference model and the optimizer."""
 
+    # compiled (CUDA): run every kind of micro-batch once when built, so no update recompiles mid-run;
+    # the sharded actor does not (its ranks would each have to run the same passes under FSDP)
+    warm_up_on_init = True
+
     def __init__(self, config: TrainerConfig, model_path: str | Path, device: str = "auto") -> None:
         self.config = config
         self.device = resolve_device(device)
@@ -89,7 +93,7 @@ class Actor:
         # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
         self.compiled = arr.actor.use_torch_compile and self.device.type == "cuda"
         if self.compiled:
-            _compile_layers(self.model)
+            compile_layers(self.model)
         self.fused_head = _head_shortcut_is_exact(self.model, self.device)
         # each distinct prompt of a micro-batch runs once (a GRPO group's attempts share theirs)
         self.shared_prompts = (
@@ -118,6 +122,8 @@ class Actor:
         self.critic: Critic | None = None
         if config.uses_critic:  # colocated with the policy, on the same device
             self.critic = self._make_critic(model_path)
+        if self.compiled and self.warm_up_on_init:  # every recompile now, none mid-run (trainer/compiled.py)
+            warm_up(self._forward, self.model, self.device)
 
     def _make_critic(self, model_path: str | Path) -> Critic:
         """The value model beside this policy (trainer/dp.py makes a sharded one)."""
@@ -133,8 +139,9 @@ class Actor:
         p, r = mb.prompt_length, mb.response_length
         cuda = self.device.type == "cuda"
         temps = mb.logit_temperatures()[:, :r, None]  # (b, R, 1)
+        inputs = model_inputs(mb) if self.compiled else mb  # compiled layers always get a mask
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            fused = _response_hidden(model, mb, p, r, self.shared_prompts) if self.fused_head else None
+            fused = _response_hidden(model, inputs, p, r, self.shared_prompts) if self.fused_head else None
             if fused is not None:
                 hidden, head = fused
                 logprobs, ent = head_logprobs(
@@ -146,9 +153,9 @@ class Actor:
                 )
                 return logprobs, (ent if entropy else None)
             out = model(
-                input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
-                position_ids=mb.position_ids,
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
                 use_cache=False,
             )
             logits = out.logits[:, p - 1 : p + r - 1]  # (b, R, V): position t scores token t+1
@@ -572,14 +579,6 @@ def _head_shortcut_is_exact(model: nn.Module, device: torch.device) -> bool:
     if not exact:
         log.info("actor.lm_head_shortcut_off", model=type(model).__name__, relative_error=round(error, 4))
     return exact
-
-
-def _compile_layers(model: nn.Module) -> None:
-    """torch.compile each decoder layer in place (the layers share one compiled graph)."""
-    base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    for layer in layers or []:
-        layer.compile(dynamic=True)
 
 
 def _gap_metrics(

@@ -24,6 +24,7 @@ import structlog
 import torch
 from torch import nn
 
+from trainer import compiled
 from trainer.algorithms import explained_variance, masked_mean, value_loss
 from trainer.batch import Batch, split_by_groups
 from trainer.config import TrainerConfig
@@ -93,9 +94,9 @@ class Critic:
             cast(Any, self.model.decoder).gradient_checkpointing_enable()
         # torch.compile (inductor, CUDA only) of each decoder layer, as the actor's
         self.compiled = config.actor_rollout_ref.actor.use_torch_compile and device.type == "cuda"
-        if self.compiled:
+        if self.compiled:  # the actor's layer graphs: its warm-up compiled them (trainer/compiled.py)
             for layer in getattr(self.model.decoder, "layers", None) or []:
-                layer.compile(dynamic=True)
+                layer.compile(dynamic=True, backend=compiled.BACKEND)
         # the actor checked that the shared-prompt forward is exact for its model; the critic's decoder is
         # the same network when it uses the actor's model, and the checkpointed decoder has no KV cache
         self.shared_prompts = (
@@ -144,7 +145,8 @@ class Critic:
     def _forward(self, mb: Batch) -> torch.Tensor:
         cuda = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            return cast(torch.Tensor, self.model(mb, self.shared_prompts))  # forward: FSDP's hooks run
+            inputs = compiled.model_inputs(mb) if self.compiled else mb  # compiled layers always get a mask
+            return cast(torch.Tensor, self.model(inputs, self.shared_prompts))  # forward: FSDP's hooks run
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

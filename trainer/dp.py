@@ -198,6 +198,10 @@ class ShardedCritic(Critic):
 class ShardedActor(Actor):
     """The Actor's update, sharded over a torch.distributed group of ``world_size`` ranks with FSDP2."""
 
+    warm_up_on_init = (
+        False  # the layers are sharded after Actor.__init__: a warm-up then compiles other graphs
+    )
+
     def __init__(
         self, config: TrainerConfig, model_path: str, device: str, rank: int, world_size: int
     ) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from trainer import compiled
+
 DEFAULT_CHUNK_TOKENS = 4096
 
 StatsFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -53,16 +55,19 @@ def _chunk_grad(
     return gz.to(dtype)
 
 
-_COMPILED: dict[str, Any] = {}
+_COMPILED: dict[str, tuple[Any, Any]] = {}  # by torch.compile backend
 
 
 def _kernels(compile: bool) -> tuple[StatsFn, GradFn]:
     if not compile:
         return _chunk_stats, _chunk_grad
-    if not _COMPILED:
-        _COMPILED["stats"] = torch.compile(_chunk_stats, dynamic=True)
-        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
-    return _COMPILED["stats"], _COMPILED["grad"]
+    backend = compiled.BACKEND
+    if backend not in _COMPILED:
+        _COMPILED[backend] = (
+            torch.compile(_chunk_stats, dynamic=True, backend=backend),
+            torch.compile(_chunk_grad, dynamic=True, backend=backend),
+        )
+    return _COMPILED[backend]
 
 
 class _HeadLogprobs(torch.autograd.Function):
