@@ -92,8 +92,6 @@ class Actor:
             self.model = _wrap_lora(self.model, config)
         # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
         self.compiled = arr.actor.use_torch_compile and self.device.type == "cuda"
-        if self.compiled:
-            compile_layers(self.model)
         self.fused_head = _head_shortcut_is_exact(self.model, self.device)
         # each distinct prompt of a micro-batch runs once (a GRPO group's attempts share theirs)
         self.shared_prompts = (
@@ -122,8 +120,20 @@ class Actor:
         self.critic: Critic | None = None
         if config.uses_critic:  # colocated with the policy, on the same device
             self.critic = self._make_critic(model_path)
-        if self.compiled and self.warm_up_on_init:  # every recompile now, none mid-run (trainer/compiled.py)
-            warm_up(self._forward, self.model, self.device)
+        if self.compiled:  # after the probes above, which run the layers in float32, outside autocast
+            for model in (self.model, self.ref):
+                if model is not None:
+                    compile_layers(model)  # the same layer code: the two share their graphs
+            if self.warm_up_on_init:  # every recompile now, none mid-run (trainer/compiled.py)
+                self.warm_up_compiled()
+
+    def warm_up_compiled(self) -> int:
+        """Compile the layers for every kind of micro-batch this actor's updates bring (the token
+        budget, the longest sample); returns the passes run."""
+        cfg = self.config
+        budget = cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        return warm_up(self._forward, self.model, self.device, budget, longest)
 
     def _make_critic(self, model_path: str | Path) -> Critic:
         """The value model beside this policy (trainer/dp.py makes a sharded one)."""

@@ -1,17 +1,18 @@
 """torch.compile for the policy's decoder layers, with every recompile paid before the first step.
 
 Compiled layers (dynamic shapes) compile again whenever a micro-batch fails a guard they hold:
-- grad mode on (the update) or off (old, reference and value log-probs);
+- grad mode on (the update) or off (old, reference and value log-probs), autocast on or off;
 - one row or several: dynamo specialises a size of 1;
 - an attention mask or none: transformers passes no mask when nothing in a micro-batch is padding, so
   SDPA can take its causal path, and that is another graph;
-- the first shape of each: it is compiled static, and again as dynamic when a second shape comes.
+- guards inductor adds on sizes: the width a multiple of 8 or not (alignment), rows x width below or
+  above a fusion threshold (on an H100, Qwen2-0.5B: 5,242,880 / 896 = 5,852 tokens).
 
-Each compile cost 5-20 s of an H100 update in the middle of a run (benchmarks/async_bench.py: 20.8 s
-at step 2, 3.0 s at step 8, 11.6 s at step 16), and past dynamo's limit of 8 graphs a frame runs
-eagerly. So ``model_inputs`` always gives the layers a mask (one padding column where a micro-batch
-has none), and ``warm_up`` runs each remaining kind once (grad on and off, one row and several, two
-shapes each) when the actor is built.
+Each compile cost 3-18 s of an H100 update in the middle of a run (benchmarks/async_bench.py: 17.6 s
+at step 1, 9.2 s at step 2, 4.0 s at step 8), and past dynamo's limit of 8 graphs a frame runs
+eagerly. So ``model_inputs`` gives the layers a mask and a width that is a multiple of 8 (padding
+columns), and ``warm_up`` runs micro-batches of one row and of several, with and without grad, at
+widths doubling up to the largest the run can bring, when the actor is built.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
 # what torch.compile compiles with; tests set "eager" (dynamo's guards and recompiles, no inductor)
 BACKEND = "inductor"
 
-# (rows, prompt tokens, response tokens) of the warm-up micro-batches: two shapes of several rows
-# (the second makes both dimensions dynamic), then one row twice
-_WARM_UP_SHAPES = ((2, 8, 8), (3, 12, 20), (1, 8, 8), (1, 12, 20))
+WIDTH_MULTIPLE = 8  # model_inputs pads a micro-batch's width to a multiple of this
+RECOMPILE_LIMIT = 64  # graphs per compiled frame (dynamo's default, 8, is below what warm_up compiles)
+_FIRST_WIDTH = 16
 
 Forward = Callable[[nn.Module, Batch, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -43,18 +44,25 @@ def compile_layers(model: nn.Module) -> None:
     """torch.compile each decoder layer in place (the layers share one compiled graph)."""
     base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # peft
     layers = getattr(getattr(base, "model", None), "layers", None)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # no guards from sizes that happen to be equal in one micro-batch (a chunk's offset and a width)
+    torch.fx.experimental._config.use_duck_shape = False
     for layer in layers or []:
         layer.compile(dynamic=True, backend=BACKEND)
 
 
 def model_inputs(mb: Batch) -> Batch:
-    """``mb`` for the decoder: with one padding column appended when no token of it is padding, so
-    the layers always get an attention mask. Causal attention keeps every earlier position's output
-    as it was; the responses, their mask and ``prompt_length`` stay as they are."""
-    if not bool(mb.attention_mask.all()):  # note: a CPU-GPU sync
+    """``mb`` for the decoder: padding columns appended up to a width that is a multiple of 8, and at
+    least one when no token of it is padding, so the layers always get an attention mask. Causal
+    attention keeps every earlier position's output as it was; the responses, their mask and
+    ``prompt_length`` stay as they are."""
+    extra = -mb.input_ids.shape[1] % WIDTH_MULTIPLE
+    if extra == 0 and bool(mb.attention_mask.all()):  # note: a CPU-GPU sync
+        extra = WIDTH_MULTIPLE
+    if extra == 0:
         return mb
     rows = len(mb)
-    pad = torch.zeros(rows, 1, dtype=mb.input_ids.dtype, device=mb.input_ids.device)  # (b, 1)
+    pad = torch.zeros(rows, extra, dtype=mb.input_ids.dtype, device=mb.input_ids.device)  # (b, extra)
     return replace(
         mb,
         input_ids=torch.cat([mb.input_ids, pad], dim=1),
@@ -63,27 +71,54 @@ def model_inputs(mb: Batch) -> Batch:
     )
 
 
-def warm_up(forward: Forward, model: nn.Module, device: torch.device) -> int:
-    """Run every kind of micro-batch the actor meets through ``forward`` (its log-prob pass: no grad,
-    eval mode; and the update's: grad, train mode, a backward) so that the compiles happen now; the
+def warm_up(forward: Forward, model: nn.Module, device: torch.device, max_tokens: int, max_width: int) -> int:
+    """Run the kinds of micro-batch the actor meets through ``forward`` (its log-prob pass: no grad,
+    eval mode; and the update's: grad, train mode, a backward) so that the compiles happen now:
+    several rows at widths 16, 32, ... while rows x width stays within ``max_tokens`` (the token
+    budget), and one row at widths 16, 32, ... up to ``max_width`` (the longest sample). The
     gradients are dropped. Returns the number of passes run."""
     embeddings = cast("PreTrainedModel", model).get_input_embeddings()
     vocab_size = int(cast(torch.Tensor, embeddings.weight).shape[0])
     was_training = model.training
     passes = 0
-    for rows, p, r in _WARM_UP_SHAPES:
-        mb = _probe_batch(rows, p, r, vocab_size, device)
+    for rows, width in warm_up_shapes(max_tokens, max_width):
+        mb = _probe_batch(rows, width // 2, width - width // 2, vocab_size, device)
         model.eval()
         with torch.no_grad():
             forward(model, mb, False)
         model.train()
         logprobs, entropy = forward(model, mb, True)
-        loss = logprobs.sum() + (entropy.sum() if entropy is not None else 0.0)
+        # weights: a real loss's gradient is a full tensor, not the stride-0 one of a plain sum()
+        weights = torch.linspace(0.5, 1.5, logprobs.numel(), device=device).view_as(logprobs)
+        loss = (logprobs * weights).sum()
+        if entropy is not None:
+            loss = loss + (entropy * weights).sum()
         loss.backward()
         passes += 2
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     return passes
+
+
+def warm_up_shapes(max_tokens: int, max_width: int) -> list[tuple[int, int]]:
+    """(rows, width) of the warm-up micro-batches: 2 and 3 rows in turn (so both sizes are dynamic)
+    at doubling widths while they fit ``max_tokens``, then 1 row at doubling widths to ``max_width``;
+    each list ends on its largest size."""
+    shapes: list[tuple[int, int]] = []
+    width = _FIRST_WIDTH
+    while 2 * width <= max_tokens:
+        rows = 3 if len(shapes) % 2 and 3 * width <= max_tokens else 2
+        shapes.append((rows, width))
+        width *= 2
+    widest = max_tokens // 2 // WIDTH_MULTIPLE * WIDTH_MULTIPLE
+    if widest >= _FIRST_WIDTH and (not shapes or shapes[-1][1] < widest):
+        shapes.append((2, widest))
+    width, longest = _FIRST_WIDTH, max(_FIRST_WIDTH, max_width)
+    while width < longest:
+        shapes.append((1, width))
+        width *= 2
+    shapes.append((1, longest))
+    return shapes
 
 
 def _probe_batch(rows: int, p: int, r: int, vocab_size: int, device: torch.device) -> Batch:

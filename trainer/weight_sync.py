@@ -44,6 +44,8 @@ from typing import Any
 import structlog
 import torch
 
+from agentloop.engine.capture import no_graph_capture
+
 log = structlog.get_logger("agentloop.trainer.weight_sync")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -256,11 +258,12 @@ def _broadcast(pg: Any, tensors: list[torch.Tensor]) -> None:
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    works = [pg.broadcast([t], opts) for t in tensors]
-    for w in works:
-        w.wait()
-    if tensors and tensors[0].is_cuda:
-        torch.cuda.synchronize()
+    with no_graph_capture():  # on a replica, its engine may be capturing a CUDA graph in its thread
+        works = [pg.broadcast([t], opts) for t in tensors]
+        for w in works:
+            w.wait()
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------- in a trainer rank (DPWorker.call)
@@ -365,11 +368,12 @@ def open_ipc(handles: list[Any], device_index: int) -> list[torch.Tensor]:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     out = []
-    for h in handles:
-        args = list(h)
-        args[6] = device_index  # the storage device as this process numbers it
-        out.append(rebuild_cuda_tensor(*args))
-    torch.cuda.synchronize()
+    with no_graph_capture():  # an engine of this process may be capturing a CUDA graph in its thread
+        for h in handles:
+            args = list(h)
+            args[6] = device_index  # the storage device as this process numbers it
+            out.append(rebuild_cuda_tensor(*args))
+        torch.cuda.synchronize()
     return out
 
 

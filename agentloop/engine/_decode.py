@@ -22,6 +22,7 @@ from agentloop.engine._attention import cudnn_attention
 from agentloop.engine._cpu_decode import CpuDecoder, supports
 from agentloop.engine._kv import SlotKVCache
 from agentloop.engine._sampling import SampleMode, sample
+from agentloop.engine.capture import graph_capture
 
 log = structlog.get_logger(__name__)
 
@@ -189,14 +190,16 @@ class ModelRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize(self._device)
-            # torch.cuda.graph() without its gc.collect() + empty_cache(): captures happen mid-serving
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    out = self._forward(*key)
-                finally:
-                    graph.capture_end()
+            # torch.cuda.graph() without its gc.collect() + empty_cache(): captures happen mid-serving;
+            # graph_capture: no other thread of this process syncs the device meanwhile (capture.py)
+            with graph_capture():
+                torch.cuda.synchronize(self._device)
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        out = self._forward(*key)
+                    finally:
+                        graph.capture_end()
             graph.replay()
         except Exception as exc:  # never fail a request for a capture: stay eager from now on
             log.warning(

@@ -30,7 +30,7 @@ def eager_dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _compiled_actor(model_dir: Path) -> Actor:
     """An Actor on the CPU whose layers and head are compiled as on a GPU (Actor compiles on CUDA only)."""
-    actor = Actor(actor_config(model_dir), model_dir, "cpu")
+    actor = Actor(actor_config(model_dir, ppo_max_token_len_per_gpu=256), model_dir, "cpu")
     actor.compiled = True
     actor.shared_prompts = False  # as a compiled Actor has it (the per-layer cache recompiles)
     compiled.compile_layers(actor.model)
@@ -69,16 +69,19 @@ def _runs(actor: Actor) -> None:
         actor.compute_logprobs(batch)  # eval mode, no grad
         actor.model.train()  # as Actor.update
         logprobs, entropy = actor._forward(actor.model, batch, True)
-        (logprobs.sum() + (entropy.sum() if entropy is not None else 0.0)).backward()
+        weights = batch.response_mask / batch.response_mask.sum()  # a token-mean loss, as Actor.update's
+        assert entropy is not None
+        ((logprobs * weights).sum() - 0.0 * (entropy * weights).sum()).backward()  # entropy_coeff 0
     actor.model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.usefixtures("eager_dynamo")
 def test_no_update_compiles_after_the_warm_up(tiny_model_dir: Path) -> None:
     actor = _compiled_actor(tiny_model_dir)
-    passes = compiled.warm_up(actor._forward, actor.model, actor.device)
+    passes = actor.warm_up_compiled()
     warmed = _graphs()
-    assert passes == 8 and warmed > 0, "the warm-up compiled nothing: the test would prove nothing"
+    assert passes == 2 * len(compiled.warm_up_shapes(256, 48))
+    assert warmed > 0, "the warm-up compiled nothing: the test would prove nothing"
     _runs(actor)
     assert _graphs() == warmed, f"{_graphs() - warmed} graphs compiled after the warm-up"
     assert all(p.grad is None for p in actor.model.parameters())  # the warm-up's gradients are gone
@@ -94,24 +97,42 @@ def test_without_the_warm_up_updates_compile(tiny_model_dir: Path) -> None:
     torch._dynamo.reset()
     counters.clear()
     actor = _compiled_actor(tiny_model_dir)
-    compiled.warm_up(actor._forward, actor.model, actor.device)
+    actor.warm_up_compiled()
     assert _graphs() >= first  # the warm-up compiles at least what the runs needed
 
 
+def test_warm_up_shapes_reach_the_budget_and_the_longest_sample() -> None:
+    # several rows: 2 and 3 in turn at doubling widths within 256 tokens; one row: to the longest (48)
+    assert compiled.warm_up_shapes(256, 48) == [
+        (2, 16),
+        (3, 32),
+        (2, 64),
+        (2, 128),
+        (1, 16),
+        (1, 32),
+        (1, 48),
+    ]
+    assert compiled.warm_up_shapes(300, 16) == [(2, 16), (3, 32), (2, 64), (2, 128), (2, 144), (1, 16)]
+
+
 @pytest.mark.usefixtures("eager_dynamo")
-def test_the_padding_column_leaves_the_logprobs(tiny_model_dir: Path) -> None:
-    """A micro-batch with no padding gets one more (masked) column for the compiled layers; the
-    response log-probs stay the same up to float rounding."""
+def test_padding_columns_leave_the_logprobs(tiny_model_dir: Path) -> None:
+    """The compiled layers get a width that is a multiple of 8 and always some padding; the response
+    log-probs stay the same up to float rounding."""
     actor = Actor(actor_config(tiny_model_dir, shared_prompt_forward=False), tiny_model_dir, "cpu")
-    batch = _unpadded(2, 9, 6)
-    assert bool(batch.attention_mask.all())
-    padded = compiled.model_inputs(batch)
-    assert padded.input_ids.shape[1] == batch.input_ids.shape[1] + 1
-    assert not bool(padded.attention_mask[:, -1].any())
-    padded_already = small_batch()
-    assert compiled.model_inputs(padded_already) is padded_already
-    plain = actor.compute_logprobs(batch)
-    actor.compiled = True  # model_inputs on, the layers left uncompiled: only the column differs
-    with_column = actor.compute_logprobs(batch)
-    # fp32 on the CPU: another matmul shape may round differently, ~1e-6 on log-probs of order 10
-    torch.testing.assert_close(with_column, plain, rtol=0, atol=1e-4)
+    unpadded = _unpadded(2, 9, 7)  # 16 columns, none of them padding
+    assert bool(unpadded.attention_mask.all()) and unpadded.input_ids.shape[1] == 16
+    wider = compiled.model_inputs(unpadded)
+    assert wider.input_ids.shape[1] == 24 and not bool(wider.attention_mask[:, 16:].any())
+    assert torch.equal(wider.input_ids[:, :16], unpadded.input_ids) and wider.responses.shape[1] > 7
+    odd = small_batch()
+    assert compiled.model_inputs(odd).input_ids.shape[1] == -(-odd.input_ids.shape[1] // 8) * 8
+    aligned = compiled.model_inputs(odd)
+    assert compiled.model_inputs(aligned) is aligned  # padded already and a multiple of 8
+    for batch in (unpadded, _unpadded(1, 5, 6), odd):
+        plain = actor.compute_logprobs(batch)
+        actor.compiled = True  # model_inputs on, the layers left uncompiled: only the columns differ
+        with_columns = actor.compute_logprobs(batch)
+        actor.compiled = False
+        # fp32 on the CPU: another matmul shape may round differently, ~1e-6 on log-probs of order 10
+        torch.testing.assert_close(with_columns, plain, rtol=0, atol=1e-4)
