@@ -86,7 +86,14 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
             "actor_rollout_ref": {
                 "model": {"path": model},
                 "rollout": {"n": 4},
-                "actor": {"ppo_mini_batch_size": n // 4, "ppo_max_token_len_per_gpu": args.token_budget},
+                "actor": {
+                    "ppo_mini_batch_size": n // 4,
+                    "ppo_max_token_len_per_gpu": args.token_budget,
+                    "fsdp_config": {
+                        "reshard_after_forward": not args.no_reshard,
+                        "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
+                    },
+                },
             },
             "trainer": {"device": args.device},
         }
@@ -304,6 +311,14 @@ async def main() -> None:
     ap.add_argument("--engine-batch", type=int, default=None, help="engine max_batch_size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
+        "--no-reshard", action="store_true", help="fsdp_config.reshard_after_forward false (trainer ranks)"
+    )
+    ap.add_argument(
+        "--grad-sync-per-mini-batch",
+        action="store_true",
+        help="fsdp_config.grad_sync_per_micro_batch false: one gradient reduce-scatter per mini-batch",
+    )
+    ap.add_argument(
         "--only-sync", action="store_true", help="measure the weight sync only (skip trainer, rollout)"
     )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
@@ -342,6 +357,10 @@ async def main() -> None:
         "ray": ray.__version__,
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
+        "fsdp_config": {
+            "reshard_after_forward": not args.no_reshard,
+            "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
+        },
         "scale_to": n,
     }
     target = TARGETS.get(n, TARGETS[2])
