@@ -20,14 +20,14 @@ reward curves compare how much each learned from the same number of samples.
   rollout correction uses the engine's behaviour log-probs.
 
 Steps per hour count from the end of step ``--warmup-steps`` (default 2) to the end of the last
-step. The first steps hold one-off warm-up (CUDA graph captures, torch.compile and inductor
-compiles), and one step is not enough: the first leg on a fresh machine compiles cold, so on an H100
-the sync leg, run first, took 20.8 s for step 2's update against 3.9 s in the async leg run second
-with warm on-disk caches (results/async_bench_gpu.json, 2026-11-27), and counting from step 1 gave
-2.07x where counting from step 2 gave 1.84x. Each leg also reports ``steps_per_hour_from_step_1``
-(the figure earlier results recorded as ``steps_per_hour``) so runs compare across the change. Even
-so, the leg that runs first pays more: run the legs in both orders (``--legs sync,async`` and
-``--legs async,sync``) and report both ratios. Prints JSON (and writes ``--out``).
+step. The first steps hold one-off warm-up (CUDA graph captures). torch.compile's recompiles used to
+land in the updates of steps 1, 2, 8 and 16 (3-26 s each on an H100); the trainer now compiles every
+kind of micro-batch when the actor is built (trainer/compiled.py), and on an H100 every update took
+0.26-1.7 s. Each leg also reports ``steps_per_hour_from_step_1``. Run the legs in both orders
+(``--legs sync,async`` and ``--legs async,sync``) and report both ratios: on an H100 (2026-11-27,
+``--max-num-seqs 256 --max-staleness 4 --lr 1e-4 --steps 16``) they were 2.16x and 1.99x, and the
+leg that ran second was the faster in both orders. ``--max-num-seqs`` sets the engine's slots for
+both legs; the engine's default (32) queues the async leg's 320 agents. Prints JSON (and writes ``--out``).
 """
 
 from __future__ import annotations
