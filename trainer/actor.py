@@ -41,7 +41,7 @@ from trainer.algorithms import (
     masked_mean,
 )
 from trainer.batch import Batch, split_by_groups, split_by_token_budget
-from trainer.compiled import compile_layers, model_inputs, warm_up
+from trainer.compiled import compile_layers, enabled, model_inputs, warm_up
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
 from trainer.head import head_logprobs
@@ -91,7 +91,7 @@ class Actor:
         if arr.model.lora_rank > 0:
             self.model = _wrap_lora(self.model, config)
         # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
-        self.compiled = arr.actor.use_torch_compile and self.device.type == "cuda"
+        self.compiled = enabled(arr.actor.use_torch_compile, self.device)
         self.fused_head = _head_shortcut_is_exact(self.model, self.device)
         # each distinct prompt of a micro-batch runs once (a GRPO group's attempts share theirs)
         self.shared_prompts = (

@@ -40,6 +40,11 @@ _FIRST_WIDTH = 16
 Forward = Callable[[nn.Module, Batch, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def enabled(use_torch_compile: bool, device: torch.device) -> bool:
+    """Whether to compile: inductor on CUDA only; another ``BACKEND`` (tests) on any device."""
+    return use_torch_compile and (device.type == "cuda" or BACKEND != "inductor")
+
+
 def compile_layers(model: nn.Module) -> None:
     """torch.compile each decoder layer in place (the layers share one compiled graph)."""
     base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # peft

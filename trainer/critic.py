@@ -93,7 +93,7 @@ class Critic:
         if cc.model.enable_gradient_checkpointing:
             cast(Any, self.model.decoder).gradient_checkpointing_enable()
         # torch.compile (inductor, CUDA only) of each decoder layer, as the actor's
-        self.compiled = config.actor_rollout_ref.actor.use_torch_compile and device.type == "cuda"
+        self.compiled = compiled.enabled(config.actor_rollout_ref.actor.use_torch_compile, device)
         if self.compiled:  # the actor's layer graphs: its warm-up compiled them (trainer/compiled.py)
             for layer in getattr(self.model.decoder, "layers", None) or []:
                 layer.compile(dynamic=True, backend=compiled.BACKEND)

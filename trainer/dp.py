@@ -44,6 +44,7 @@ from trainer import checkpoint as ck
 from trainer.actor import Actor, _micro_batches
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import Batch
+from trainer.compiled import model_inputs
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
 
@@ -198,9 +199,7 @@ class ShardedCritic(Critic):
 class ShardedActor(Actor):
     """The Actor's update, sharded over a torch.distributed group of ``world_size`` ranks with FSDP2."""
 
-    warm_up_on_init = (
-        False  # the layers are sharded after Actor.__init__: a warm-up then compiles other graphs
-    )
+    warm_up_on_init = False  # Actor.__init__ runs before the sharding: this __init__ warms up after it
 
     def __init__(
         self, config: TrainerConfig, model_path: str, device: str, rank: int, world_size: int
@@ -225,6 +224,8 @@ class ShardedActor(Actor):
         self.optimizer = torch.optim.AdamW(
             params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
+        if self.compiled:  # every rank runs the same passes, so their collectives pair up
+            self.warm_up_compiled()
 
     def _make_critic(self, model_path: str | Path) -> Critic:
         return ShardedCritic(self.config, model_path, self.device, self.rank, self.world_size)
@@ -238,16 +239,19 @@ class ShardedActor(Actor):
             return super()._forward(model, mb, entropy)
         p, r = mb.prompt_length, mb.response_length
         assert mb.input_ids.shape[1] == p + r, "a micro-batch is cut to its own P + R columns"
+        inputs = model_inputs(mb) if self.compiled else mb  # compiled layers: a mask, a width of 8k
+        extra = inputs.input_ids.shape[1] - (p + r)  # padding columns after the response
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            # the root forward (FSDP's hooks all-gather the root unit); the head runs on r + 1 positions
+            # the root forward (FSDP's hooks all-gather the root unit); the head runs on the last
+            # r + 1 + extra positions
             out = model(
-                input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
-                position_ids=mb.position_ids,
-                logits_to_keep=r + 1,
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+                logits_to_keep=r + 1 + extra,
                 use_cache=False,
             )
-            logits = out.logits[:, :-1]  # (b, R, V): positions p-1 .. p+r-2
+            logits = out.logits[:, :r]  # (b, R, V): positions p-1 .. p+r-2
         logits = logits.float() / mb.logit_temperatures()[:, :r, None]  # the sampling policy's logits
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R)
         return logprobs, (entropy_from_logits(logits) if entropy else None)

@@ -22,18 +22,19 @@ from trainer.batch import Batch, build_batch
 @pytest.fixture
 def eager_dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(compiled, "BACKEND", "eager")
+    # compile_layers raises these process-wide settings: give them back after the test
+    limit, duck = torch._dynamo.config.recompile_limit, torch.fx.experimental._config.use_duck_shape
     torch._dynamo.reset()
     counters.clear()
     yield
     torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit, torch.fx.experimental._config.use_duck_shape = limit, duck
 
 
 def _compiled_actor(model_dir: Path) -> Actor:
-    """An Actor on the CPU whose layers and head are compiled as on a GPU (Actor compiles on CUDA only)."""
+    """An Actor on the CPU that compiles (and warms up) as it does on a GPU: the eager backend."""
     actor = Actor(actor_config(model_dir, ppo_max_token_len_per_gpu=256), model_dir, "cpu")
-    actor.compiled = True
-    actor.shared_prompts = False  # as a compiled Actor has it (the per-layer cache recompiles)
-    compiled.compile_layers(actor.model)
+    assert actor.compiled and not actor.shared_prompts  # the per-layer cache of shared prompts recompiles
     return actor
 
 
@@ -77,28 +78,48 @@ def _runs(actor: Actor) -> None:
 
 @pytest.mark.usefixtures("eager_dynamo")
 def test_no_update_compiles_after_the_warm_up(tiny_model_dir: Path) -> None:
-    actor = _compiled_actor(tiny_model_dir)
-    passes = actor.warm_up_compiled()
+    actor = _compiled_actor(tiny_model_dir)  # warms up when built
     warmed = _graphs()
-    assert passes == 2 * len(compiled.warm_up_shapes(256, 48))
     assert warmed > 0, "the warm-up compiled nothing: the test would prove nothing"
+    assert all(p.grad is None for p in actor.model.parameters())  # the warm-up's gradients are gone
     _runs(actor)
     assert _graphs() == warmed, f"{_graphs() - warmed} graphs compiled after the warm-up"
-    assert all(p.grad is None for p in actor.model.parameters())  # the warm-up's gradients are gone
+    assert actor.warm_up_compiled() == 2 * len(compiled.warm_up_shapes(256, 48))
 
 
 @pytest.mark.usefixtures("eager_dynamo")
-def test_without_the_warm_up_updates_compile(tiny_model_dir: Path) -> None:
+def test_without_the_warm_up_updates_compile(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The other side of the test above: the same runs compile when nothing warmed the layers up."""
+    monkeypatch.setattr(Actor, "warm_up_on_init", False)
     actor = _compiled_actor(tiny_model_dir)
+    assert _graphs() == 0
     _runs(actor)
-    first = _graphs()
-    assert first > 0
-    torch._dynamo.reset()
-    counters.clear()
-    actor = _compiled_actor(tiny_model_dir)
-    actor.warm_up_compiled()
-    assert _graphs() >= first  # the warm-up compiles at least what the runs needed
+    assert _graphs() > 0
+
+
+@pytest.mark.usefixtures("eager_dynamo")
+def test_sharded_actor_warms_up_after_sharding(tiny_model_dir: Path) -> None:
+    """FSDP2 (1 gloo rank, in this process): the warm-up runs on the sharded model, no update compiles
+    after it, and the padding columns and the head's positions give the plain Actor's log-probs."""
+    import torch.distributed as dist
+
+    from trainer.dp import ShardedActor
+
+    config = actor_config(tiny_model_dir, ppo_max_token_len_per_gpu=256, shared_prompt_forward=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = ShardedActor(config, str(tiny_model_dir), "cpu", 0, 1)
+        warmed = _graphs()
+        assert sharded.compiled and warmed > 0
+        _runs(sharded)
+        assert _graphs() == warmed, f"{_graphs() - warmed} graphs compiled after the warm-up"
+        plain = Actor(config, tiny_model_dir, "cpu")
+        for batch in (small_batch(), _unpadded(1, 5, 7), _unpadded(3, 6, 10)):
+            torch.testing.assert_close(
+                sharded.compute_logprobs(batch), plain.compute_logprobs(batch), rtol=0, atol=1e-4
+            )
+    finally:
+        dist.destroy_process_group()
 
 
 def test_warm_up_shapes_reach_the_budget_and_the_longest_sample() -> None:
@@ -119,7 +140,8 @@ def test_warm_up_shapes_reach_the_budget_and_the_longest_sample() -> None:
 def test_padding_columns_leave_the_logprobs(tiny_model_dir: Path) -> None:
     """The compiled layers get a width that is a multiple of 8 and always some padding; the response
     log-probs stay the same up to float rounding."""
-    actor = Actor(actor_config(tiny_model_dir, shared_prompt_forward=False), tiny_model_dir, "cpu")
+    config = actor_config(tiny_model_dir, shared_prompt_forward=False, use_torch_compile=False)
+    actor = Actor(config, tiny_model_dir, "cpu")
     unpadded = _unpadded(2, 9, 7)  # 16 columns, none of them padding
     assert bool(unpadded.attention_mask.all()) and unpadded.input_ids.shape[1] == 16
     wider = compiled.model_inputs(unpadded)
