@@ -28,6 +28,7 @@ from trainer import compiled
 from trainer.algorithms import explained_variance, masked_mean, value_loss
 from trainer.batch import Batch, split_by_groups
 from trainer.config import TrainerConfig
+from trainer.hidden import shared_prompt_hidden
 
 log = structlog.get_logger("trainer.critic")
 
@@ -46,8 +47,6 @@ class ValueModel(nn.Module):
 
     def forward(self, mb: Batch, shared_prompts: bool = False) -> torch.Tensor:
         """Values (b, R) at the positions that score the response tokens (float32)."""
-        from trainer.actor import shared_prompt_hidden
-
         p, r = mb.prompt_length, mb.response_length
         hidden = None
         if shared_prompts:

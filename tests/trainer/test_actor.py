@@ -227,17 +227,17 @@ def test_shared_prompt_forward_is_off_where_it_is_not_exact(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The probe turns the shortcut off for a model whose cached forward differs, or that keeps no cache."""
-    import trainer.actor as actor_module
+    import trainer.hidden as hidden_module
 
-    real = actor_module.shared_prompt_hidden
+    real = hidden_module.shared_prompt_hidden
 
     def off_by_a_bit(*args: object, **kwargs: object) -> torch.Tensor | None:
         hidden = real(*args, **kwargs)  # type: ignore[arg-type]
         return None if hidden is None else hidden * 1.05
 
-    monkeypatch.setattr(actor_module, "shared_prompt_hidden", off_by_a_bit)
+    monkeypatch.setattr(hidden_module, "shared_prompt_hidden", off_by_a_bit)
     assert not Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu").shared_prompts
-    monkeypatch.setattr(actor_module, "shared_prompt_hidden", real)
+    monkeypatch.setattr(hidden_module, "shared_prompt_hidden", real)
     config = actor_config(tiny_model_dir)
     config.actor_rollout_ref.model.enable_gradient_checkpointing = True
     assert not Actor(config, tiny_model_dir, "cpu").shared_prompts

@@ -113,7 +113,7 @@ def test_clip_frac_and_approx_kl_average_over_the_tokens_that_trained(tiny_model
 
 def test_head_probe_survives_a_non_linear_head(tiny_model_dir: Path) -> None:
     actor = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
-    from trainer.actor import _head_shortcut_is_exact
+    from trainer.hidden import head_shortcut_is_exact
 
     actor.model.lm_head = nn.Sequential(actor.model.lm_head)  # type: ignore[assignment]
-    assert _head_shortcut_is_exact(actor.model, actor.device) is False
+    assert head_shortcut_is_exact(actor.model, actor.device) is False

@@ -1,0 +1,196 @@
+"""The decoder's hidden states at the positions that score a micro-batch's response tokens.
+
+Two shortcuts of the trainer's forward, each used only where a probe finds it exact for the model:
+- the LM head on the response positions only (``response_hidden``): with a 49k-151k vocabulary the
+  head is a fifth or more of the matmul work, and the prompt's logits are never used;
+- each distinct prompt of a micro-batch run once (``shared_prompt_hidden``): a GRPO group's attempts
+  share their prompt, which then runs once and serves every attempt through the KV cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, cast
+
+import structlog
+import torch
+from torch import nn
+
+from trainer.batch import Batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = structlog.get_logger("agentloop.trainer.hidden")
+
+_PROBE_TOKENS = 16
+_PROBE_REL_TOL = 1e-2  # fp32 (TF32 on CUDA: ~1e-3 relative) passes; a logit scale 1% off from 1 fails
+
+
+def response_hidden(
+    model: nn.Module, mb: Batch, p: int, r: int, shared_prompts: bool = False
+) -> tuple[torch.Tensor, nn.Linear] | None:
+    """Final hidden states (b, R, d) at the positions that score the response tokens, and the LM head;
+    None for models whose logits are more than ``hidden @ head.weight.T`` (soft-capping,
+    logit scaling, a head with bias or wrapped by an adapter), which take the plain full forward.
+
+    The head then runs on those R positions only (trainer/head.py), not on the prompt: with a
+    49k-151k vocabulary it is a fifth or more of the model's matmul work.
+    """
+    hf = cast("PreTrainedModel", model)  # nn.Module would type these methods as Tensor
+    head = hf.get_output_embeddings()
+    decoder = hf.get_decoder() if hasattr(model, "get_decoder") else None
+    cfg = model.config
+    plain_head = type(head) is nn.Linear and head.bias is None
+    if decoder is None or not plain_head or getattr(cfg, "final_logit_softcapping", None):
+        return None
+    if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    if shared_prompts:
+        shared = shared_prompt_hidden(decoder, mb.input_ids, mb.attention_mask, mb.position_ids, p, r)
+        if shared is not None:
+            return shared, head
+    hidden = decoder(  # use_cache=False: a KV cache in training only copies keys and values
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+    ).last_hidden_state  # (b, P+R, d)
+    return hidden[:, p - 1 : p + r - 1], head
+
+
+def shared_prompt_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    p: int,
+    r: int,
+) -> torch.Tensor | None:
+    """The decoder's final hidden states (b, R, d) at the positions that score the response tokens
+    (columns p-1 .. p+r-2 of the (b, P+R) rows), with each distinct prompt run once.
+
+    The attempts of a GRPO group share their prompt, often most of the tokens (a system prompt, tool
+    schemas, worked examples). Each distinct prompt goes through the decoder once with a KV cache; the
+    cache is indexed out to its rows and the responses run on top of it. Gradients flow through the
+    shared keys and values into the prompt's single forward, so the loss and its gradient are those of
+    the full forward (``shared_prompt_is_exact`` checks the model once). None when no two rows share
+    a prompt or the model returned no cache: the caller runs the plain forward.
+    """
+    key = torch.cat([input_ids[:, :p], attention_mask[:, :p]], dim=1)  # (b, 2P): the same pads too
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)  # note: CPU-GPU sync
+    if distinct.shape[0] == key.shape[0] or p == 0:
+        return None
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (u,) a row holding each prompt
+    prompt = decoder(
+        input_ids=input_ids[first, :p],
+        attention_mask=attention_mask[first, :p],
+        position_ids=position_ids[first, :p],
+        use_cache=True,
+    )
+    cache = getattr(prompt, "cache", None)  # transformers >= 5.x; earlier: past_key_values
+    cache = getattr(prompt, "past_key_values", None) if cache is None else cache
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    last = prompt.last_hidden_state[inverse, p - 1 : p]  # (b, 1, d) scores the first response token
+    if r <= 1:
+        return last
+    cache.batch_select_indices(inverse)  # (u, ...) -> (b, ...) keys and values, differentiable
+    rest = decoder(  # the last response token scores nothing: it is not run
+        input_ids=input_ids[:, p : p + r - 1],
+        attention_mask=attention_mask[:, : p + r - 1],
+        position_ids=position_ids[:, p : p + r - 1],
+        use_cache=True,
+        **{_cache_argument(decoder): cache},
+    ).last_hidden_state  # (b, R-1, d)
+    return torch.cat([last, rest], dim=1)
+
+
+def _cache_argument(decoder: nn.Module) -> str:
+    """The name under which ``decoder.forward`` takes a KV cache (transformers renamed it in 5.x)."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def shared_prompt_is_exact(model: nn.Module, device: torch.device) -> bool:
+    """Whether ``shared_prompt_hidden`` equals the plain forward for this model, on a probe of three
+    rows (two share a prompt; one prompt is left-padded; responses of different lengths).
+
+    Models whose cache is not a plain per-layer key/value store (sliding windows, recurrent state,
+    cross-layer sharing) fail or raise here and keep the plain forward.
+    """
+    hf = cast("PreTrainedModel", model)
+    decoder = hf.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None:
+        return False
+    vocab = int(hf.get_output_embeddings().weight.shape[0])
+    p, r = 6, 5
+    ids = (torch.arange(3 * (p + r), device=device).view(3, p + r) * 7919 + 11) % vocab
+    ids[1, :p] = ids[0, :p]  # rows 0 and 1 share a prompt
+    mask = torch.ones_like(ids)
+    mask[2, :2] = 0  # row 2: a 4-token prompt, left-padded
+    mask[1, p + 3 :] = 0  # responses of 5, 3 and 4 tokens, right-padded
+    mask[2, p + 4 :] = 0
+    ids = ids * mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    was_training = model.training
+    model.eval()
+    try:
+        full = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        expected = full.last_hidden_state[:, p - 1 : p + r - 1].float()  # (3, R, d)
+        shared = shared_prompt_hidden(decoder, ids, mask, positions, p, r)
+    except Exception as exc:  # an architecture whose cache cannot be indexed or extended this way
+        log.info("actor.shared_prompt_forward_off", model=type(model).__name__, error=repr(exc)[:200])
+        return False
+    finally:
+        model.train(was_training)
+    if shared is None:
+        return False
+    valid = mask[:, p : p + r].bool()  # (3, R) the positions that score real response tokens
+    error = float(
+        (shared.float() - expected)[valid].abs().max() / expected[valid].abs().max().clamp(min=1e-6)
+    )
+    exact = error <= _PROBE_REL_TOL
+    if not exact:
+        log.info(
+            "actor.shared_prompt_forward_off", model=type(model).__name__, relative_error=round(error, 4)
+        )
+    return exact
+
+
+@torch.no_grad()
+def head_shortcut_is_exact(model: nn.Module, device: torch.device) -> bool:
+    """Whether ``decoder(x) @ head.weight.T`` (the LM-head shortcut) equals ``model(x).logits``.
+
+    Checked once on a probe of a few tokens, because models scale their logits in ways no common
+    config key names (Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``, MiniCPM's
+    ``dim_model_base``...); a model that fails takes the plain full forward, which is always right.
+    """
+    hf = cast("PreTrainedModel", model)
+    head = hf.get_output_embeddings()
+    decoder = hf.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or type(head) is not nn.Linear or head.bias is not None:
+        return False
+    vocab = int(head.weight.shape[0])
+    ids = (torch.arange(_PROBE_TOKENS, device=device) * 7919 + 11) % vocab  # spread over the vocabulary
+    kwargs = {
+        "input_ids": ids[None],
+        "attention_mask": torch.ones_like(ids)[None],
+        "position_ids": torch.arange(_PROBE_TOKENS, device=device)[None],
+        "use_cache": False,
+    }
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(**kwargs).logits.float()  # (1, n, V)
+        hidden = decoder(**kwargs).last_hidden_state.float()  # (1, n, d)
+    finally:
+        model.train(was_training)
+    shortcut = hidden @ head.weight.float().T  # (1, n, V)
+    error = float((shortcut - logits).abs().max() / logits.abs().max().clamp(min=1e-6))
+    exact = error <= _PROBE_REL_TOL
+    if not exact:
+        log.info("actor.lm_head_shortcut_off", model=type(model).__name__, relative_error=round(error, 4))
+    return exact
