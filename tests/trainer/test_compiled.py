@@ -83,6 +83,8 @@ def test_no_update_compiles_after_the_warm_up(tiny_model_dir: Path) -> None:
     assert warmed > 0, "the warm-up compiled nothing: the test would prove nothing"
     assert all(p.grad is None for p in actor.model.parameters())  # the warm-up's gradients are gone
     _runs(actor)
+    metrics = actor.update(small_batch())  # and the real update: old log-probs, advantages, a step
+    assert metrics["actor/active_samples"] > 0
     assert _graphs() == warmed, f"{_graphs() - warmed} graphs compiled after the warm-up"
     assert actor.warm_up_compiled() == 2 * len(compiled.warm_up_shapes(256, 48))
 
