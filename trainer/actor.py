@@ -77,7 +77,7 @@ class Actor:
     """Owns the trainable policy, the optional reference model and the optimizer."""
 
     # compiled (CUDA): run every kind of micro-batch once when built, so no update recompiles mid-run;
-    # the sharded actor does not (its ranks would each have to run the same passes under FSDP)
+    # the sharded actor warms up later, once its layers are sharded (trainer/dp.py)
     warm_up_on_init = True
 
     def __init__(self, config: TrainerConfig, model_path: str | Path, device: str = "auto") -> None:
