@@ -129,11 +129,30 @@ class Actor:
 
     def warm_up_compiled(self) -> int:
         """Compile the layers for every kind of micro-batch this actor's updates bring (the token
-        budget, the longest sample); returns the passes run."""
+        budget, the longest sample): the policy's passes, the reference model's and the critic's;
+        returns the passes run."""
         cfg = self.config
         budget = cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
         longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-        return warm_up(self._forward, self.model, self.device, budget, longest)
+
+        def policy(mb: Batch, grad: bool) -> list[torch.Tensor]:
+            logprobs, entropy = self._forward(self.model, mb, grad)  # the update computes entropy
+            return [logprobs] if entropy is None else [logprobs, entropy]
+
+        passes = warm_up(policy, self.model, self.device, budget, longest)
+        ref = self.ref
+        if ref is not None:  # its frozen parameters (requires_grad off) are another guard
+            passes += warm_up(
+                lambda mb, grad: [self._forward(ref, mb, False)[0]],
+                ref,
+                self.device,
+                budget,
+                longest,
+                grad=False,
+            )
+        if self.critic is not None and self.critic.compiled:
+            passes += self.critic.warm_up_compiled(longest)
+        return passes
 
     def _make_critic(self, model_path: str | Path) -> Critic:
         """The value model beside this policy (trainer/dp.py makes a sharded one)."""

@@ -8,11 +8,13 @@ Compiled layers (dynamic shapes) compile again whenever a micro-batch fails a gu
 - guards inductor adds on sizes: the width a multiple of 8 or not (alignment), rows x width below or
   above a fusion threshold (on an H100, Qwen2-0.5B: 5,242,880 / 896 = 5,852 tokens).
 
-Each compile cost 3-18 s of an H100 update in the middle of a run (benchmarks/async_bench.py: 17.6 s
-at step 1, 9.2 s at step 2, 4.0 s at step 8), and past dynamo's limit of 8 graphs a frame runs
+Each compile cost 3-26 s of an H100 update in the middle of a run (benchmarks/async_bench.py: 17.6 s
+at step 1, 9.2 s at step 2, 4.0 s at step 8; 26.3 s at step 1 a run earlier), and past dynamo's limit of 8 graphs a frame runs
 eagerly. So ``model_inputs`` gives the layers a mask and a width that is a multiple of 8 (padding
 columns), and ``warm_up`` runs micro-batches of one row and of several, with and without grad, at
-widths doubling up to the largest the run can bring, when the actor is built.
+widths doubling up to the largest the run can bring, when the actor is built (the policy, the
+reference model and the critic). ``compile_layers`` sets two process-wide settings for every
+torch.compile of the trainer's process: dynamo's recompile limit (64) and no duck sizing.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ WIDTH_MULTIPLE = 8  # model_inputs pads a micro-batch's width to a multiple of t
 RECOMPILE_LIMIT = 64  # graphs per compiled frame (dynamo's default, 8, is below what warm_up compiles)
 _FIRST_WIDTH = 16
 
-Forward = Callable[[nn.Module, Batch, bool], tuple[torch.Tensor, torch.Tensor | None]]
+# a warm-up pass: (micro-batch, grad) -> the tensors a backward starts from, each (rows, response tokens)
+Run = Callable[[Batch, bool], list[torch.Tensor]]
 
 
 def enabled(use_torch_compile: bool, device: torch.device) -> bool:
@@ -76,33 +79,53 @@ def model_inputs(mb: Batch) -> Batch:
     )
 
 
-def warm_up(forward: Forward, model: nn.Module, device: torch.device, max_tokens: int, max_width: int) -> int:
-    """Run the kinds of micro-batch the actor meets through ``forward`` (its log-prob pass: no grad,
-    eval mode; and the update's: grad, train mode, a backward) so that the compiles happen now:
-    several rows at widths 16, 32, ... while rows x width stays within ``max_tokens`` (the token
-    budget), and one row at widths 16, 32, ... up to ``max_width`` (the longest sample). The
-    gradients are dropped. Returns the number of passes run."""
-    embeddings = cast("PreTrainedModel", model).get_input_embeddings()
-    vocab_size = int(cast(torch.Tensor, embeddings.weight).shape[0])
+def warm_up(
+    run: Run,
+    model: nn.Module,
+    device: torch.device,
+    max_tokens: int,
+    max_width: int,
+    grad: bool = True,
+) -> int:
+    """Run the kinds of micro-batch a model meets through ``run(mb, grad)`` so that the compiles happen
+    now: several rows at widths 16, 32, ... while rows x width stays within ``max_tokens`` (the token
+    budget), and one row at widths 16, 32, ... up to ``max_width`` (the longest sample). Each shape runs
+    once in eval mode without grad (log-probs, values) and, with ``grad``, once in train mode followed by
+    a backward from ``run``'s tensors (the update). Gradients are dropped and the random state is left
+    as it was (a training-mode pass may draw dropout masks). Returns the number of passes run."""
+    vocab_size = input_vocab_size(model)
     was_training = model.training
     passes = 0
-    for rows, width in warm_up_shapes(max_tokens, max_width):
-        mb = _probe_batch(rows, width // 2, width - width // 2, vocab_size, device)
-        model.eval()
-        with torch.no_grad():
-            forward(model, mb, False)
-        model.train()
-        logprobs, entropy = forward(model, mb, True)
-        # weights: a real loss's gradient is a full tensor, not the stride-0 one of a plain sum()
-        weights = torch.linspace(0.5, 1.5, logprobs.numel(), device=device).view_as(logprobs)
-        loss = (logprobs * weights).sum()
-        if entropy is not None:
-            loss = loss + (entropy * weights).sum()
-        loss.backward()
-        passes += 2
+    cuda = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
+    with torch.random.fork_rng(devices=cuda):
+        for rows, width in warm_up_shapes(max_tokens, max_width):
+            mb = _probe_batch(rows, width // 2, width - width // 2, vocab_size, device)
+            model.eval()
+            with torch.no_grad():
+                run(mb, False)
+            passes += 1
+            if not grad:
+                continue
+            model.train()
+            outs = run(mb, True)
+            # weights: a real loss's gradient is a full tensor, not the stride-0 one of a plain sum()
+            weights = torch.linspace(0.5, 1.5, outs[0].numel(), device=device).view_as(outs[0])
+            loss = sum((out * weights).sum() for out in outs)
+            cast(torch.Tensor, loss).backward()
+            passes += 1
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     return passes
+
+
+def input_vocab_size(model: nn.Module) -> int:
+    """The rows of ``model``'s input embedding (a causal LM, a peft model, or the critic's value model)."""
+    owner = cast("PreTrainedModel", getattr(model, "decoder", model))
+    return int(cast(torch.Tensor, owner.get_input_embeddings().weight).shape[0])
 
 
 def warm_up_shapes(max_tokens: int, max_width: int) -> list[tuple[int, int]]:

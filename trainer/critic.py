@@ -127,6 +127,13 @@ class Critic:
         cc = self.config.critic
         return cc.ppo_max_token_len_per_gpu or self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
 
+    def warm_up_compiled(self, max_width: int) -> int:
+        """Compile the value model's layers for every kind of micro-batch now (trainer/compiled.py):
+        its token budget, samples up to ``max_width`` tokens; returns the passes run."""
+        return compiled.warm_up(
+            lambda mb, grad: [self._forward(mb)], self.model, self.device, self.token_budget, max_width
+        )
+
     # ------------------------------------------------------------ forward passes
 
     def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:

@@ -25,8 +25,17 @@ from typing import Any
 
 import torch
 
-from agentloop.engine.capture import no_graph_capture
-from trainer.weight_sync import Layout, SyncReport, gpu_uuid, manifest_of, open_ipc, pack, plan_layout, unpack
+from trainer.weight_sync import (
+    Layout,
+    SyncReport,
+    gpu_uuid,
+    manifest_of,
+    open_ipc,
+    pack,
+    plan_layout,
+    synchronize,
+    unpack,
+)
 
 # ---------------------------------------------------------------- in the trainer worker
 
@@ -106,17 +115,12 @@ class LocalIPCSync:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             buckets = await asyncio.to_thread(open_ipc, handles, index)
             version = int(await self.engine.update_weights(unpack(buckets, layout)))
-            await asyncio.to_thread(_synchronize, self.device)  # copied before the buckets go
+            await asyncio.to_thread(synchronize, self.device)  # copied before the buckets go
             del buckets
         finally:
             await self.worker.release_shared_weights.remote()
         t2 = time.perf_counter()
         return SyncReport(version, t2 - t0, t1 - t0, t2 - t1, layout.nbytes, 1, 0)
-
-
-def _synchronize(device: torch.device) -> None:
-    with no_graph_capture():  # the engine (this process) may be capturing a CUDA graph in its thread
-        torch.cuda.synchronize(device)
 
 
 __all__ = ["LocalIPCSync", "SharedWeights", "engine_target", "sent_tensors"]

@@ -339,8 +339,15 @@ async def replica_join(
 async def _load(replica: Any, buckets: list[torch.Tensor], layout: Layout) -> int:
     version = int(await replica.engine.update_weights(unpack(buckets, layout)))
     if buckets[0].is_cuda:
-        await asyncio.to_thread(torch.cuda.synchronize)  # the copies are done before the buckets go
+        await asyncio.to_thread(synchronize)  # the copies are done before the buckets go
     return version
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """``torch.cuda.synchronize(device)`` from a thread beside an engine's: never during one of its
+    CUDA graph captures (agentloop/engine/capture.py)."""
+    with no_graph_capture():
+        torch.cuda.synchronize(device)
 
 
 async def replica_receive(replica: Any, layout: Layout) -> int:

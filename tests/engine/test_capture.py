@@ -31,8 +31,10 @@ def test_ipc_weight_load_waits_for_a_capture(monkeypatch: pytest.MonkeyPatch) ->
     _waits_for_capture(monkeypatch, lambda: weight_sync.open_ipc([], 0))
 
 
-def test_local_sync_waits_for_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    _waits_for_capture(monkeypatch, lambda: local_sync._synchronize(torch.device("cpu")))
+def test_the_sync_after_a_load_waits_for_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """weight_sync.synchronize: after the local IPC sync's and a replica's load (``_load``)."""
+    _waits_for_capture(monkeypatch, lambda: weight_sync.synchronize(torch.device("cpu")))
+    assert local_sync.synchronize is weight_sync.synchronize
 
 
 def test_broadcast_waits_for_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:

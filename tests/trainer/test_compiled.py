@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tests.trainer.samples import actor_config, small_batch
 from trainer import compiled
 from trainer.actor import Actor
 from trainer.batch import Batch, build_batch
+from trainer.config import TrainerConfig
 
 
 @pytest.fixture
@@ -90,6 +92,21 @@ def test_no_update_compiles_after_the_warm_up(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.usefixtures("eager_dynamo")
+def test_the_reference_model_and_the_critic_are_warmed_up_too(tiny_model_dir: Path) -> None:
+    """PPO with a KL loss: the reference model's log-probs (frozen parameters: another guard) and the
+    critic's values and update compile nothing after the warm-up either."""
+    cfg = actor_config(tiny_model_dir, ppo_max_token_len_per_gpu=64, use_kl_loss=True).model_dump()
+    cfg["algorithm"]["adv_estimator"] = "gae"
+    actor = Actor(TrainerConfig.model_validate(cfg), tiny_model_dir, "cpu")
+    assert actor.ref is not None and actor.critic is not None and actor.critic.compiled
+    warmed = _graphs()
+    for batch in (small_batch(), _unpadded(1, 5, 7), _unpadded(3, 6, 9)):
+        metrics = actor.update(batch)
+        assert "critic/vf_loss" in metrics and "actor/kl_loss" in metrics
+    assert _graphs() == warmed, f"{_graphs() - warmed} graphs compiled after the warm-up"
+
+
+@pytest.mark.usefixtures("eager_dynamo")
 def test_without_the_warm_up_updates_compile(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The other side of the test above: the same runs compile when nothing warmed the layers up."""
     monkeypatch.setattr(Actor, "warm_up_on_init", False)
@@ -154,10 +171,17 @@ def test_padding_columns_leave_the_logprobs(tiny_model_dir: Path) -> None:
     assert compiled.model_inputs(odd).input_ids.shape[1] == -(-odd.input_ids.shape[1] // 8) * 8
     aligned = compiled.model_inputs(odd)
     assert compiled.model_inputs(aligned) is aligned  # padded already and a multiple of 8
+    widths: list[int] = []  # what the decoder got
+    decoder = cast(torch.nn.Module, actor.model.model)
+    decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     for batch in (unpadded, _unpadded(1, 5, 6), odd):
         plain = actor.compute_logprobs(batch)
         actor.compiled = True  # model_inputs on, the layers left uncompiled: only the columns differ
         with_columns = actor.compute_logprobs(batch)
         actor.compiled = False
+        assert widths[-2] == batch.input_ids.shape[1]  # plain: the micro-batch as it is
+        assert widths[-1] == compiled.model_inputs(batch).input_ids.shape[1] and widths[-1] % 8 == 0
         # fp32 on the CPU: another matmul shape may round differently, ~1e-6 on log-probs of order 10
         torch.testing.assert_close(with_columns, plain, rtol=0, atol=1e-4)
