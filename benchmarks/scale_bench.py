@@ -89,15 +89,20 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
                 "actor": {
                     "ppo_mini_batch_size": n // 4,
                     "ppo_max_token_len_per_gpu": args.token_budget,
-                    "fsdp_config": {
-                        "reshard_after_forward": not args.no_reshard,
-                        "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
-                    },
+                    "fsdp_config": _fsdp_config(args),
                 },
             },
             "trainer": {"device": args.device},
         }
     )
+
+
+def _fsdp_config(args: argparse.Namespace) -> dict[str, bool]:
+    """The trainer ranks' fsdp_config from ``--no-reshard`` and ``--grad-sync-per-mini-batch``."""
+    return {
+        "reshard_after_forward": not args.no_reshard,
+        "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
+    }
 
 
 async def _train_tokens_per_s(
@@ -357,10 +362,7 @@ async def main() -> None:
         "ray": ray.__version__,
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
-        "fsdp_config": {
-            "reshard_after_forward": not args.no_reshard,
-            "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
-        },
+        "fsdp_config": _fsdp_config(args),
         "scale_to": n,
     }
     target = TARGETS.get(n, TARGETS[2])

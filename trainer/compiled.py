@@ -49,9 +49,11 @@ def enabled(use_torch_compile: bool, device: torch.device) -> bool:
 
 
 def compile_layers(model: nn.Module) -> None:
-    """torch.compile each decoder layer in place (the layers share one compiled graph)."""
+    """torch.compile each decoder layer in place (the layers share one compiled graph): of a causal LM
+    (``model.model.layers``, peft's base model too) or of the critic's value model (``decoder.layers``)."""
     base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    layers = getattr(getattr(base, "model", None), "layers", None)
+    decoder = getattr(base, "decoder", None) or getattr(base, "model", None)
+    layers = getattr(decoder, "layers", None)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     # no guards from sizes that happen to be equal in one micro-batch (a chunk's offset and a width)
     torch.fx.experimental._config.use_duck_shape = False

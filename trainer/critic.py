@@ -93,9 +93,8 @@ class Critic:
             cast(Any, self.model.decoder).gradient_checkpointing_enable()
         # torch.compile (inductor, CUDA only) of each decoder layer, as the actor's
         self.compiled = compiled.enabled(config.actor_rollout_ref.actor.use_torch_compile, device)
-        if self.compiled:  # the actor's layer graphs: its warm-up compiled them (trainer/compiled.py)
-            for layer in getattr(self.model.decoder, "layers", None) or []:
-                layer.compile(dynamic=True, backend=compiled.BACKEND)
+        if self.compiled:  # warmed up by the actor (Actor.warm_up_compiled)
+            compiled.compile_layers(self.model)
         # the actor checked that the shared-prompt forward is exact for its model; the critic's decoder is
         # the same network when it uses the actor's model, and the checkpointed decoder has no KV cache
         self.shared_prompts = (
