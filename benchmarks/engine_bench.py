@@ -218,8 +218,8 @@ class AgentProcesses:
 
     async def round(
         self, agents: list[dict[str, Any]], max_tokens: int, temperature: float, top_p: float
-    ) -> tuple[float, list[list[Any]]]:
-        """(max(end) - min(start) over the processes, [[i, tokens, finish, sent, received]] by agent)."""
+    ) -> tuple[float, float, list[list[Any]]]:
+        """(min(start), max(end) over the processes, [[i, tokens, finish, sent, received]] by agent)."""
         n, p = len(agents), len(self.procs)
         chunks = [agents[k * n // p : (k + 1) * n // p] for k in range(p)]
         busy = [(proc, chunk) for proc, chunk in zip(self.procs, chunks, strict=True) if chunk]
@@ -236,8 +236,8 @@ class AgentProcesses:
             assert proc.stdin is not None
             await proc.stdin.drain()
         replies = [await self._recv(proc, "results", 900) for proc, _ in busy]
-        wall = max(r["end"] for r in replies) - min(r["start"] for r in replies)
-        return wall, sorted((x for r in replies for x in r["results"]), key=lambda x: x[0])
+        rows = sorted((x for r in replies for x in r["results"]), key=lambda x: x[0])
+        return min(r["start"] for r in replies), max(r["end"] for r in replies), rows
 
     async def close(self) -> None:
         for proc in self.procs:
@@ -275,8 +275,8 @@ class _TimedEngine:
 
 # TorchEngine's cumulative counters and engine-thread seconds (its stats()): where a round's engine time went
 _ENGINE_COUNTERS = (
-    "prefill_batches", "decode_steps", "decode_rows", "graph_captures",
-    "step_s", "schedule_s", "prefill_s", "decode_s", "update_s",
+    "prefill_batches", "decode_steps", "decode_rows", "graph_captures", "idle_graph_captures",
+    "idle_capture_s", "step_s", "schedule_s", "prefill_s", "decode_s", "update_s",
 )  # fmt: skip
 
 
@@ -284,6 +284,21 @@ def _engine_counters(engine: Any) -> dict[str, float]:
     """The engine's cumulative work counters that it reports (TorchEngine's stats(); {} otherwise)."""
     stats = engine.stats() if hasattr(engine, "stats") else {}
     return {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
+
+
+def _critical_path(start: float, end: float, done: list[list[Any]]) -> dict[str, float]:
+    """One proxied round's milestones in ms after its "go" (every clock is the host's time.time()):
+    the agents' last send, the first and last call into the engine, the last out of it, the last
+    response parsed (the round's end). Rows: [i, tokens, finish, sent, received, (engine in, out)]."""
+    ms = {
+        "last_send": max(d[3] for d in done),
+        "first_engine_in": min(d[5][0] for d in done),
+        "last_engine_in": max(d[5][0] for d in done),
+        "first_engine_out": min(d[5][1] for d in done),
+        "last_engine_out": max(d[5][1] for d in done),
+        "last_received": end,
+    }
+    return {k: (t - start) * 1e3 for k, t in ms.items()}
 
 
 def _spread_ms(spreads: list[float]) -> dict[str, float]:
@@ -361,7 +376,8 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         dtype_name = str(dtype).removeprefix("torch.")
         engine = TorchEngine(path, device=device, dtype=dtype, max_batch_size=max(n, 1),
-                             cuda_graphs=not args.no_cuda_graphs)  # fmt: skip
+                             cuda_graphs=not args.no_cuda_graphs,
+                             idle_graph_capture=not args.no_idle_capture)  # fmt: skip
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     if vocab > len(engine.tokenizer) + 1024:
         raise SystemExit(
@@ -409,7 +425,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             dt = time.perf_counter() - t
         return dt, [len(o.token_ids) for o in outs], [o.finish_reason for o in outs]
 
-    async def agents_here(urls: list[str], tag: str, max_tokens: int) -> tuple[float, list[list[Any]]]:
+    async def agents_here(urls: list[str], tag: str, max_tokens: int) -> tuple[float, float, list[list[Any]]]:
         clients = [
             openai.AsyncOpenAI(
                 base_url=url, api_key="EMPTY", max_retries=0,
@@ -429,14 +445,14 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             return [i, r.usage.completion_tokens, str(r.choices[0].finish_reason), sent, received]
 
         try:
-            t = time.perf_counter()
+            start = time.time()
             done = await asyncio.gather(*[agent(i) for i in range(n)])
-            return time.perf_counter() - t, done
+            return start, time.time(), done
         finally:
             for c in clients:
                 await c.close()
 
-    async def proxy_round(tag: str, max_tokens: int) -> tuple[float, list[list[Any]], list[LLMCall]]:
+    async def proxy_round(tag: str, max_tokens: int) -> tuple[float, float, list[list[Any]], list[LLMCall]]:
         for i in range(n):
             await store.enqueue_rollout({"agent": i, "round": tag})
         attempts = [await store.dequeue_rollout(f"bench-agent-{i}") for i in range(n)]
@@ -446,9 +462,9 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         jobs = [{"i": i, "base_url": u, "messages": _agent_messages(tag, i)} for i, u in enumerate(urls)]
         with gc_watch("proxy", tag):
             if agent_procs is not None:
-                dt, done = await agent_procs.round(jobs, max_tokens, args.temperature, args.top_p)
+                start, end, done = await agent_procs.round(jobs, max_tokens, args.temperature, args.top_p)
             else:
-                dt, done = await agents_here(urls, tag, max_tokens)
+                start, end, done = await agents_here(urls, tag, max_tokens)
         assert [d[0] for d in done] == list(range(n)), "an agent's answer is missing"
         calls = []
         for row, a in zip(done, attempts, strict=True):
@@ -457,7 +473,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             (span,) = await store.query_spans(a.rollout_id, a.attempt.attempt_id)
             calls.append(span.payload)
             row.append(timed.times.pop(f"{a.rollout_id}/{a.attempt.attempt_id}"))  # (engine start, end)
-        return dt, done, calls
+        return start, end, done, calls
 
     direct_tps: list[float] = []
     proxy_tps: list[float] = []
@@ -468,6 +484,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     spreads: list[float] = []
     sends: list[float] = []
     engine_work: dict[str, dict[str, float]] = {"direct": {}, "proxy": {}}
+    paths: list[dict[str, float]] = []
     gc.callbacks.append(on_gc)
     try:
         if n_procs > 0:
@@ -476,7 +493,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
             gc.collect()
             gc.freeze()
         # warm-up both ways (short); the proxy's recorded sampling becomes the direct calls' sampling
-        _, _, calls = await proxy_round("warm", min(m, 8))
+        _, _, _, calls = await proxy_round("warm", min(m, 8))
         sp = SamplingParams.model_validate(calls[0].sampling).model_copy(update={"max_tokens": m})
         await direct_round("warm", sp.model_copy(update={"max_tokens": min(m, 8)}))
         for r in range(args.reps):  # ABBA order: a drift over the run hits both ways alike
@@ -486,7 +503,9 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
                 if way == "direct":
                     dt, counts, fin = await direct_round(tag, sp)
                 else:
-                    dt, done, calls = await proxy_round(tag, m)
+                    start, end, done, calls = await proxy_round(tag, m)
+                    dt = end - start
+                    paths.append(_critical_path(start, end, done))
                     counts, fin = [d[1] for d in done], [d[2] for d in done]
                     for i, call in enumerate(calls):  # the same work as the direct round, call by call
                         assert call.prompt_ids == render(tag, i), f"agent {i}: the proxy's prompt differs"
@@ -561,6 +580,13 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         "tokens_per_round": tokens,
         "finish_reasons": {k: dict(v) for k, v in reasons.items()},
         "proxied_call_latency_ms": _latency_ms(latency_rows, spreads, sends),
+        "proxied_round_critical_path_ms": {  # medians over the timed proxied rounds, from the round's go
+            k: round(statistics.median(p[k] for p in paths), 1) for k in paths[0]
+        },
+        "direct_round_ms_median": round(
+            statistics.median(t / x for t, x in zip(tokens["direct"], direct_tps, strict=True)) * 1e3, 1
+        ),
+        "idle_graph_capture": args.backend == "torch" and not args.no_idle_capture,
         "weights_versions_recorded": sorted(v for v in weights_versions if v is not None),
         "gc_freeze": args.gc_freeze,
         "event_loop": loop_name(),
@@ -600,6 +626,8 @@ async def main() -> None:
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x 16 new tokens")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="TorchEngine without CUDA graphs (A/B)")
+    ap.add_argument("--no-idle-capture", action="store_true",
+                    help="TorchEngine captures decode graphs only when a step needs one (A/B)")  # fmt: skip
     ap.add_argument("--via-proxy", action="store_true", help="direct engine vs N agents through the proxy")
     ap.add_argument(
         "--torch-vs-vllm", action="store_true", help="TorchEngine vs raw vLLM without and with logprobs (GPU)"
@@ -673,6 +701,7 @@ async def main() -> None:
         dtype=dtype,
         max_batch_size=max(args.prompts, 1),
         cuda_graphs=not args.no_cuda_graphs,
+        idle_graph_capture=not args.no_idle_capture,
     )
     load = {"start": round(os.getloadavg()[0], 2)}  # other users of the machine skew CPU figures
     engine_tps, engine_stats = await bench_engine(engine, batch, args.new_tokens, sp)

@@ -38,6 +38,15 @@ def _pow2_at_least(n: int, floor: int = 1) -> int:
     return b
 
 
+def _batch_buckets(max_batch: int) -> list[int]:
+    """Every batch size a decode step pads to (``min(_pow2_at_least(n), max_batch)``), largest first."""
+    buckets, b = {max_batch}, 1
+    while b < max_batch:
+        buckets.add(b)
+        b *= 2
+    return sorted(buckets, reverse=True)
+
+
 class ModelRunner:
     """Runs prefill and decode forwards of ``model`` over ``cache`` (see module docstring)."""
 
@@ -56,6 +65,10 @@ class ModelRunner:
         self._floats = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # temperature, top_p
         self._arange = torch.arange(max_context + 1, device=device)
         self._graphs: dict[GraphKey, tuple[Any, torch.Tensor]] = {}
+        self._batch_buckets = _batch_buckets(max_batch)
+        # (kv-length bucket, sampling mode, greedy rows) of every graph captured: the engine captures
+        # their other batch buckets while idle (capture_missing), and again after the cache grew
+        self._graph_kinds: set[tuple[int, SampleMode, bool]] = set()
         self._graph_generation = cache.generation
         self._pool: Any = None
         self._checked = False
@@ -63,6 +76,7 @@ class ModelRunner:
         if cpu_decoder and device.type == "cpu" and supports(model):
             self.decoder = CpuDecoder(model, cache, rows=max_batch)
         self.captures = 0
+        self.idle_captures = 0  # of the captures, those made while the engine was idle
         self.replays = 0
 
     # ------------------------------------------------------------------ prefill
@@ -168,6 +182,33 @@ class ModelRunner:
         if self.decoder is not None:
             self.decoder.refresh()
 
+    def missing_graphs(self) -> list[GraphKey]:
+        """Decode graphs not captured yet that a step may need next: every batch bucket of each
+        (kv-length bucket, sampling mode, greedy rows) captured before, largest batch first."""
+        if self._cache.generation != self._graph_generation:
+            self.drop_graphs()
+        kinds = sorted(k for k in self._graph_kinds if k[0] <= self._cache.capacity)
+        return [(b, *k) for k in kinds for b in self._batch_buckets if (b, *k) not in self._graphs]
+
+    def capture_missing(self) -> bool:
+        """Capture one of :meth:`missing_graphs` (the engine calls it while it has no request), so a
+        burst of a new size replays a graph instead of capturing one between two of its steps (a
+        capture, eager warm-up included, took ~190 ms on an H200, holding every running request). Every row is padding: all slots are free, and
+        each writes only the last cache position (see ``decode``). True: one was captured."""
+        if not self.cuda_graphs or not self._checked:
+            return False
+        missing = self.missing_graphs()
+        if not missing:
+            return False
+        key = missing[0]
+        b = key[0]
+        self._ints[:, :b].zero_()
+        self._ints[1, :b].fill_(self._cache.capacity - 1)
+        self._floats[:, :b].fill_(1.0)  # temperature 1, top-p 1
+        self._capture(key, 0)
+        self.idle_captures += 1
+        return True
+
     def drop_graphs(self) -> None:
         self._graphs.clear()
         self._pool = None
@@ -219,5 +260,6 @@ class ModelRunner:
                 self.drop_graphs()
                 return ref
         self._graphs[key] = (graph, out)
+        self._graph_kinds.add(key[1:])
         log.info("engine.cuda_graph_captured", batch=key[0], kv_len=key[1], mode=key[2], greedy_rows=key[3])
         return out

@@ -80,6 +80,7 @@ from agentloop.errors import EngineError
 log = structlog.get_logger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.0002  # see shorten_gil_switch_interval
+IDLE_CAPTURE_AFTER_S = 0.05  # no request for this long: the engine captures a missing decode graph
 
 
 @dataclass(eq=False)
@@ -108,7 +109,10 @@ class TorchEngine:
 
     ``cuda_graphs`` (CUDA only; ignored on CPU): replay the decode step from CUDA graphs captured
     lazily per (batch bucket 1, 2, 4, ..., kv-length bucket, sampling mode); a capture that fails
-    or disagrees with the eager step turns them off with a warning. ``cpu_decoder`` (CPU only):
+    or disagrees with the eager step turns them off with a warning. ``idle_graph_capture``: once a
+    (kv-length bucket, sampling mode) has a graph, capture its other batch buckets while the engine
+    has no request (after ``IDLE_CAPTURE_AFTER_S`` of quiet), so later bursts of other sizes do
+    not stop their running requests for a capture. ``cpu_decoder`` (CPU only):
     decode Llama-family models with the fused, MKL-packed step of ``_cpu_decode.py`` instead of
     transformers' forward (other models always use transformers'); it holds fused, packed copies of
     the weights (about 2.4x their size). ``max_prefill_tokens``: most
@@ -129,6 +133,7 @@ class TorchEngine:
         prefix_cache_entries: int = 16,
         weight_update_policy: WeightUpdatePolicy = "drain",
         cuda_graphs: bool = True,
+        idle_graph_capture: bool = True,
         cpu_decoder: bool = True,
         max_prefill_tokens: int = 8192,
         stall_warning_s: float = 30.0,
@@ -169,6 +174,7 @@ class TorchEngine:
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
         self._max_prefill_tokens = max_prefill_tokens
+        self._idle_graph_capture = idle_graph_capture
         self._stall_warning_s = stall_warning_s
         self._clock = clock
         self._next_watch = 0.0
@@ -202,6 +208,7 @@ class TorchEngine:
         # seconds of the engine thread: steps in all, admission (prefill + first tokens), decode
         # forwards, bookkeeping after a decode (append, finish, slot moves, prefix-cache stores)
         self._timers = {"step_s": 0.0, "schedule_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "update_s": 0.0}
+        self._timers["idle_capture_s"] = 0.0  # outside the steps: graph captures while idle
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -292,7 +299,7 @@ class TorchEngine:
         s["decode_ms_per_step"] = 1e3 * self._timers["decode_s"] / steps if steps else 0.0
         s.update(self._timers)
         s.update(cuda_graphs=self._runner.cuda_graphs, graph_captures=self._runner.captures,
-                 graph_replays=self._runner.replays)  # fmt: skip
+                 idle_graph_captures=self._runner.idle_captures, graph_replays=self._runner.replays)  # fmt: skip
         s.update(
             running=len(self._running), waiting=len(self._waiting), weights_version=self._weights_version
         )
@@ -307,13 +314,15 @@ class TorchEngine:
             while True:
                 busy = bool(self._running or self._waiting or self._updates)
                 cmds: list[tuple[str, Any]] = []
+                idle_work = not busy and self._has_idle_work()
                 try:
-                    if not busy:
-                        cmds.append(self._inbox.get(timeout=1.0))  # idle: wake up for the watchdog
+                    if not busy:  # idle: wake up for the watchdog, or after a quiet spell for idle work
+                        cmds.append(self._inbox.get(timeout=IDLE_CAPTURE_AFTER_S if idle_work else 1.0))
                     while True:
                         cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
-                    pass
+                    if idle_work and not cmds:
+                        self._idle_capture()
                 if any(c[0] == "stop" for c in cmds):
                     self._shutdown(cmds)
                     return
@@ -324,6 +333,20 @@ class TorchEngine:
                 if now >= self._next_watch:
                     self._next_watch = now + min(1.0, self._stall_warning_s / 2)
                     self._watch(now)
+
+    def _has_idle_work(self) -> bool:
+        return self._idle_graph_capture and self._runner.cuda_graphs and bool(self._runner.missing_graphs())
+
+    def _idle_capture(self) -> None:
+        """Capture one decode graph a later burst may need (the inbox is read again after each)."""
+        t0 = time.perf_counter()
+        try:
+            self._runner.capture_missing()
+        except Exception:  # a failed capture turns graphs off in the runner; this is its eager warm-up failing
+            log.exception("engine.idle_capture_failed")
+            self._idle_graph_capture = False
+        finally:
+            self._timers["idle_capture_s"] += time.perf_counter() - t0
 
     def _watch(self, now: float) -> None:
         """The watchdog: log requests older than ``stall_warning_s`` with their state, and fail any

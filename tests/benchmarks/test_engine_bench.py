@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import statistics
 from pathlib import Path
 
 import anyio
@@ -29,7 +30,8 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(
     agents, new_tokens, reps = 8, 8, 2
     args = argparse.Namespace(
         backend="torch", model="tiny", device="cpu", prompts=agents, new_tokens=new_tokens, reps=reps,
-        temperature=0.7, top_p=0.9, store="sqlite", no_cuda_graphs=True, gpu_memory_utilization=0.5,
+        temperature=0.7, top_p=0.9, store="sqlite", no_cuda_graphs=True, no_idle_capture=False,
+        gpu_memory_utilization=0.5,
         agent_procs=agent_procs, gc_freeze=agent_procs > 0, proxy_workers=proxy_workers,
     )  # fmt: skip
     with anyio.fail_after(120):
@@ -59,6 +61,17 @@ async def test_via_proxy_reports_the_loss_on_the_same_work(
     assert (
         lat["added"]["max"] <= lat["client"]["max"] and lat["send_to_engine"]["max"] <= lat["client"]["max"]
     )
+    # the proxied round's milestones, in the order a round passes them, ending at the round's own end
+    path = result["proxied_round_critical_path_ms"]
+    order = ["first_engine_in", "last_engine_in", "last_engine_out", "last_received"]
+    assert 0 < path["last_send"] <= path["last_engine_in"] and all(path[k] > 0 for k in path)
+    assert [path[k] for k in order] == sorted(path[k] for k in order)
+    assert path["first_engine_in"] <= path["first_engine_out"] <= path["last_engine_out"]
+    round_ms = [
+        1e3 * t / x for t, x in zip(result["tokens_per_round"]["proxy"], result["rounds_proxy"], strict=True)
+    ]
+    assert path["last_received"] == pytest.approx(statistics.median(round_ms), rel=1e-2)
+    assert result["direct_round_ms_median"] > 0
     assert set(result["full_gc_in_timed_rounds"]) == {"direct", "proxy"}
     for way, work in result["engine_work_in_timed_rounds"].items():  # the engine's own counters, per way
         assert work["prefill_batches"] >= reps and work["decode_steps"] > 0 and work["decode_s"] > 0
