@@ -342,7 +342,9 @@ class TorchEngine:
         t0 = time.perf_counter()
         try:
             self._runner.capture_missing()
-        except Exception:  # a failed capture turns graphs off in the runner; this is its eager warm-up failing
+        except (
+            Exception
+        ):  # a failed capture turns graphs off in the runner; this is its eager warm-up failing
             log.exception("engine.idle_capture_failed")
             self._idle_graph_capture = False
         finally:
