@@ -175,8 +175,8 @@ def test_batch_advantages_needs_the_built_batch() -> None:
 
 
 def test_reward_mean_is_per_attempt_not_per_call() -> None:
-    from trainer.ray_trainer import _attempt_metrics
+    from trainer.train_step import attempt_metrics
 
     triplets = attempt("a", [1.0] * 5) + attempt("b", [0.0])  # per call the mean would be 5 / 6
-    metrics = _attempt_metrics(triplets)
+    metrics = attempt_metrics(triplets)
     assert metrics["reward/mean"] == 0.5 and metrics["rollout/calls_per_attempt"] == 3.0
