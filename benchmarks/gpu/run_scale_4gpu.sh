@@ -1,0 +1,8 @@
+set -o pipefail
+cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
+source benchmarks/gpu/env.sh
+export PYTHONPATH=/tmp/rsite:/tmp/site:$PWD
+echo "card: $(card) x $(nvidia-smi -L | wc -l)"
+timeout 560 python3 benchmarks/scale_bench.py --device cuda --gpus 4 --no-reshard --grad-sync-per-mini-batch \
+  --out $OUT/scale_bench_4gpu.json 2>&1 | tee $OUT/scale.log | grep -v "^(.*pid=" | tail -40
