@@ -1,0 +1,169 @@
+"""The ``actor_rollout_ref`` section: the policy model (LoRA), the PPO/GRPO update (optimizer, clipping,
+losses, FSDP2) and the reference model; its ``rollout`` part lives in trainer/_config_rollout.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from trainer._config_keys import _Section
+from trainer._config_rollout import RolloutConfig
+from trainer.algorithms import KLKind, LossAggMode, known_policy_losses
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        default="smollm2-135m-instruct", description="Model alias, local Hugging Face folder or hub id."
+    )
+    enable_gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations to save memory (GPU)."
+    )
+    lora_rank: int = Field(default=0, ge=0, description="LoRA rank through peft; 0 trains all weights.")
+    lora_alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / rank).")
+    target_modules: str | list[str] = Field(
+        default="all-linear", description="Modules LoRA adapts (peft's syntax)."
+    )
+
+    @field_validator("lora_rank", "lora_alpha", mode="before")
+    @classmethod
+    def _lora_int(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's `true` would silently become rank 1
+            raise ValueError(f"must be an integer, got {v!r}")
+        return v
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _lora_targets(cls, v: Any) -> Any:
+        ok = (isinstance(v, str) and v.strip()) or (
+            isinstance(v, list | tuple) and v and all(isinstance(x, str) and x.strip() for x in v)
+        )
+        if not ok:
+            raise ValueError(
+                "must be 'all-linear', a regex over module names, or a non-empty list of module names "
+                f"such as [q_proj, v_proj]; got {v!r}"
+            )
+        return list(v) if isinstance(v, tuple) else v
+
+
+class OptimConfig(_Section):
+    lr: float = Field(
+        default=1e-6, gt=0, description="AdamW learning rate (verl's default; tiny models want ~1e-5)."
+    )
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps from 0 to lr.")
+
+
+_CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high")
+
+
+class FSDPConfig(_Section):
+    """How FSDP2 shards the actor (and critic) when the trainer spans several ranks (verl's fsdp_config)."""
+
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="Free each layer's gathered parameters after its forward (all-gathered again for the "
+        "backward); False keeps them from forward to backward: one all-gather per layer and micro-batch "
+        "instead of two, at the memory of the whole unsharded model on every rank.",
+    )
+    grad_sync_per_micro_batch: bool = Field(
+        default=True,
+        description="Reduce-scatter the gradients after every micro-batch's backward; False accumulates "
+        "them unsharded on each rank and reduce-scatters once per optimizer step (in the mini-batch's last "
+        "backward): one reduce-scatter per layer and mini-batch instead of one per micro-batch, at the "
+        "memory of a full-size fp32 gradient of the model on every rank. The same step either way.",
+    )
+
+
+class ActorConfig(_Section):
+    ppo_mini_batch_size: int = Field(
+        default=8, ge=1, description="Prompts per optimizer step (x rollout.n samples)."
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        default=None,
+        ge=1,
+        description="Samples per forward/backward; None: split by ppo_max_token_len_per_gpu.",
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        default=16384, ge=1, description="Token budget of one micro-batch."
+    )
+    ppo_epochs: int = Field(default=1, ge=1, description="Passes over each batch.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer settings.")
+    clip_ratio: float = Field(
+        default=0.2, gt=0, lt=1, description="Default for clip_ratio_low and clip_ratio_high."
+    )
+    clip_ratio_low: float = Field(
+        default=0.2, gt=0, lt=1, description="Ratio lower bound 1 - low; unset: clip_ratio."
+    )
+    clip_ratio_high: float = Field(
+        default=0.2, gt=0, description="Ratio upper bound 1 + high; unset: clip_ratio."
+    )
+    clip_ratio_c: float = Field(
+        default=3.0, gt=1, description="Dual-clip cap on the loss for negative advantages."
+    )
+    loss_agg_mode: LossAggMode = Field(
+        default="token-mean", description="How token losses become one number."
+    )
+    entropy_coeff: float = Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
+    use_kl_loss: bool = Field(
+        default=False, description="Add kl_loss_coef * KL(pi||ref) to the loss (needs a ref model)."
+    )
+    kl_loss_coef: float = Field(default=0.001, ge=0, description="Weight of the KL loss.")
+    kl_loss_type: KLKind = Field(default="low_var_kl", description="KL estimator used in the loss.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
+    policy_loss: str = Field(default="vanilla", description="Policy loss: vanilla (PPO clip), gspo or pg.")
+    shared_prompt_forward: bool = Field(
+        default=True,
+        description="Run each distinct prompt of a micro-batch once (a GRPO group's attempts share it); "
+        "exact, checked once per model, off where it does not hold; one device, no torch.compile "
+        "(compiled layers recompile per cache state), no gradient checkpointing, not under FSDP.",
+    )
+    use_engine_logprobs: bool = Field(default=False, description="Use the engine's logprobs as old logprobs.")
+    engine_logprob_gap_limit: float = Field(
+        default=0.05,
+        gt=0,
+        description="With use_engine_logprobs: recompute old logprobs when the probed mean gap exceeds this.",
+    )
+    use_torch_compile: bool = Field(
+        default=True, description="torch.compile the decoder layers and LM-head statistics (CUDA only)."
+    )
+    fsdp_config: FSDPConfig = Field(
+        default_factory=FSDPConfig, description="FSDP2 settings of a data-parallel (multi-rank) update."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_clips(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # verl configs write clip_ratio_low: null for "use clip_ratio"
+            data = {k: v for k, v in data.items() if not (k in _CLIP_KEYS and v is None)}
+        return data
+
+    @model_validator(mode="after")
+    def _clip_defaults(self) -> ActorConfig:
+        for key in _CLIP_KEYS:  # as in verl, an unset bound follows clip_ratio
+            if key not in self.model_fields_set:
+                self.__dict__[key] = self.clip_ratio
+        return self
+
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _known_policy_loss(cls, v: Any) -> Any:
+        if isinstance(v, dict) and set(v) == {"loss_mode"}:  # verl's nested form policy_loss.loss_mode
+            v = v["loss_mode"]
+        if v not in known_policy_losses():
+            raise ValueError(f"must be one of {', '.join(known_policy_losses())}; got {v!r}")
+        return v
+
+
+class RefConfig(_Section):
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        default=None, ge=1, description="Samples per reference forward; None: the actor's token budget."
+    )
+
+
+class ActorRolloutRefConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling and the engine.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="The PPO/GRPO update.")
+    ref: RefConfig = Field(default_factory=RefConfig, description="The frozen reference model (KL only).")
