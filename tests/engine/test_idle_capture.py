@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from agentloop.engine._decode import _batch_buckets, _pow2_at_least
+from agentloop.engine._engine_thread import IDLE_CAPTURE_AFTER_S
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import IDLE_CAPTURE_AFTER_S, TorchEngine
+from agentloop.engine.torch_engine import TorchEngine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 

@@ -11,8 +11,9 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
+from agentloop.engine._engine_thread import Request
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine, _Request
+from agentloop.engine.torch_engine import TorchEngine
 from agentloop.errors import EngineError
 
 
@@ -53,7 +54,7 @@ async def test_a_request_the_engine_does_not_hold_is_failed(tiny_model_dir: Path
     try:
         loop = asyncio.get_running_loop()
         sp = SamplingParams(max_tokens=4)
-        lost = _Request(
+        lost = Request(
             "lost-1", [1, 2], sp, loop.create_future(), loop, 0, frozenset(), added_at=time.monotonic()
         )
         engine._inflight["lost-1"] = lost  # registered by generate(), but never reached the engine
