@@ -9,13 +9,13 @@ Two shortcuts of the trainer's forward, each used only where a probe finds it ex
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, cast
 
 import structlog
 import torch
 from torch import nn
 
+from agentloop.engine.models import cache_argument
 from trainer.batch import Batch
 
 if TYPE_CHECKING:
@@ -103,14 +103,9 @@ def shared_prompt_hidden(
         attention_mask=attention_mask[:, : p + r - 1],
         position_ids=position_ids[:, p : p + r - 1],
         use_cache=True,
-        **{_cache_argument(decoder): cache},
+        **{cache_argument(decoder): cache},
     ).last_hidden_state  # (b, R-1, d)
     return torch.cat([last, rest], dim=1)
-
-
-def _cache_argument(decoder: nn.Module) -> str:
-    """The name under which ``decoder.forward`` takes a KV cache (transformers renamed it in 5.x)."""
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()

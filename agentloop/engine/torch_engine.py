@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import queue
 import random
 import threading
@@ -75,6 +74,7 @@ from agentloop.engine.base import (
     check_prompt,
     check_sampling,
 )
+from agentloop.engine.models import cache_argument
 
 log = structlog.get_logger(__name__)
 
@@ -145,9 +145,7 @@ class TorchEngine(EngineThread):
         self._policy = weight_update_policy
         self._cache = SlotKVCache.for_model(model, max_batch_size, self._max_context, dtype, self._device)
         self._prefix = PrefixCache(max_entries=prefix_cache_entries)
-        self._cache_kw = (
-            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        )
+        self._cache_kw = cache_argument(model)
         self._max_prefill_tokens = max_prefill_tokens
         self._idle_graph_capture = idle_graph_capture
         self._stall_warning_s = stall_warning_s

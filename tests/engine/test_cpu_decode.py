@@ -12,6 +12,7 @@ from agentloop.engine._cpu_decode import CpuDecoder, PackedLinear, supports
 from agentloop.engine._decode import ModelRunner
 from agentloop.engine._kv import SlotKVCache
 from agentloop.engine.base import SamplingParams
+from agentloop.engine.models import cache_argument
 from agentloop.engine.torch_engine import TorchEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -74,7 +75,8 @@ def _decode_logits_both_ways(model: Any, rows: int, batch: int) -> tuple[torch.T
     """Prefill ``batch`` prompts of different lengths with transformers, then one decode step with
     CpuDecoder and the same step with transformers' forward over the same cache."""
     cache = SlotKVCache.for_model(model, rows, 256, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, cache, "cache", rows, 256, torch.device("cpu"), cuda_graphs=False)
+    kw = cache_argument(model)  # transformers' name for it differs across versions
+    runner = ModelRunner(model, cache, kw, rows, 256, torch.device("cpu"), cuda_graphs=False)
     assert runner.decoder is not None
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -88,7 +90,7 @@ def _decode_logits_both_ways(model: Any, rows: int, batch: int) -> tuple[torch.T
         cache.set_decode(pos, kv_len)
         mask = (torch.arange(kv_len)[None, :] <= pos[:, None])[:, None, None, :]
         out = model(input_ids=ids[:, None], position_ids=pos[:, None], attention_mask=mask, use_cache=True,
-                    cache=cache)  # fmt: skip
+                    **{kw: cache})  # fmt: skip
     return fast, out.logits[:, -1].float()
 
 
