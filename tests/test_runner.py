@@ -427,12 +427,18 @@ async def test_signal_stops_runner_process_cleanly(sig: signal.Signals, kind: st
     )
     try:
         assert proc.stdout is not None
-        with anyio.fail_after(30):
-            started = 0
+        started = 0
+        with anyio.move_on_after(
+            60
+        ):  # abandon_on_cancel: a runner that never starts fails here, not at 300 s
             while started < 3:
-                line = await anyio.to_thread.run_sync(proc.stdout.readline)
+                line = await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
                 assert line, f"runner exited early: {proc.stderr.read() if proc.stderr else ''}"
                 started += line.startswith("started")
+        if started < 3:
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            pytest.fail(f"the runner started {started} of 3 agents in 60 s; its stderr:\n{err}")
         proc.send_signal(sig)
         out, err = await anyio.to_thread.run_sync(lambda: proc.communicate(timeout=20))
     finally:
