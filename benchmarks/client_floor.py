@@ -109,7 +109,8 @@ async def floor(agents: int, agent_procs: int, server_procs: int, reps: int) -> 
         "agent_procs": agent_procs,
         "server_procs": server_procs,
         "rounds": reps,
-        "what": "128 openai clients in agent processes vs a server answering a canned completion at once",
+        "what": f"{agents} openai clients in {agent_procs} processes vs {server_procs} server processes "
+        "answering a canned completion at once",
         "median_ms": {k: round(statistics.median(x[k] for x in rounds), 1) for k in rounds[0]},
         "rounds_ms": [round(x["round"], 1) for x in rounds],
     }

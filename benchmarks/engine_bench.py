@@ -286,6 +286,21 @@ def _engine_counters(engine: Any) -> dict[str, float]:
     return {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
 
 
+async def _idle_captures_settled(engine: Any, quiet_s: float = 2.0, limit_s: float = 60.0) -> float:
+    """Wait until the engine has made no idle graph capture for ``quiet_s`` (TorchEngine captures
+    the smaller batch buckets after its warm-up; at most ``limit_s``); returns the seconds waited."""
+    t0 = time.perf_counter()
+    if "idle_graph_captures" not in (engine.stats() if hasattr(engine, "stats") else {}):
+        return 0.0
+    last, since = engine.stats()["idle_graph_captures"], time.perf_counter()
+    while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < limit_s:
+        await asyncio.sleep(0.1)
+        now = engine.stats()["idle_graph_captures"]
+        if now != last:
+            last, since = now, time.perf_counter()
+    return time.perf_counter() - t0
+
+
 def _critical_path(start: float, end: float, done: list[list[Any]]) -> dict[str, float]:
     """One proxied round's milestones in ms after its "go" (every clock is the host's time.time()):
     the agents' last send, the first and last call into the engine, the last out of it, the last
@@ -496,6 +511,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         _, _, _, calls = await proxy_round("warm", min(m, 8))
         sp = SamplingParams.model_validate(calls[0].sampling).model_copy(update={"max_tokens": m})
         await direct_round("warm", sp.model_copy(update={"max_tokens": min(m, 8)}))
+        settled_s = await _idle_captures_settled(engine)  # none of them inside a timed round
         for r in range(args.reps):  # ABBA order: a drift over the run hits both ways alike
             for way in ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct"):
                 tag = f"{way}{r}"
@@ -565,7 +581,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         "proxy_round_time": (
             "max(end) - min(start) of the agent processes' time.time(), 'go' read to last response parsed"
             if n_procs
-            else "perf_counter around the agents' gather in this process"
+            else "time.time() around the agents' gather in this process"
         ),
         "fairness": (
             "token-identical prompts (the proxy's chat-template rendering, checked against every recorded "
@@ -586,7 +602,10 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         "direct_round_ms_median": round(
             statistics.median(t / x for t, x in zip(tokens["direct"], direct_tps, strict=True)) * 1e3, 1
         ),
-        "idle_graph_capture": args.backend == "torch" and not args.no_idle_capture,
+        "idle_graph_capture": bool(engine.stats().get("cuda_graphs")) and not args.no_idle_capture
+        if args.backend == "torch"
+        else False,
+        "idle_captures_settled_s": round(settled_s, 2),  # waited after the warm-up for the idle captures
         "weights_versions_recorded": sorted(v for v in weights_versions if v is not None),
         "gc_freeze": args.gc_freeze,
         "event_loop": loop_name(),

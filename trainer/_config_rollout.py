@@ -58,6 +58,11 @@ class RolloutConfig(_Section):
     engine_backend: Literal["torch", "vllm"] = Field(
         default="torch", description="Inference engine implementation."
     )
+    idle_graph_capture: bool = Field(
+        default=True,
+        description="TorchEngine on a GPU: while it has no request (0.5 s of quiet), capture the decode CUDA "
+        "graphs of the smaller batch sizes it may meet next; false: only when a step needs one.",
+    )
     gpu_memory_utilization: float = Field(
         default=0.5, gt=0, le=1, description="vLLM only: share of GPU memory its engine may take."
     )
@@ -83,4 +88,6 @@ def engine_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
         kwargs["max_batch_size"] = rollout.max_num_seqs
     if rollout.engine_backend == "vllm":
         kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+    else:
+        kwargs["idle_graph_capture"] = rollout.idle_graph_capture
     return kwargs

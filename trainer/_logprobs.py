@@ -12,7 +12,7 @@ import torch
 from agentloop.errors import ConfigError
 from trainer._masked import _check_mask, masked_mean
 
-# defined here once; trainer/config.py types its fields with this Literal (through trainer.algorithms)
+# defined here once; the config (trainer/_config_*.py) types its fields with this Literal (through trainer.algorithms)
 KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 KL_KINDS: tuple[str, ...] = get_args(KLKind)
 

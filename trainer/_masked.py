@@ -12,7 +12,7 @@ import torch
 
 from agentloop.errors import ConfigError
 
-# defined here once; trainer/config.py types its fields with this Literal (through trainer.algorithms)
+# defined here once; the config (trainer/_config_*.py) types its fields with this Literal (through trainer.algorithms)
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "attempt-mean-token-mean"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 

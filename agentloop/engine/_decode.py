@@ -69,6 +69,8 @@ class ModelRunner:
         # (kv-length bucket, sampling mode, greedy rows) of every graph captured: the engine captures
         # their other batch buckets while idle (capture_missing), and again after the cache grew
         self._graph_kinds: set[tuple[int, SampleMode, bool]] = set()
+        self._largest_batch = 0  # the largest batch bucket a step has captured or replayed
+        self.idle_capture = True  # capture_missing may capture; off after a failed idle capture
         self._graph_generation = cache.generation
         self._pool: Any = None
         self._checked = False
@@ -170,6 +172,7 @@ class ModelRunner:
     def _graph_step(self, key: GraphKey, n: int) -> torch.Tensor:
         if self._cache.generation != self._graph_generation:  # the cache was reallocated
             self.drop_graphs()
+        self._largest_batch = max(self._largest_batch, key[0])
         entry = self._graphs.get(key)
         if entry is None:
             return self._capture(key, n)
@@ -183,19 +186,25 @@ class ModelRunner:
             self.decoder.refresh()
 
     def missing_graphs(self) -> list[GraphKey]:
-        """Decode graphs not captured yet that a step may need next: every batch bucket of each
-        (kv-length bucket, sampling mode, greedy rows) captured before, largest batch first."""
+        """Decode graphs not captured yet that a step may need next: for each (kv-length bucket,
+        sampling mode, greedy rows) captured before, every batch bucket up to the largest one a step
+        has used so far, largest first. Kinds whose kv-length bucket the cache no longer produces
+        (it grew past a bucket that was its capacity) are dropped."""
         if self._cache.generation != self._graph_generation:
             self.drop_graphs()
-        kinds = sorted(k for k in self._graph_kinds if k[0] <= self._cache.capacity)
-        return [(b, *k) for k in kinds for b in self._batch_buckets if (b, *k) not in self._graphs]
+        cap = self._cache.capacity
+        self._graph_kinds = {
+            k for k in self._graph_kinds if k[0] == min(_pow2_at_least(k[0], _MIN_KV_BUCKET), cap)
+        }
+        buckets = [b for b in self._batch_buckets if b <= self._largest_batch]
+        return [(b, *k) for k in sorted(self._graph_kinds) for b in buckets if (b, *k) not in self._graphs]
 
     def capture_missing(self) -> bool:
         """Capture one of :meth:`missing_graphs` (the engine calls it while it has no request), so a
         burst of a new size replays a graph instead of capturing one between two of its steps (a
         capture, eager warm-up included, took ~190 ms on an H200, holding every running request). Every row is padding: all slots are free, and
         each writes only the last cache position (see ``decode``). True: one was captured."""
-        if not self.cuda_graphs or not self._checked:
+        if not (self.cuda_graphs and self.idle_capture and self._checked):
             return False
         missing = self.missing_graphs()
         if not missing:
@@ -205,35 +214,40 @@ class ModelRunner:
         self._ints[:, :b].zero_()
         self._ints[1, :b].fill_(self._cache.capacity - 1)
         self._floats[:, :b].fill_(1.0)  # temperature 1, top-p 1
-        self._capture(key, 0)
-        self.idle_captures += 1
-        return True
+        self._capture(key, 0, speculative=True)
+        return key in self._graphs
 
     def drop_graphs(self) -> None:
         self._graphs.clear()
         self._pool = None
         self._graph_generation = self._cache.generation
 
-    def _capture(self, key: GraphKey, n: int) -> torch.Tensor:
+    def _capture(self, key: GraphKey, n: int, speculative: bool = False) -> torch.Tensor:
         """Warm up eagerly on a side stream (this IS the step's result: its cache writes are
         idempotent), capture, replay; the first capture is checked against the eager result.
-        Captured with SDPA's cuDNN backend allowed (see ``cudnn_attention``)."""
+        Captured with SDPA's cuDNN backend allowed (see ``cudnn_attention``). ``speculative``: an
+        idle capture (``capture_missing``), skipped while a weight load holds the capture lock; its
+        failure stops the idle captures and keeps the graphs already captured."""
         with cudnn_attention():
-            return self._capture_step(key, n)
+            return self._capture_step(key, n, speculative)
 
-    def _capture_step(self, key: GraphKey, n: int) -> torch.Tensor:
+    def _capture_step(self, key: GraphKey, n: int, speculative: bool) -> torch.Tensor:
         stream = torch.cuda.Stream(self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            ref = self._forward(*key).clone()
-        torch.cuda.current_stream(self._device).wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                ref = self._forward(*key).clone()
+        finally:  # a warm-up that failed midway must not leave kernels running beside the next step
+            torch.cuda.current_stream(self._device).wait_stream(stream)
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # torch.cuda.graph() without its gc.collect() + empty_cache(): captures happen mid-serving;
             # graph_capture: no other thread of this process syncs the device meanwhile (capture.py)
-            with graph_capture():
+            with graph_capture(wait=not speculative) as held:
+                if not held:
+                    return ref
                 torch.cuda.synchronize(self._device)
                 with torch.cuda.stream(stream):
                     graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -244,12 +258,17 @@ class ModelRunner:
             graph.replay()
         except Exception as exc:  # never fail a request for a capture: stay eager from now on
             log.warning(
-                "engine.cuda_graph_capture_failed", key=str(key), error=f"{type(exc).__name__}: {exc}"
-            )
+                "engine.cuda_graph_capture_failed", key=str(key), error=f"{type(exc).__name__}: {exc}",
+                speculative=speculative,
+            )  # fmt: skip
+            if speculative:  # a graph no step asked for: keep the others, capture no more while idle
+                self.idle_capture = False
+                return ref
             self.cuda_graphs = self.graph_shapes = False
             self.drop_graphs()
             return ref
         self.captures += 1
+        self.idle_captures += int(speculative)
         if not self._checked:
             same = (out[0, :n] == ref[0, :n]).float().mean().item()
             lp_err = (out[1, :n] - ref[1, :n]).abs().max().item()

@@ -27,7 +27,9 @@ from agentloop.errors import EngineError
 
 log = structlog.get_logger("agentloop.engine.torch_engine")
 
-IDLE_CAPTURE_AFTER_S = 0.05  # no request for this long: the engine captures a missing decode graph
+# no request for this long: the engine captures a missing decode graph. Long enough that an agent's
+# next call after a tool rarely meets a capture (~190 ms on an H200), short next to a training step
+IDLE_CAPTURE_AFTER_S = 0.5
 
 
 @dataclass(eq=False)
@@ -108,16 +110,20 @@ class EngineThread:
                     self._watch(now)
 
     def _has_idle_work(self) -> bool:
-        return self._idle_graph_capture and self._runner.cuda_graphs and bool(self._runner.missing_graphs())
+        runner = self._runner
+        return (
+            self._idle_graph_capture
+            and runner.cuda_graphs
+            and runner.idle_capture
+            and bool(runner.missing_graphs())
+        )
 
     def _idle_capture(self) -> None:
         """Capture one decode graph a later burst may need (the inbox is read again after each)."""
         t0 = time.perf_counter()
         try:
             self._runner.capture_missing()
-        except (
-            Exception
-        ):  # a failed capture turns graphs off in the runner; this is its eager warm-up failing
+        except Exception:  # the eager warm-up failed (a failed capture is handled in the runner)
             log.exception("engine.idle_capture_failed")
             self._idle_graph_capture = False
         finally:

@@ -1,6 +1,7 @@
 """CUDA graph captures against the other threads of an engine's process.
 
-While TorchEngine captures a decode step into a CUDA graph (its own thread, between two steps), a
+While TorchEngine captures a decode step into a CUDA graph (its own thread, between two steps or
+while it has no request), a
 device-wide call from another thread of the process, such as ``torch.cuda.synchronize()``, fails with
 "operation not permitted when stream is capturing" and invalidates the capture, which turns the
 engine's CUDA graphs off for good. The trainer's weight loads do exactly that from a worker thread
@@ -27,7 +28,14 @@ def no_graph_capture() -> Iterator[None]:
 
 
 @contextmanager
-def graph_capture() -> Iterator[None]:
-    """The engine's side: a capture runs inside this block, never beside a ``no_graph_capture`` one."""
-    with _LOCK:
-        yield
+def graph_capture(wait: bool = True) -> Iterator[bool]:
+    """The engine's side: a capture runs inside this block, never beside a ``no_graph_capture`` one.
+    ``wait=False`` (a capture nobody waits for): yields False at once, and holds nothing, while
+    another thread holds the lock."""
+    if not _LOCK.acquire(blocking=wait):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _LOCK.release()

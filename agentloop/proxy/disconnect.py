@@ -14,9 +14,9 @@ Ownership: the watcher task belongs to the ``with`` block; leaving the block can
 response is sent. Use it only after the body has been read in full, since it consumes the messages
 that come after the body.
 
-What the service (service.py) does with ``gone`` (a ``ClientGone``): ``_unless_gone`` runs a
-generation and cancels it once its client left, ``_has_left`` asks before recording, and
-``client_gone_error`` (499) ends such a request without a record.
+What the proxy does with ``gone`` (a ``ClientGone``): ``_unless_gone`` runs a generation and
+cancels it once its client left (engine_call.py), ``_has_left`` asks before recording (service.py),
+and ``client_gone_error`` (499) ends such a request without a record.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from agentloop.engine.capture import graph_capture
+from agentloop.engine.capture import graph_capture, no_graph_capture
 from trainer import local_sync, weight_sync
 
 
@@ -48,3 +48,15 @@ def test_broadcast_waits_for_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
             return Work()
 
     _waits_for_capture(monkeypatch, lambda: weight_sync._broadcast(Group(), [torch.zeros(1)]))
+
+
+def test_an_idle_capture_does_not_wait_for_a_weight_load() -> None:
+    """graph_capture(wait=False), the engine's idle captures: skipped while a load holds the lock."""
+    with no_graph_capture(), graph_capture(wait=False) as held:
+        assert held is False
+    with graph_capture(wait=False) as held:
+        assert held is True
+        with graph_capture(wait=False) as again:  # held: a second one does not get it either
+            assert again is False
+    with graph_capture() as held:  # released again, and the waiting form still works
+        assert held is True

@@ -227,7 +227,10 @@ def test_engine_kwargs_follow_the_configured_backend() -> None:
     assert engine_kwargs(torch_cfg.actor_rollout_ref.rollout) == {
         "backend": "torch",
         "weight_update_policy": "drain",
+        "idle_graph_capture": True,
     }
+    lazy = TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"idle_graph_capture": False}}})
+    assert engine_kwargs(lazy.actor_rollout_ref.rollout)["idle_graph_capture"] is False
     inflight = TrainerConfig.from_dict(
         {"actor_rollout_ref": {"rollout": {"weight_update_policy": "inflight"}}}
     )
