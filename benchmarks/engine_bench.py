@@ -290,7 +290,8 @@ async def _idle_captures_settled(engine: Any, quiet_s: float = 2.0, limit_s: flo
     """Wait until the engine has made no idle graph capture for ``quiet_s`` (TorchEngine captures
     the smaller batch buckets after its warm-up; at most ``limit_s``); returns the seconds waited."""
     t0 = time.perf_counter()
-    if "idle_graph_captures" not in (engine.stats() if hasattr(engine, "stats") else {}):
+    stats = engine.stats() if hasattr(engine, "stats") else {}
+    if "idle_graph_captures" not in stats or not stats.get("cuda_graphs"):  # vLLM, or no graphs (CPU)
         return 0.0
     last, since = engine.stats()["idle_graph_captures"], time.perf_counter()
     while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < limit_s:
