@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import AgentProcesses, _agent_messages
+
+from trainer.dp import free_port
 
 _CANNED = orjson.dumps({
     "id": "chatcmpl-floor", "object": "chat.completion", "created": 0, "model": "agentloop",
@@ -49,12 +50,6 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": _CANNED})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -71,7 +66,7 @@ async def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
 
 
 async def floor(agents: int, agent_procs: int, server_procs: int, reps: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), *sys.path])}
     server = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "client_floor:app", "--port", str(port), "--workers",

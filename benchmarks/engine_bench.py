@@ -293,7 +293,7 @@ async def _idle_captures_settled(engine: Any, quiet_s: float = 2.0, limit_s: flo
     stats = engine.stats() if hasattr(engine, "stats") else {}
     if "idle_graph_captures" not in stats or not stats.get("cuda_graphs"):  # vLLM, or no graphs (CPU)
         return 0.0
-    last, since = engine.stats()["idle_graph_captures"], time.perf_counter()
+    last, since = stats["idle_graph_captures"], time.perf_counter()
     while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < limit_s:
         await asyncio.sleep(0.1)
         now = engine.stats()["idle_graph_captures"]

@@ -52,7 +52,7 @@ class ModelRunner:
 
     def __init__(
         self, model: Any, cache: SlotKVCache, cache_kw: str, max_batch: int, max_context: int,
-        device: torch.device, cuda_graphs: bool, cpu_decoder: bool = True,
+        device: torch.device, cuda_graphs: bool, cpu_decoder: bool = True, idle_capture: bool = True,
     ) -> None:  # fmt: skip
         self._model, self._cache, self._cache_kw = model, cache, cache_kw
         self._device = device
@@ -70,7 +70,7 @@ class ModelRunner:
         # their other batch buckets while idle (capture_missing), and again after the cache grew
         self._graph_kinds: set[tuple[int, SampleMode, bool]] = set()
         self._largest_batch = 0  # the largest batch bucket a step has captured or replayed
-        self.idle_capture = True  # capture_missing may capture; off after a failed idle capture
+        self.idle_capture = idle_capture  # capture_missing may capture; off after a failed idle capture
         self._graph_generation = cache.generation
         self._pool: Any = None
         self._checked = False
@@ -170,8 +170,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_step(self, key: GraphKey, n: int) -> torch.Tensor:
-        if self._cache.generation != self._graph_generation:  # the cache was reallocated
-            self.drop_graphs()
+        self._drop_graphs_if_reallocated()
         self._largest_batch = max(self._largest_batch, key[0])
         entry = self._graphs.get(key)
         if entry is None:
@@ -190,8 +189,7 @@ class ModelRunner:
         sampling mode, greedy rows) captured before, every batch bucket up to the largest one a step
         has used so far, largest first. Kinds whose kv-length bucket the cache no longer produces
         (it grew past a bucket that was its capacity) are dropped."""
-        if self._cache.generation != self._graph_generation:
-            self.drop_graphs()
+        self._drop_graphs_if_reallocated()
         cap = self._cache.capacity
         self._graph_kinds = {
             k for k in self._graph_kinds if k[0] == min(_pow2_at_least(k[0], _MIN_KV_BUCKET), cap)
@@ -199,23 +197,29 @@ class ModelRunner:
         buckets = [b for b in self._batch_buckets if b <= self._largest_batch]
         return [(b, *k) for k in sorted(self._graph_kinds) for b in buckets if (b, *k) not in self._graphs]
 
+    def has_idle_work(self) -> bool:
+        """Whether :meth:`capture_missing` would capture: idle captures on, the first graph checked,
+        and one missing."""
+        return self.cuda_graphs and self.idle_capture and self._checked and bool(self.missing_graphs())
+
     def capture_missing(self) -> bool:
         """Capture one of :meth:`missing_graphs` (the engine calls it while it has no request), so a
         burst of a new size replays a graph instead of capturing one between two of its steps (a
         capture, eager warm-up included, took ~190 ms on an H200, holding every running request). Every row is padding: all slots are free, and
         each writes only the last cache position (see ``decode``). True: one was captured."""
-        if not (self.cuda_graphs and self.idle_capture and self._checked):
+        if not self.has_idle_work():
             return False
-        missing = self.missing_graphs()
-        if not missing:
-            return False
-        key = missing[0]
+        key = self.missing_graphs()[0]
         b = key[0]
         self._ints[:, :b].zero_()
         self._ints[1, :b].fill_(self._cache.capacity - 1)
         self._floats[:, :b].fill_(1.0)  # temperature 1, top-p 1
         self._capture(key, 0, speculative=True)
         return key in self._graphs
+
+    def _drop_graphs_if_reallocated(self) -> None:
+        if self._cache.generation != self._graph_generation:  # the cache was reallocated
+            self.drop_graphs()
 
     def drop_graphs(self) -> None:
         self._graphs.clear()

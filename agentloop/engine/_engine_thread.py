@@ -68,7 +68,6 @@ class EngineThread:
     _cache: SlotKVCache
     _prefix: PrefixCache
     _runner: ModelRunner
-    _idle_graph_capture: bool
     _stall_warning_s: float
     _clock: Callable[[], float]
     _next_watch: float
@@ -89,7 +88,7 @@ class EngineThread:
             while True:
                 busy = bool(self._running or self._waiting or self._updates)
                 cmds: list[tuple[str, Any]] = []
-                idle_work = not busy and self._has_idle_work()
+                idle_work = not busy and self._runner.has_idle_work()
                 try:
                     if not busy:  # idle: wake up for the watchdog, or after a quiet spell for idle work
                         cmds.append(self._inbox.get(timeout=IDLE_CAPTURE_AFTER_S if idle_work else 1.0))
@@ -109,15 +108,6 @@ class EngineThread:
                     self._next_watch = now + min(1.0, self._stall_warning_s / 2)
                     self._watch(now)
 
-    def _has_idle_work(self) -> bool:
-        runner = self._runner
-        return (
-            self._idle_graph_capture
-            and runner.cuda_graphs
-            and runner.idle_capture
-            and bool(runner.missing_graphs())
-        )
-
     def _idle_capture(self) -> None:
         """Capture one decode graph a later burst may need (the inbox is read again after each)."""
         t0 = time.perf_counter()
@@ -125,7 +115,7 @@ class EngineThread:
             self._runner.capture_missing()
         except Exception:  # the eager warm-up failed (a failed capture is handled in the runner)
             log.exception("engine.idle_capture_failed")
-            self._idle_graph_capture = False
+            self._runner.idle_capture = False
         finally:
             self._timers["idle_capture_s"] += time.perf_counter() - t0
 

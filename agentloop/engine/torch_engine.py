@@ -147,7 +147,6 @@ class TorchEngine(EngineThread):
         self._prefix = PrefixCache(max_entries=prefix_cache_entries)
         self._cache_kw = cache_argument(model)
         self._max_prefill_tokens = max_prefill_tokens
-        self._idle_graph_capture = idle_graph_capture
         self._stall_warning_s = stall_warning_s
         self._clock = clock
         self._next_watch = 0.0
@@ -160,6 +159,7 @@ class TorchEngine(EngineThread):
             self._device,
             cuda_graphs,
             cpu_decoder,
+            idle_graph_capture,
         )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
