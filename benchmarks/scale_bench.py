@@ -97,11 +97,13 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
     )
 
 
-def _fsdp_config(args: argparse.Namespace) -> dict[str, bool]:
-    """The trainer ranks' fsdp_config from ``--no-reshard`` and ``--grad-sync-per-mini-batch``."""
+def _fsdp_config(args: argparse.Namespace) -> dict[str, bool | int]:
+    """The trainer ranks' fsdp_config from ``--no-reshard``, ``--grad-sync-per-mini-batch`` and
+    ``--fsdp-size``."""
     return {
         "reshard_after_forward": not args.no_reshard,
         "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
+        "fsdp_size": args.fsdp_size,
     }
 
 
@@ -324,7 +326,16 @@ async def main() -> None:
         help="fsdp_config.grad_sync_per_micro_batch false: one gradient reduce-scatter per mini-batch",
     )
     ap.add_argument(
+        "--fsdp-size",
+        type=int,
+        default=-1,
+        help="fsdp_config.fsdp_size: ranks sharing one copy of the model (-1 all: FSDP; 1: replicated)",
+    )
+    ap.add_argument(
         "--only-sync", action="store_true", help="measure the weight sync only (skip trainer, rollout)"
+    )
+    ap.add_argument(
+        "--no-split-sync", action="store_true", help="skip the weight sync into replicas on GPUs of their own"
     )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
     ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")
@@ -405,8 +416,9 @@ async def main() -> None:
     if not args.only_rollout and not args.only_trainer:
         result["weight_sync"] = {**await _weight_sync(model, args), "target_s": target["sync_s"]}
         save()
-        result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
-        save()
+        if not args.no_split_sync:
+            result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
+            save()
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     ray.shutdown()
 

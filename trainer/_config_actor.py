@@ -74,6 +74,21 @@ class FSDPConfig(_Section):
         "backward): one reduce-scatter per layer and mini-batch instead of one per micro-batch, at the "
         "memory of a full-size fp32 gradient of the model on every rank. The same step either way.",
     )
+    fsdp_size: int = Field(
+        default=-1,
+        description="Ranks that share one copy of the model (verl's fsdp_size): -1 or the number of ranks "
+        "shards it over all of them (FSDP); a divisor k of the ranks shards it within groups of k and "
+        "replicates it across the groups (HSDP, gradients all-reduced between them); 1 replicates it on "
+        "every rank (plain data parallelism: no parameter all-gathers, one gradient all-reduce, the "
+        "whole model, gradients and AdamW state on every rank). The same step either way.",
+    )
+
+    @field_validator("fsdp_size")
+    @classmethod
+    def _fsdp_size(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError(f"must be -1 (all ranks) or a number of ranks >= 1, got {v}")
+        return v
 
 
 class ActorConfig(_Section):

@@ -18,6 +18,10 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   ``fsdp_config.grad_sync_per_micro_batch=false`` one per layer and mini-batch, in its last backward (the
   same micro-batch index on every rank, the counts being padded), the others accumulating full-size
   fp32 gradients on each rank (``sync_gradients``).
+* ``fsdp_config.fsdp_size`` (verl's key): -1 shards over every rank; k shards within groups of k ranks
+  and replicates across the groups (HSDP: a 2D mesh, gradients reduce-scattered within a group, then
+  all-reduced across groups); 1 is plain data parallelism, where FSDP2 issues no all-gather at all
+  (a shard group of one rank) and the gradients cross the ranks in one all-reduce per layer.
 * CPU: FSDP2 (``fully_shard``) runs over gloo in torch 2.13 (checked: forward, backward,
   reduce-scatter, ``clip_grad_norm_`` over DTensors and ``full_tensor()`` all work), so CI runs the
   same code path as the GPUs.
@@ -39,6 +43,7 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainer import checkpoint as ck
 from trainer.actor import Actor, _micro_batches
@@ -93,15 +98,36 @@ def rank_micro_batches(
     return mine
 
 
-def shard(model: nn.Module, layers: Any, reshard_after_forward: bool = True) -> None:
+def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over (``fsdp_config.fsdp_size``): None, FSDP2's default 1D mesh over every
+    rank, for -1 or ``world_size``; else a (world_size / fsdp_size, fsdp_size) mesh named
+    ("replicate", "shard"): HSDP, the model sharded within each group of ``fsdp_size`` consecutive
+    ranks and replicated across the groups. A collective: every rank calls it, in the same order."""
+    if fsdp_size == -1 or fsdp_size == world_size:
+        return None
+    if fsdp_size < 1 or world_size % fsdp_size:
+        raise ValueError(
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the trainer's "
+            f"{world_size} ranks (or be -1: shard over all of them)"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world_size // fsdp_size, fsdp_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard(
+    model: nn.Module, layers: Any, reshard_after_forward: bool = True, mesh: DeviceMesh | None = None
+) -> None:
     """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
     gradients summed over ranks, not averaged (the losses use the whole batch's denominators).
-    ``reshard_after_forward=False`` keeps gathered parameters until the backward (FSDPConfig)."""
+    ``reshard_after_forward=False`` keeps gathered parameters until the backward (FSDPConfig);
+    ``mesh`` (``data_parallel_mesh``) shards within groups of ranks and replicates across them."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for layer in layers or []:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
@@ -161,13 +187,19 @@ class ShardedCritic(Critic):
     """The Critic's update, sharded like ``ShardedActor`` (FSDP2 over the same ranks)."""
 
     def __init__(
-        self, config: TrainerConfig, model_path: str | Path, device: torch.device, rank: int, world_size: int
+        self,
+        config: TrainerConfig,
+        model_path: str | Path,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__(config, model_path, device, shared_prompts=False)
         self.rank, self.world_size = rank, world_size
         fsdp = config.actor_rollout_ref.actor.fsdp_config  # the critic shards as the actor does
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
-        shard(self.model, getattr(self.model.decoder, "layers", None), fsdp.reshard_after_forward)
+        shard(self.model, getattr(self.model.decoder, "layers", None), fsdp.reshard_after_forward, mesh)
         optim = config.critic.optim
         self.optimizer = torch.optim.AdamW(  # over the DTensor shards now
             self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
@@ -213,12 +245,14 @@ class ShardedActor(Actor):
         if not dist.is_initialized():
             raise RuntimeError("ShardedActor needs torch.distributed initialised (see DPWorker.setup)")
         self.rank, self.world_size = rank, world_size
+        fsdp = config.actor_rollout_ref.actor.fsdp_config
+        device_type = torch.device(device).type
+        self.mesh = data_parallel_mesh(device_type, world_size, fsdp.fsdp_size)  # before the critic's
         super().__init__(config, model_path, device)
         self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
-        fsdp = config.actor_rollout_ref.actor.fsdp_config
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
         layers = getattr(getattr(self.model, "model", None), "layers", None)
-        shard(self.model, layers, fsdp.reshard_after_forward)
+        shard(self.model, layers, fsdp.reshard_after_forward, self.mesh)
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
         self.optimizer = torch.optim.AdamW(
@@ -228,7 +262,7 @@ class ShardedActor(Actor):
             self.warm_up_compiled()
 
     def _make_critic(self, model_path: str | Path) -> Critic:
-        return ShardedCritic(self.config, model_path, self.device, self.rank, self.world_size)
+        return ShardedCritic(self.config, model_path, self.device, self.rank, self.world_size, self.mesh)
 
     # ------------------------------------------------------------ forward passes
 
@@ -454,4 +488,11 @@ class DataParallelGroup:
             ray.kill(w)
 
 
-__all__ = ["DPWorker", "DataParallelGroup", "ShardedActor", "balance_by_tokens", "free_port"]
+__all__ = [
+    "DPWorker",
+    "DataParallelGroup",
+    "ShardedActor",
+    "balance_by_tokens",
+    "data_parallel_mesh",
+    "free_port",
+]

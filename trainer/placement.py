@@ -71,6 +71,13 @@ def plan_placement(config: TrainerConfig, device: str) -> Plan:
         raise TypeError(f"plan_placement takes a TrainerConfig, got {type(config).__name__}")
     t, p = config.trainer, config.placement
     ranks = p.train_ranks or t.nnodes * t.n_gpus_per_node
+    fsdp_size = config.actor_rollout_ref.actor.fsdp_config.fsdp_size
+    if fsdp_size != -1 and ranks % fsdp_size:
+        raise PlacementError(
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the {ranks} trainer "
+            "rank(s) (trainer.nnodes x trainer.n_gpus_per_node or placement.train_ranks); set it to a "
+            "divisor, or to -1 to shard the model over all of them"
+        )
     return Plan(
         device="cuda" if device.startswith("cuda") else "cpu",
         train_ranks=ranks,
@@ -128,8 +135,16 @@ def model_parameters(model_path: str | Path) -> int:
     return total
 
 
+def shard_ranks(config: TrainerConfig, ranks: int) -> int:
+    """How many of ``ranks`` trainer ranks share one copy of the model state (``fsdp_config.fsdp_size``,
+    -1: all of them); each holds 1/shard_ranks of it."""
+    fsdp_size = config.actor_rollout_ref.actor.fsdp_config.fsdp_size
+    return max(ranks, 1) if fsdp_size == -1 else min(fsdp_size, max(ranks, 1))
+
+
 def state_memory(config: TrainerConfig, model_path: str | Path, ranks: int) -> dict[str, float]:
-    """GiB of model state per trainer rank (FSDP2 shards it over ``ranks``): the actor, the critic when
+    """GiB of model state per trainer rank (FSDP2 shards it over ``ranks``, or over groups of
+    ``fsdp_config.fsdp_size`` of them): the actor, the critic when
     one is configured (its own weights, gradients and AdamW moments, colocated with the actor), the
     frozen reference model when a KL term needs it. Activations come on top (they depend on the
     micro-batch token budget)."""
@@ -138,7 +153,7 @@ def state_memory(config: TrainerConfig, model_path: str | Path, ranks: int) -> d
     critic = (model_parameters(critic_path) if critic_path else actor) if config.uses_critic else 0
     arr = config.actor_rollout_ref
     ref = actor if (arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward) else 0
-    share = max(ranks, 1)
+    share = shard_ranks(config, ranks)
     out = {
         "actor_gib": actor * _TRAINED_BYTES / share / GiB,
         "critic_gib": critic * _TRAINED_BYTES / share / GiB,
@@ -165,9 +180,10 @@ def check_memory(
         )
         raise PlacementError(
             f"one trainer rank needs {need['total_gib']:.1f} GiB of model state ({parts}; weights, gradients "
-            f"and AdamW moments in fp32, sharded over {plan.train_ranks} rank(s)) but has {have:.1f} GiB of "
-            f"its GPU{' after the engine share' if engine_share else ''}; use more trainer ranks "
-            "(trainer.n_gpus_per_node), a smaller critic.model.path, or placement.colocate=false"
+            f"and AdamW moments in fp32, sharded over {shard_ranks(config, plan.train_ranks)} rank(s)) but "
+            f"has {have:.1f} GiB of its GPU{' after the engine share' if engine_share else ''}; use more "
+            "trainer ranks (trainer.n_gpus_per_node) or a larger (or -1) actor.fsdp_config.fsdp_size, a "
+            "smaller critic.model.path, or placement.colocate=false"
         )
     return need
 

@@ -1,7 +1,7 @@
 """Where a data-parallel (FSDP2) trainer update spends its time, per rank (a diagnostic, not a target).
 
     torchrun --nproc_per_node N benchmarks/gpu/dp_phases.py --rows 128 [--no-compile] [--bf16-params]
-        [--bf16-reduce] [--no-reshard] [--grad-sync-per-mini-batch]
+        [--bf16-reduce] [--no-reshard] [--grad-sync-per-mini-batch] [--fsdp-size K]
 
 Every rank builds scale_bench's batch (``--rows`` samples in all, prompts and responses of 50-100% of
 ``--prompt-len`` / ``--response-len``), a ``ShardedActor`` over the N ranks, and times its update with
@@ -85,6 +85,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append("actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false")
     if args.grad_sync_per_mini_batch:
         out.append("actor_rollout_ref.actor.fsdp_config.grad_sync_per_micro_batch=false")
+    if args.fsdp_size != -1:
+        out.append(f"actor_rollout_ref.actor.fsdp_config.fsdp_size={args.fsdp_size}")
     return out
 
 
@@ -166,6 +168,9 @@ def main() -> None:
         action="store_true",
         help="fsdp_config.grad_sync_per_micro_batch=false: one gradient reduce-scatter per mini-batch",
     )
+    ap.add_argument(
+        "--fsdp-size", type=int, default=-1, help="fsdp_config.fsdp_size (1: replicated, no all-gathers)"
+    )
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
     ap.add_argument("--profile", default=None, help="rank 0 writes a kernel table of one update to this file")
     args = ap.parse_args()
@@ -226,6 +231,7 @@ def main() -> None:
             "bf16_reduce": args.bf16_reduce,
             "no_reshard": args.no_reshard,
             "grad_sync_per_mini_batch": args.grad_sync_per_mini_batch,
+            "fsdp_size": args.fsdp_size,
             "no_compile": args.no_compile,
             "config_overrides": overrides,
             "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},

@@ -6,6 +6,10 @@
 #   1 rank (baseline); 4 ranks: default | --no-reshard --bf16-params | the same + --grad-sync-per-mini-batch
 #   | the same + NCCL_PROTO=Simple | the last but one again under NCCL_DEBUG=INFO (INIT,GRAPH; --reps 1).
 #   bash benchmarks/gpu/run_dp_ab.sh        (the caller's PYTHONPATH holds torch, transformers, pydantic...)
+# DP_AB_SET=fsdp_size runs other legs instead, for fsdp_config.fsdp_size: 1 rank; 4 ranks FSDP (-1) with
+#   --no-reshard --grad-sync-per-mini-batch | replicated (--fsdp-size 1) with --grad-sync-per-mini-batch
+#   | the same + --no-reshard | HSDP, 2 groups of 2 (--fsdp-size 2) with --no-reshard --grad-sync-per-mini-batch.
+# DP_COMPILE=1 keeps torch.compile on (the trainer's default; each leg then compiles first).
 # About 3-4 minutes (a leg: ~30 s of start-up and model load, then 5 updates); a leg that would start after
 # DP_AB_BUDGET_S (default 290) seconds is skipped and named in summary.txt.
 # Results under $OUT (5 files): summary.txt (cards, versions, one row a leg: update seconds, speedup over
@@ -39,7 +43,7 @@ leg() {  # name nproc timeout_s [VAR=value ...] -- dp_phases flags...
   [ "$limit" -gt "$left" ] && limit=$left
   local t=$SECONDS
   env "${envs[@]}" timeout "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \
-    benchmarks/gpu/dp_phases.py --rows 128 --reps 3 --no-compile "$@" > "$WORK/$name.out" 2> "$WORK/$name.err"
+    benchmarks/gpu/dp_phases.py --rows 128 --reps 3 "${COMPILE[@]}" "$@" > "$WORK/$name.out" 2> "$WORK/$name.err"
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - t)) s: ${envs[*]} dp_phases.py $*" | tee -a "$OUT/legs.log"
   grep -vE "NCCL INFO|Loading weights|OMP_NUM_THREADS|^\*+$|^$" "$WORK/$name.err" | tail -15 >> "$OUT/legs.log"
@@ -49,13 +53,22 @@ for line in sys.stdin:
     print(json.dumps({'leg': sys.argv[1], **json.loads(line)}))" "$name" >> "$OUT/dp.jsonl"
 }
 
-BEST=(--no-reshard --bf16-params --grad-sync-per-mini-batch)
-leg world1 1 110 --
-leg world4 4 75 --
-leg world4_noreshard_bf16 4 75 -- --no-reshard --bf16-params
-leg world4_noreshard_bf16_gradsync 4 75 -- "${BEST[@]}"
-leg world4_noreshard_bf16_gradsync_simple 4 75 NCCL_PROTO=Simple -- "${BEST[@]}"
-leg world4_nccl_debug 4 60 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH -- "${BEST[@]}" --reps 1
+COMPILE=(--no-compile); [ "${DP_COMPILE:-0}" = 1 ] && COMPILE=()
+if [ "${DP_AB_SET:-}" = fsdp_size ]; then
+  leg world1 1 170 --
+  leg world4_fsdp_noreshard_gradsync 4 130 -- --no-reshard --grad-sync-per-mini-batch
+  leg world4_replicated_gradsync 4 130 -- --grad-sync-per-mini-batch --fsdp-size 1
+  leg world4_replicated_noreshard_gradsync 4 130 -- --no-reshard --grad-sync-per-mini-batch --fsdp-size 1
+  leg world4_hsdp2_noreshard_gradsync 4 130 -- --no-reshard --grad-sync-per-mini-batch --fsdp-size 2
+else
+  BEST=(--no-reshard --bf16-params --grad-sync-per-mini-batch)
+  leg world1 1 110 --
+  leg world4 4 75 --
+  leg world4_noreshard_bf16 4 75 -- --no-reshard --bf16-params
+  leg world4_noreshard_bf16_gradsync 4 75 -- "${BEST[@]}"
+  leg world4_noreshard_bf16_gradsync_simple 4 75 NCCL_PROTO=Simple -- "${BEST[@]}"
+  leg world4_nccl_debug 4 60 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH -- "${BEST[@]}" --reps 1
+fi
 
 if [ -f "$WORK/world4_nccl_debug.out" ]; then  # NCCL logs to stdout unless NCCL_DEBUG_FILE is set
   cat "$WORK"/world4_nccl_debug.{out,err} | grep "NCCL INFO" > "$WORK/nccl.log"

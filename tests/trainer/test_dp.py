@@ -23,6 +23,7 @@ def _config(
     estimator: str = "grpo",
     reshard_after_forward: bool = True,
     grad_sync_per_micro_batch: bool = True,
+    fsdp_size: int = -1,
 ) -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
@@ -41,6 +42,7 @@ def _config(
                     "fsdp_config": {
                         "reshard_after_forward": reshard_after_forward,
                         "grad_sync_per_micro_batch": grad_sync_per_micro_batch,
+                        "fsdp_size": fsdp_size,
                     },
                 },
             },
@@ -77,25 +79,39 @@ def test_balance_by_tokens_is_greedy_and_deterministic() -> None:
         balance_by_tokens([1], 0)
 
 
+def test_fsdp_size_picks_the_mesh_or_says_what_divides() -> None:
+    from trainer.dp import data_parallel_mesh
+
+    assert data_parallel_mesh("cpu", 4, -1) is None  # FSDP2's default mesh: sharded over all ranks
+    assert data_parallel_mesh("cpu", 4, 4) is None
+    with pytest.raises(ValueError, match=r"fsdp_size=3 must divide the trainer's 4 ranks \(or be -1"):
+        data_parallel_mesh("cpu", 4, 3)
+
+
 def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[str, int]]]:
-    """Two functions to run in each rank (DPWorker.call): the first starts counting the gradient
-    reduce-scatters on the wire and the policy's forwards with autograd on (one per training micro-batch;
-    the log-prob passes run without), the second returns the counts and the number of FSDP units.
-    Nested, so Ray pickles them by value (the ranks cannot import this test module)."""
+    """Two functions to run in each rank (DPWorker.call): the first starts counting FSDP2's parameter
+    all-gathers and gradient reduce-scatters on the wire and the policy's forwards with autograd on (one
+    per training micro-batch; the log-prob passes run without), the second returns the counts and the
+    number of FSDP units. Nested, so Ray pickles them by value (the ranks cannot import this test module)."""
 
     def start(worker: Any) -> None:
         import torch.distributed as dist
 
-        counts = worker.extensions["counts"] = {"reduce_scatter": 0, "train_forward": 0}
-        # the call FSDP2 makes: reduce_scatter_single in torch 2.13, reduce_scatter_tensor before it existed
-        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-        collective = getattr(dist, name)
+        counts = worker.extensions["counts"] = {"all_gather": 0, "reduce_scatter": 0, "train_forward": 0}
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counts["reduce_scatter"] += 1
-            return collective(*args, **kwargs)
+        def count(key: str, new: str, old: str) -> None:
+            # the calls FSDP2 makes: *_single in torch 2.13, *_tensor before they existed
+            name = new if hasattr(dist, new) else old
+            collective = getattr(dist, name)
 
-        setattr(dist, name, counted)  # in this rank's process only, which ends with the test
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                counts[key] += 1
+                return collective(*args, **kwargs)
+
+            setattr(dist, name, counted)  # in this rank's process only, which ends with the test
+
+        count("all_gather", "all_gather_single", "all_gather_into_tensor")
+        count("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")
 
         def forward_hook(*_: Any) -> None:
             counts["train_forward"] += torch.is_grad_enabled()
@@ -112,13 +128,20 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("grad_sync_per_micro_batch", [True, False])
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize(
+    ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size"),
+    [(True, True, -1), (True, False, -1), (False, True, -1), (False, False, -1), (True, False, 1)],
+)
 def test_two_ranks_take_the_same_step_as_one(
-    tiny_model_dir: Path, ray_local: None, reshard_after_forward: bool, grad_sync_per_micro_batch: bool
+    tiny_model_dir: Path,
+    ray_local: None,
+    reshard_after_forward: bool,
+    grad_sync_per_micro_batch: bool,
+    fsdp_size: int,
 ) -> None:
-    """Also with parameters kept gathered from forward to backward (fewer all-gathers) and with gradients
-    reduce-scattered once per mini-batch instead of once per micro-batch (the count is checked): the
+    """Also with parameters kept gathered from forward to backward (fewer all-gathers), with gradients
+    reduce-scattered once per mini-batch instead of once per micro-batch, and replicated on each rank
+    (fsdp_size=1: no all-gather, no reduce-scatter, gradients all-reduced); the counts are checked: the
     same step."""
     # several micro-batches per rank, uneven counts: 2 and 3 (5 on one rank), so one rank's last micro-batch,
     # the one that reduce-scatters with grad_sync_per_micro_batch=False, is a padding one
@@ -127,6 +150,7 @@ def test_two_ranks_take_the_same_step_as_one(
         token_budget=32,
         reshard_after_forward=reshard_after_forward,
         grad_sync_per_micro_batch=grad_sync_per_micro_batch,
+        fsdp_size=fsdp_size,
     )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
@@ -155,6 +179,11 @@ def test_two_ranks_take_the_same_step_as_one(
     steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
     assert micro > steps, f"the batch must give several micro-batches per mini-batch: {micro} for {steps}"
     per = micro if grad_sync_per_micro_batch else steps  # reduce-scatters per FSDP unit
+    if fsdp_size == 1:  # a shard group of one rank: the parameters are whole, the gradients all-reduced
+        per = 0
+        assert counts[0]["all_gather"] == 0, counts[0]
+    else:
+        assert counts[0]["all_gather"] >= units * micro, counts[0]  # one per unit and forward, at least
     assert counts[0]["reduce_scatter"] == units * per, (
         f"grad_sync_per_micro_batch={grad_sync_per_micro_batch}: {counts[0]['reduce_scatter']} gradient "
         f"reduce-scatters for {units} FSDP units, {micro} micro-batches and {steps} optimizer steps"

@@ -43,6 +43,13 @@ def test_placement_config_is_validated() -> None:
     cfg = TrainerConfig.from_dict({"trainer": {"nnodes": 2, "n_gpus_per_node": 4}})
     assert plan_placement(cfg, "cuda").train_ranks == 8
     assert plan_placement(cfg.with_overrides(["placement.train_ranks=2"]), "cpu").train_ranks == 2
+    four = cfg.with_overrides(["placement.train_ranks=4"])
+    for size in (-1, 1, 2, 4):
+        assert plan_placement(four.with_overrides([f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}"]), "cuda")
+    with pytest.raises(PlacementError, match=r"fsdp_size=3 must divide the 4 trainer rank\(s\)"):
+        plan_placement(four.with_overrides(["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"]), "cuda")
+    with pytest.raises(ConfigError, match=r"fsdp_size.*must be -1 \(all ranks\) or a number of ranks >= 1, got 0"):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"fsdp_config": {"fsdp_size": 0}}}})
     with pytest.raises(TypeError, match="takes a TrainerConfig"):
         plan_placement({}, "cpu")  # type: ignore[arg-type]
 
@@ -63,6 +70,10 @@ def test_memory_counts_the_critic_beside_the_actor(tiny_model_dir: Path) -> None
     }  # fmt: skip
     two = state_memory(ppo, tiny_model_dir, 2)  # the critic doubles the state; two ranks halve it
     assert two["critic_gib"] == two["actor_gib"] == params * 8 / gib
+    fsdp_2 = ppo.with_overrides(["actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])
+    assert state_memory(fsdp_2, tiny_model_dir, 8)["actor_gib"] == params * 8 / gib  # 4 groups of 2 ranks
+    replicated = ppo.with_overrides(["actor_rollout_ref.actor.fsdp_config.fsdp_size=1"])
+    assert state_memory(replicated, tiny_model_dir, 8)["actor_gib"] == params * 16 / gib  # a copy a rank
     plan = plan_placement(ppo, "cuda")
     tight = 1.5 * params * 16 / gib  # the actor alone fits, actor + critic do not
     check_memory(grpo, tiny_model_dir, plan, tight)
