@@ -130,7 +130,7 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size"),
-    [(True, True, -1), (True, False, -1), (False, True, -1), (False, False, -1), (True, False, 1)],
+    [(True, True, -1), (True, False, -1), (False, True, -1), (False, False, -1), (False, False, 1)],
 )
 def test_two_ranks_take_the_same_step_as_one(
     tiny_model_dir: Path,
