@@ -37,6 +37,9 @@ TINY = {
     '"total_training_steps": 20': '"total_training_steps": 1',
     '"max_response_length": 64': '"max_response_length": 8',
 }
+# and, where a snippet has it: the judge's answer budget (a random model's answer is never valid JSON, so
+# every judge request runs to max_tokens, three tries a group: 1024 tokens took 331 s of one run)
+TINY_WHERE_PRESENT = {'on_failure="skip",': 'on_failure="skip", max_tokens=64,'}
 SNIPPET_TIMEOUT_S = 480  # one tiny step + a tiny validation; the whole run, imports and Ray start included
 
 
@@ -118,6 +121,8 @@ def test_snippet_trains_as_written_with_the_tiny_model(
     script = block
     for text, tiny in TINY.items():
         script = script.replace(text, json.dumps(str(tiny_model_dir)) if tiny == "{tiny}" else tiny)
+    for text, tiny in TINY_WHERE_PRESENT.items():
+        script = script.replace(text, tiny)
     (tmp_path / "snippet.py").write_text(script)
     env = {
         **os.environ,
