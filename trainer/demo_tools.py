@@ -86,13 +86,8 @@ Run it with ``agentloop demo --task tools``; ``run_tools_demo(args)`` is the sam
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import operator
-import random
-import re
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -101,250 +96,22 @@ import structlog
 
 import agentloop as al
 from agentloop.resources import Resources
-from agentloop.tools import ToolAgent, function_tool
+from agentloop.tools import ToolAgent
 from agentloop.types import AttemptedRollout
+from trainer._calculator import calculator, evaluate, format_number
+from trainer._tool_tasks import (
+    EXAMPLES,
+    KINDS,
+    SYSTEM_PROMPT,
+    make_datasets,
+    make_problems,
+    parse_answer,
+    score,
+    task_messages,
+    well_formed_calls,
+)
 
 log = structlog.get_logger("agentloop.demo_tools")
-
-# ---------------------------------------------------------------- the tool
-
-_OPS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-}
-_MAX_ABS = 10**12  # model output is hostile input: no giant numbers (there is no ** either)
-_MAX_EXPRESSION_CHARS = 200
-
-
-def evaluate(expression: str) -> int | float:
-    """The value of ``expression``: numbers, ``+ - * /``, parentheses and signs; anything else raises."""
-    if len(expression) > _MAX_EXPRESSION_CHARS:
-        raise ValueError(f"expression is {len(expression)} characters long, at most {_MAX_EXPRESSION_CHARS}")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"cannot parse {expression!r}; write numbers with + - * / and ( )") from None
-
-    def ev(node: ast.AST) -> int | float:
-        value: int | float
-        if (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, int | float)
-            and not isinstance(node.value, bool)
-        ):
-            value = node.value
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-            value = -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
-        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Div) and right == 0:
-                raise ValueError("division by zero")
-            value = _OPS[type(node.op)](left, right)
-        else:
-            raise ValueError(f"unsupported {type(node).__name__} in {expression!r}; use + - * / and ( )")
-        if abs(value) > _MAX_ABS:
-            raise ValueError(f"a value in {expression!r} exceeds {_MAX_ABS:.0e}")
-        return value
-
-    return ev(tree.body)
-
-
-def format_number(value: int | float) -> str:
-    """``6.0`` -> ``"6"``, ``2.5`` -> ``"2.5"``, ``1 / 3`` -> ``"0.333333"``."""
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else f"{value:.6g}"
-    return str(value)
-
-
-@function_tool(timeout_s=5.0)
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: e.g. "12 * 7 - 5"
-    """
-    return format_number(evaluate(expression))
-
-
-# ---------------------------------------------------------------- problems
-
-_NAMES = ("Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jon", "Kai", "Lena")
-_ITEMS = ("apples", "pencils", "stamps", "marbles", "books", "coins", "shells", "cards", "eggs", "nails")
-
-
-def _product(r: random.Random) -> tuple[str, int]:
-    a, b = r.randint(12, 999), r.randint(12, 99)
-    return f"What is {a} * {b}?", a * b
-
-
-def _times_minus(r: random.Random) -> tuple[str, int]:
-    who, item = r.choice(_NAMES), r.choice(_ITEMS)
-    a, b = r.randint(3, 40), r.randint(6, 60)
-    c = r.randint(1, a * b - 1)
-    return (
-        f"{who} buys {a} boxes of {item} with {b} {item} in each box, then loses {c} of them. "
-        f"How many {item} does {who} have?",
-        a * b - c,
-    )
-
-
-def _times_plus(r: random.Random) -> tuple[str, int]:
-    who, item = r.choice(_NAMES), r.choice(_ITEMS)
-    a, b, c = r.randint(3, 40), r.randint(6, 60), r.randint(1, 99)
-    return (
-        f"{who} buys {a} boxes of {item} with {b} {item} in each box, then finds {c} more. "
-        f"How many {item} does {who} have?",
-        a * b + c,
-    )
-
-
-def _plus_minus(r: random.Random) -> tuple[str, int]:
-    who, item = r.choice(_NAMES), r.choice(_ITEMS)
-    a, b = r.randint(100, 999), r.randint(100, 999)
-    c = r.randint(10, a + b - 1)
-    return (
-        f"{who} has {a} {item}, gets {b} more and then gives away {c}. How many {item} does {who} have now?",
-        a + b - c,
-    )
-
-
-def _share(r: random.Random) -> tuple[str, int]:
-    who, item = r.choice(_NAMES), r.choice(_ITEMS)
-    friends, each, extra = r.randint(2, 12), r.randint(5, 120), r.randint(1, 50)
-    return (
-        f"{who} shares {friends * each} {item} equally among {friends} friends and then gives each "
-        f"friend {extra} more. How many {item} does each friend get in total?",
-        each + extra,
-    )
-
-
-# (kind, level, generator), easy to hard. Level 1: one operation on bare numbers; level 2: two
-# operations in words, in the worked example's form (a product, then a sum or difference); level 3:
-# two operations in other forms. Every word problem has three numbers and needs both operations,
-# so no kind rewards dropping a term that another kind needs. The examples' names and items are
-# not in the data.
-KINDS: tuple[tuple[str, int, Callable[[random.Random], tuple[str, int]]], ...] = (
-    ("product", 1, _product),
-    ("times_minus", 2, _times_minus),
-    ("times_plus", 2, _times_plus),
-    ("plus_minus", 3, _plus_minus),
-    ("share", 3, _share),
-)
-
-
-def make_problems(n: int, seed: int) -> list[dict[str, Any]]:
-    """``n`` distinct problems ``{question, answer, kind, level}``, the kinds in turn, from ``seed``."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    r = random.Random(seed)
-    seen: set[str] = set()
-    out: list[dict[str, Any]] = []
-    while len(out) < n:
-        kind, level, gen = KINDS[len(out) % len(KINDS)]
-        question, answer = gen(r)
-        if question not in seen:
-            seen.add(question)
-            out.append({"question": question, "answer": answer, "kind": kind, "level": level})
-    return out
-
-
-def make_datasets(train_size: int, val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): ``train_size + val_size`` distinct problems shuffled by ``seed`` and split.
-
-    No held-out question is ever trained on; the same seed always gives the same split, and both
-    sets hold every kind in the same proportions (up to shuffling).
-    """
-    if train_size < 1 or val_size < 1:
-        raise ValueError(f"train_size and val_size must be >= 1, got {train_size} and {val_size}")
-    problems = make_problems(train_size + val_size, seed)
-    random.Random(seed).shuffle(problems)
-    return problems[val_size:], problems[:val_size]
-
-
-# ---------------------------------------------------------------- prompt
-
-SYSTEM_PROMPT = (
-    "You are a math assistant. Do not compute in your head: call the calculator tool with the "
-    "expression, then reply with one line 'Answer: <number>' using the number it returned."
-)
-
-
-def _worked_example(index: int, question: str, expression: str, result: str) -> list[dict[str, Any]]:
-    """One solved problem as earlier turns: question, tool call, tool result, final answer."""
-    call_id = f"call_example_{index}"
-    return [
-        {"role": "user", "content": question},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": call_id, "name": "calculator", "content": result},
-        {"role": "assistant", "content": f"Answer: {result}"},
-    ]
-
-
-# Two solved problems shown before every question (their names and items are not in the data):
-# a bare product and a two-step word problem.
-EXAMPLES: list[dict[str, Any]] = [
-    *_worked_example(1, "What is 23 * 47?", "23 * 47", "1081"),
-    *_worked_example(
-        2,
-        "Mia buys 7 boxes of cups with 14 cups in each box, then breaks 9 of them. "
-        "How many cups does Mia have?",
-        "7 * 14 - 9",
-        "89",
-    ),
-]
-
-
-def task_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """The conversation the model sees: system prompt, the worked examples, then the question."""
-    return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        *EXAMPLES,
-        {"role": "user", "content": task["question"]},
-    ]
-
-
-# ---------------------------------------------------------------- reward
-
-_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)(?!\d|\.\d)")  # "Answer: 89." counts, "Answer: 89.5" does not
-
-
-def parse_answer(text: str | None) -> int | None:
-    """The integer after the first ``Answer:`` in ``text``, or None (``Answer: 4.5`` is None too)."""
-    match = _ANSWER_RE.search(text or "")
-    return int(match.group(1)) if match else None
-
-
-def well_formed_calls(messages: list[dict[str, Any]]) -> int:
-    """Calculator calls after the last user message (the worked examples' calls come before it)
-    that the proxy parsed and the tool ran without an error."""
-    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-    return sum(
-        1
-        for m in messages[users[-1] + 1 if users else 0 :]
-        if m.get("role") == "tool"
-        and m.get("name") == "calculator"
-        and not str(m.get("content") or "").startswith("Error")
-    )
-
-
-def score(answer: str | None, gold: int, made_call: bool, call_bonus: float = 0.0) -> float:
-    """1.0 when the final answer is exactly ``gold``; else ``call_bonus`` if a call was well formed."""
-    if parse_answer(answer) == gold:
-        return 1.0
-    return call_bonus if made_call else 0.0
-
 
 # ---------------------------------------------------------------- the agent
 

@@ -26,6 +26,9 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   reduce-scatter, ``clip_grad_norm_`` over DTensors and ``full_tensor()`` all work), so CI runs the
   same code path as the GPUs.
 
+The FSDP2 mechanics (dealing rows to ranks, the mesh, ``shard``, the gradient-sync switch, the full
+state dicts) are in trainer/_sharding.py; this module holds the sharded actor and critic and the Ray side.
+
 Not supported with FSDP: LoRA (``model.lora_rank > 0``). The reference model (KL only) stays a full,
 unsharded copy on each rank. Checkpoints hold full (unsharded) state dicts written by rank 0.
 """
@@ -35,7 +38,6 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer import checkpoint as ck
-from trainer.actor import Actor, _micro_batches
+from trainer._sharding import (
+    balance_by_tokens,
+    data_parallel_mesh,
+    full_state,
+    load_full_state,
+    rank_micro_batches,
+    shard,
+    sum_over_ranks,
+    sync_gradients,
+)
+from trainer.actor import Actor
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits
 from trainer.batch import Batch
 from trainer.compiled import model_inputs
@@ -57,130 +69,6 @@ log = structlog.get_logger("agentloop.trainer.dp")
 
 _SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl", "actor/kl_loss")
 _CRITIC_SUMMED = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
-
-
-def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
-    """Deal row indices to ``parts`` lists of near-equal token totals (greedy, longest first).
-
-    Deterministic: ties go to the lowest part index; each part keeps ascending row order.
-    """
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    if any(n < 0 for n in lengths):
-        raise ValueError("lengths must be >= 0")
-    totals = [0] * parts
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        target = min(range(parts), key=lambda p: (totals[p], len(out[p]), p))
-        out[target].append(i)
-        totals[target] += lengths[i]
-    return [sorted(p) for p in out]
-
-
-def rank_micro_batches(
-    batch: Batch, budget: int, rank: int, world_size: int, device: torch.device
-) -> list[tuple[Batch, torch.Tensor]]:
-    """This rank's token-budget micro-batches of ``batch`` (row indices into it), padded to the most any
-    rank has with zero-mask rows (empty index) so every rank runs the same forwards (a collective)."""
-    parts = balance_by_tokens(batch.sequence_lengths().tolist(), world_size)  # CPU-GPU sync
-    rows = parts[rank]
-    mine: list[tuple[Batch, torch.Tensor]] = []
-    if rows:
-        index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
-        mine = [(mb, index[r]) for mb, r in _micro_batches(batch.select(rows), budget)]
-    count = torch.tensor([len(mine)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    if int(count) > len(mine) and len(batch):
-        pad = batch.select([0])
-        pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
-        empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
-        mine += [(pad, empty)] * (int(count) - len(mine))
-    return mine
-
-
-def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> DeviceMesh | None:
-    """The mesh FSDP2 shards over (``fsdp_config.fsdp_size``): None, FSDP2's default 1D mesh over every
-    rank, for -1 or ``world_size``; else a (world_size / fsdp_size, fsdp_size) mesh named
-    ("replicate", "shard"): HSDP, the model sharded within each group of ``fsdp_size`` consecutive
-    ranks and replicated across the groups. A collective: every rank calls it, in the same order."""
-    if fsdp_size == -1 or fsdp_size == world_size:
-        return None
-    if fsdp_size < 1 or world_size % fsdp_size:
-        raise ValueError(
-            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the trainer's "
-            f"{world_size} ranks (or be -1: shard over all of them)"
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (world_size // fsdp_size, fsdp_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-
-
-def shard(
-    model: nn.Module, layers: Any, reshard_after_forward: bool = True, mesh: DeviceMesh | None = None
-) -> None:
-    """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
-    gradients summed over ranks, not averaged (the losses use the whole batch's denominators).
-    ``reshard_after_forward=False`` keeps gathered parameters until the backward (FSDPConfig);
-    ``mesh`` (``data_parallel_mesh``) shards within groups of ranks and replicates across them."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    for layer in layers or []:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
-            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
-                module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-
-
-def sync_gradients(model: nn.Module, on: bool) -> None:
-    """Turn FSDP2's gradient reduce-scatter in the next backwards on or off for every unit of ``model``;
-    while off, each rank accumulates its unsharded (full-size) gradients, and the next backward with it
-    on reduce-scatters their sum. An update that raises mid-mini-batch turns it back on but leaves the
-    unsynced gradients inside FSDP2 (the run stops there: an update is not retried)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        raise TypeError(f"sync_gradients needs a model sharded by shard(), got {type(model).__name__}")
-    model.set_requires_gradient_sync(on)  # recurse=True: the root and every layer
-
-
-def _sum_over_ranks(
-    totals: dict[str, float], keys: tuple[str, ...], device: torch.device
-) -> dict[str, float]:
-    present = [k for k in keys if k in totals]
-    summed = torch.tensor([totals[k] for k in present], dtype=torch.float64, device=device)
-    dist.all_reduce(summed)  # each rank's share of the global loss terms
-    totals.update(zip(present, summed.tolist(), strict=True))
-    return totals
-
-
-def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {
-        "model": get_model_state_dict(model, options=opts),
-        "optimizer": get_optimizer_state_dict(model, optimizer, options=opts),
-    }
-
-
-def _load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, state["model"], options=opts)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
 
 
 class ShardedCritic(Critic):
@@ -218,13 +106,13 @@ class ShardedCritic(Critic):
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
-        return _sum_over_ranks(totals, _CRITIC_SUMMED, self.device)
+        return sum_over_ranks(totals, _CRITIC_SUMMED, self.device)
 
     def state(self) -> dict[str, Any]:
-        return {**_full_state(self.model, self.optimizer), "step": self.step}
+        return {**full_state(self.model, self.optimizer), "step": self.step}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        _load_full_state(self.model, self.optimizer, state)
+        load_full_state(self.model, self.optimizer, state)
         self.step = int(state["step"])
 
 
@@ -304,7 +192,7 @@ class ShardedActor(Actor):
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
-        return _sum_over_ranks(totals, _SUMMED_METRICS, self.device)
+        return sum_over_ranks(totals, _SUMMED_METRICS, self.device)
 
     # ------------------------------------------------------------ weights and checkpoints
 
@@ -320,10 +208,10 @@ class ShardedActor(Actor):
         return out
 
     def state(self) -> dict[str, Any]:
-        return {**_full_state(self.model, self.optimizer), "step": self.step, "world_size": self.world_size}
+        return {**full_state(self.model, self.optimizer), "step": self.step, "world_size": self.world_size}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        _load_full_state(self.model, self.optimizer, state)
+        load_full_state(self.model, self.optimizer, state)
         self.step = int(state["step"])
 
 
@@ -492,7 +380,11 @@ __all__ = [
     "DPWorker",
     "DataParallelGroup",
     "ShardedActor",
+    "ShardedCritic",
     "balance_by_tokens",
     "data_parallel_mesh",
     "free_port",
+    "rank_micro_batches",
+    "shard",
+    "sync_gradients",
 ]

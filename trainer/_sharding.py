@@ -1,0 +1,144 @@
+"""FSDP2 mechanics of the data-parallel trainer (trainer/dp.py): how a batch is dealt to the ranks, the
+mesh and the sharding, the gradient-sync switch, and the full state dicts a checkpoint holds.
+
+* Balance: rows are dealt greedily, longest first, to the rank holding the fewest tokens.
+* Collectives must line up: a rank with fewer micro-batches runs padding micro-batches (one row with
+  an all-zero response mask: zero loss, zero gradient) so every rank runs the same number of
+  forwards and backwards.
+* Gradients are summed over ranks, not averaged: the losses divide by the whole mini-batch's counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer.actor import _micro_batches
+from trainer.batch import Batch
+
+
+def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Deal row indices to ``parts`` lists of near-equal token totals (greedy, longest first).
+
+    Deterministic: ties go to the lowest part index; each part keeps ascending row order.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if any(n < 0 for n in lengths):
+        raise ValueError("lengths must be >= 0")
+    totals = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(parts), key=lambda p: (totals[p], len(out[p]), p))
+        out[target].append(i)
+        totals[target] += lengths[i]
+    return [sorted(p) for p in out]
+
+
+def rank_micro_batches(
+    batch: Batch, budget: int, rank: int, world_size: int, device: torch.device
+) -> list[tuple[Batch, torch.Tensor]]:
+    """This rank's token-budget micro-batches of ``batch`` (row indices into it), padded to the most any
+    rank has with zero-mask rows (empty index) so every rank runs the same forwards (a collective)."""
+    parts = balance_by_tokens(batch.sequence_lengths().tolist(), world_size)  # CPU-GPU sync
+    rows = parts[rank]
+    mine: list[tuple[Batch, torch.Tensor]] = []
+    if rows:
+        index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+        mine = [(mb, index[r]) for mb, r in _micro_batches(batch.select(rows), budget)]
+    count = torch.tensor([len(mine)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if int(count) > len(mine) and len(batch):
+        pad = batch.select([0])
+        pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
+        empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+        mine += [(pad, empty)] * (int(count) - len(mine))
+    return mine
+
+
+def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over (``fsdp_config.fsdp_size``): None, FSDP2's default 1D mesh over every
+    rank, for -1 or ``world_size``; else a (world_size / fsdp_size, fsdp_size) mesh named
+    ("replicate", "shard"): HSDP, the model sharded within each group of ``fsdp_size`` consecutive
+    ranks and replicated across the groups. A collective: every rank calls it, in the same order."""
+    if fsdp_size == -1 or fsdp_size == world_size:
+        return None
+    if fsdp_size < 1 or world_size % fsdp_size:
+        raise ValueError(
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the trainer's "
+            f"{world_size} ranks (or be -1: shard over all of them)"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world_size // fsdp_size, fsdp_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard(
+    model: nn.Module, layers: Any, reshard_after_forward: bool = True, mesh: DeviceMesh | None = None
+) -> None:
+    """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
+    gradients summed over ranks, not averaged (the losses use the whole batch's denominators).
+    ``reshard_after_forward=False`` keeps gathered parameters until the backward (FSDPConfig);
+    ``mesh`` (``data_parallel_mesh``) shards within groups of ranks and replicates across them."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in layers or []:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def sync_gradients(model: nn.Module, on: bool) -> None:
+    """Turn FSDP2's gradient reduce-scatter in the next backwards on or off for every unit of ``model``;
+    while off, each rank accumulates its unsharded (full-size) gradients, and the next backward with it
+    on reduce-scatters their sum. An update that raises mid-mini-batch turns it back on but leaves the
+    unsynced gradients inside FSDP2 (the run stops there: an update is not retried)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"sync_gradients needs a model sharded by shard(), got {type(model).__name__}")
+    model.set_requires_gradient_sync(on)  # recurse=True: the root and every layer
+
+
+def sum_over_ranks(totals: dict[str, float], keys: tuple[str, ...], device: torch.device) -> dict[str, float]:
+    present = [k for k in keys if k in totals]
+    summed = torch.tensor([totals[k] for k in present], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)  # each rank's share of the global loss terms
+    totals.update(zip(present, summed.tolist(), strict=True))
+    return totals
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=opts),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=opts),
+    }
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
