@@ -45,10 +45,14 @@ def test_placement_config_is_validated() -> None:
     assert plan_placement(cfg.with_overrides(["placement.train_ranks=2"]), "cpu").train_ranks == 2
     four = cfg.with_overrides(["placement.train_ranks=4"])
     for size in (-1, 1, 2, 4):
-        assert plan_placement(four.with_overrides([f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}"]), "cuda")
+        assert plan_placement(
+            four.with_overrides([f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}"]), "cuda"
+        )
     with pytest.raises(PlacementError, match=r"fsdp_size=3 must divide the 4 trainer rank\(s\)"):
         plan_placement(four.with_overrides(["actor_rollout_ref.actor.fsdp_config.fsdp_size=3"]), "cuda")
-    with pytest.raises(ConfigError, match=r"fsdp_size.*must be -1 \(all ranks\) or a number of ranks >= 1, got 0"):
+    with pytest.raises(
+        ConfigError, match=r"fsdp_size.*must be -1 \(all ranks\) or a number of ranks >= 1, got 0"
+    ):
         TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"fsdp_config": {"fsdp_size": 0}}}})
     with pytest.raises(TypeError, match="takes a TrainerConfig"):
         plan_placement({}, "cpu")  # type: ignore[arg-type]
