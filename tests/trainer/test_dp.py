@@ -130,7 +130,14 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size"),
-    [(True, True, -1), (True, False, -1), (False, True, -1), (False, False, -1), (False, False, 1)],
+    [
+        (True, True, -1),
+        (False, False, -1),
+        (False, False, 1),
+        # one option flipped at a time: .ci/run's slow tests (make test holds both flipped together)
+        pytest.param(True, False, -1, marks=pytest.mark.slow),
+        pytest.param(False, True, -1, marks=pytest.mark.slow),
+    ],
 )
 def test_two_ranks_take_the_same_step_as_one(
     tiny_model_dir: Path,
