@@ -76,8 +76,8 @@ class FSDPConfig(_Section):
     )
     fsdp_size: int = Field(
         default=-1,
-        description="Ranks that share one copy of the model (verl's fsdp_size): -1 or the number of ranks "
-        "shards it over all of them (FSDP); a divisor k of the ranks shards it within groups of k and "
+        description="Ranks that share one copy of the model (verl's fsdp_size): -1 or at least the number "
+        "of ranks shards it over all of them (FSDP); a divisor k of the ranks shards it within groups of k and "
         "replicates it across the groups (HSDP, gradients all-reduced between them); 1 replicates it on "
         "every rank (plain data parallelism: no parameter all-gathers, one gradient all-reduce, the "
         "whole model, gradients and AdamW state on every rank). The same step either way.",

@@ -63,15 +63,15 @@ def rank_micro_batches(
 
 def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> DeviceMesh | None:
     """The mesh FSDP2 shards over (``fsdp_config.fsdp_size``): None, FSDP2's default 1D mesh over every
-    rank, for -1 or ``world_size``; else a (world_size / fsdp_size, fsdp_size) mesh named
+    rank, for -1 or at least ``world_size`` (as verl reads it); else a (world_size / fsdp_size, fsdp_size) mesh named
     ("replicate", "shard"): HSDP, the model sharded within each group of ``fsdp_size`` consecutive
     ranks and replicated across the groups. A collective: every rank calls it, in the same order."""
-    if fsdp_size == -1 or fsdp_size == world_size:
+    if fsdp_size == -1 or fsdp_size >= world_size:
         return None
     if fsdp_size < 1 or world_size % fsdp_size:
         raise ValueError(
             f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the trainer's "
-            f"{world_size} ranks (or be -1: shard over all of them)"
+            f"{world_size} ranks (or be -1, or at least {world_size}: shard over all of them)"
         )
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -99,9 +99,9 @@ def shard(
 
 
 def sync_gradients(model: nn.Module, on: bool) -> None:
-    """Turn FSDP2's gradient reduce-scatter in the next backwards on or off for every unit of ``model``;
-    while off, each rank accumulates its unsharded (full-size) gradients, and the next backward with it
-    on reduce-scatters their sum. An update that raises mid-mini-batch turns it back on but leaves the
+    """Turn FSDP2's gradient sync in the next backwards on or off for every unit of ``model`` (the
+    reduce-scatter, and on a 2D mesh the all-reduce across the replicas too); while off, each rank
+    accumulates its unsharded (full-size) gradients, and the next backward with it on syncs their sum. An update that raises mid-mini-batch turns it back on but leaves the
     unsynced gradients inside FSDP2 (the run stops there: an update is not retried)."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -72,11 +72,11 @@ def plan_placement(config: TrainerConfig, device: str) -> Plan:
     t, p = config.trainer, config.placement
     ranks = p.train_ranks or t.nnodes * t.n_gpus_per_node
     fsdp_size = config.actor_rollout_ref.actor.fsdp_config.fsdp_size
-    if fsdp_size != -1 and ranks % fsdp_size:
+    if fsdp_size != -1 and fsdp_size < ranks and ranks % fsdp_size:
         raise PlacementError(
             f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the {ranks} trainer "
             "rank(s) (trainer.nnodes x trainer.n_gpus_per_node or placement.train_ranks); set it to a "
-            "divisor, or to -1 to shard the model over all of them"
+            "divisor, or to -1 (or at least the number of ranks) to shard the model over all of them"
         )
     return Plan(
         device="cuda" if device.startswith("cuda") else "cpu",
@@ -146,7 +146,7 @@ def state_memory(config: TrainerConfig, model_path: str | Path, ranks: int) -> d
     """GiB of model state per trainer rank (FSDP2 shards it over ``ranks``, or over groups of
     ``fsdp_config.fsdp_size`` of them): the actor, the critic when
     one is configured (its own weights, gradients and AdamW moments, colocated with the actor), the
-    frozen reference model when a KL term needs it. Activations come on top (they depend on the
+    frozen reference model when a KL term needs it (a whole copy on every rank). Activations come on top (they depend on the
     micro-batch token budget)."""
     actor = model_parameters(model_path)
     critic_path = config.critic.model.path
@@ -157,7 +157,7 @@ def state_memory(config: TrainerConfig, model_path: str | Path, ranks: int) -> d
     out = {
         "actor_gib": actor * _TRAINED_BYTES / share / GiB,
         "critic_gib": critic * _TRAINED_BYTES / share / GiB,
-        "ref_gib": ref * _FROZEN_BYTES / share / GiB,
+        "ref_gib": ref * _FROZEN_BYTES / GiB,  # not sharded: a whole copy on every rank (trainer/dp.py)
     }
     out["total_gib"] = sum(out.values())
     return out
@@ -182,8 +182,9 @@ def check_memory(
             f"one trainer rank needs {need['total_gib']:.1f} GiB of model state ({parts}; weights, gradients "
             f"and AdamW moments in fp32, sharded over {shard_ranks(config, plan.train_ranks)} rank(s)) but "
             f"has {have:.1f} GiB of its GPU{' after the engine share' if engine_share else ''}; use more "
-            "trainer ranks (trainer.n_gpus_per_node) or a larger (or -1) actor.fsdp_config.fsdp_size, a "
-            "smaller critic.model.path, or placement.colocate=false"
+            "trainer ranks (trainer.n_gpus_per_node) or a larger (or -1) "
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size, a smaller critic.model.path, or "
+            "placement.colocate=false"
         )
     return need
 

@@ -84,6 +84,8 @@ def test_fsdp_size_picks_the_mesh_or_says_what_divides() -> None:
 
     assert data_parallel_mesh("cpu", 4, -1) is None  # FSDP2's default mesh: sharded over all ranks
     assert data_parallel_mesh("cpu", 4, 4) is None
+    assert data_parallel_mesh("cpu", 4, 8) is None  # verl reads fsdp_size >= the ranks as all of them
+    assert data_parallel_mesh("cpu", 1, 2) is None  # so a one-rank group takes any fsdp_size
     with pytest.raises(ValueError, match=r"fsdp_size=3 must divide the trainer's 4 ranks \(or be -1"):
         data_parallel_mesh("cpu", 4, 3)
 
@@ -129,14 +131,16 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size"),
+    ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size", "world"),
     [
-        (True, True, -1),
-        (False, False, -1),
-        (False, False, 1),
+        (True, True, -1, 2),
+        (False, False, -1, 2),
+        (False, False, 1, 2),
         # one option flipped at a time: .ci/run's slow tests (make test holds both flipped together)
-        pytest.param(True, False, -1, marks=pytest.mark.slow),
-        pytest.param(False, True, -1, marks=pytest.mark.slow),
+        pytest.param(True, False, -1, 2, marks=pytest.mark.slow),
+        pytest.param(False, True, -1, 2, marks=pytest.mark.slow),
+        # HSDP: sharded within 2 groups of 2 ranks, reduce-scatter then all-reduce
+        pytest.param(True, True, 2, 4, marks=pytest.mark.slow),
     ],
 )
 def test_two_ranks_take_the_same_step_as_one(
@@ -145,11 +149,12 @@ def test_two_ranks_take_the_same_step_as_one(
     reshard_after_forward: bool,
     grad_sync_per_micro_batch: bool,
     fsdp_size: int,
+    world: int,
 ) -> None:
     """Also with parameters kept gathered from forward to backward (fewer all-gathers), with gradients
-    reduce-scattered once per mini-batch instead of once per micro-batch, and replicated on each rank
-    (fsdp_size=1: no all-gather, no reduce-scatter, gradients all-reduced); the counts are checked: the
-    same step."""
+    reduce-scattered once per mini-batch instead of once per micro-batch, replicated on each rank
+    (fsdp_size=1: no all-gather, no reduce-scatter, gradients all-reduced), and on 4 ranks in 2 shard
+    groups of 2 (HSDP); the counts are checked: the same step."""
     # several micro-batches per rank, uneven counts: 2 and 3 (5 on one rank), so one rank's last micro-batch,
     # the one that reduce-scatters with grad_sync_per_micro_batch=False, is a padding one
     cfg = _config(
@@ -165,7 +170,7 @@ def test_two_ranks_take_the_same_step_as_one(
     m1 = single.update(batch)
     expected = single.named_weights()
 
-    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=world)
     try:
         import anyio
         import ray
@@ -182,7 +187,7 @@ def test_two_ranks_take_the_same_step_as_one(
     finally:
         group.shutdown()
     # every rank issues the same collectives (padded micro-batch counts), or the group would hang
-    assert counts[0] == counts[1], counts
+    assert all(c == counts[0] for c in counts), counts
     steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
     assert micro > steps, f"the batch must give several micro-batches per mini-batch: {micro} for {steps}"
     per = micro if grad_sync_per_micro_batch else steps  # reduce-scatters per FSDP unit
@@ -229,14 +234,22 @@ def test_two_ranks_take_the_same_step_as_one(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("grad_sync_per_micro_batch", [True, False])
+@pytest.mark.parametrize(
+    ("grad_sync_per_micro_batch", "fsdp_size"),
+    [(True, -1), (False, -1), pytest.param(False, 1, marks=pytest.mark.slow)],
+)
 def test_two_ranks_train_the_critic_as_one(
-    tiny_model_dir: Path, ray_local: None, grad_sync_per_micro_batch: bool
+    tiny_model_dir: Path, ray_local: None, grad_sync_per_micro_batch: bool, fsdp_size: int
 ) -> None:
     """PPO with a critic (gae): the sharded critic's values, loss and update equal one device's, also
-    with one gradient reduce-scatter per mini-batch (the critic shards as the actor's fsdp_config says)."""
+    with one gradient reduce-scatter per mini-batch and replicated on each rank (the critic shards as
+    the actor's fsdp_config says)."""
     cfg = _config(
-        tiny_model_dir, token_budget=40, estimator="gae", grad_sync_per_micro_batch=grad_sync_per_micro_batch
+        tiny_model_dir,
+        token_budget=40,
+        estimator="gae",
+        grad_sync_per_micro_batch=grad_sync_per_micro_batch,
+        fsdp_size=fsdp_size,
     )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
@@ -244,11 +257,18 @@ def test_two_ranks_train_the_critic_as_one(
     group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
     try:
         import anyio
+        import ray
 
         async def steps() -> list[dict[str, float]]:
             return [await group.update.remote(batch) for _ in range(2)]
 
         two = anyio.run(steps)
+
+        def mesh_dims(worker: Any) -> int:  # nested: Ray pickles it by value
+            return int(next(worker.actor.critic.model.parameters()).device_mesh.ndim)
+
+        # the critic shards on the actor's mesh: 2D (replicate, shard) with fsdp_size=1
+        assert ray.get(group.workers[0].call.remote(mesh_dims)) == (1 if fsdp_size == -1 else 2)
     finally:
         group.shutdown()
     # step 1 starts from the zero head: values 0, loss 0.5 * mean(G^2); step 2's values come from the

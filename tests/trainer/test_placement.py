@@ -44,7 +44,7 @@ def test_placement_config_is_validated() -> None:
     assert plan_placement(cfg, "cuda").train_ranks == 8
     assert plan_placement(cfg.with_overrides(["placement.train_ranks=2"]), "cpu").train_ranks == 2
     four = cfg.with_overrides(["placement.train_ranks=4"])
-    for size in (-1, 1, 2, 4):
+    for size in (-1, 1, 2, 4, 8):
         assert plan_placement(
             four.with_overrides([f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}"]), "cuda"
         )
@@ -76,6 +76,8 @@ def test_memory_counts_the_critic_beside_the_actor(tiny_model_dir: Path) -> None
     assert two["critic_gib"] == two["actor_gib"] == params * 8 / gib
     fsdp_2 = ppo.with_overrides(["actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])
     assert state_memory(fsdp_2, tiny_model_dir, 8)["actor_gib"] == params * 8 / gib  # 4 groups of 2 ranks
+    kl = grpo.with_overrides(["actor_rollout_ref.actor.use_kl_loss=true"])
+    assert state_memory(kl, tiny_model_dir, 4)["ref_gib"] == params * 4 / gib  # the reference is not sharded
     replicated = ppo.with_overrides(["actor_rollout_ref.actor.fsdp_config.fsdp_size=1"])
     assert state_memory(replicated, tiny_model_dir, 8)["actor_gib"] == params * 16 / gib  # a copy a rank
     plan = plan_placement(ppo, "cuda")

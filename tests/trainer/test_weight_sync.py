@@ -94,7 +94,7 @@ def test_manifest_checks_name_the_tensors_that_differ(tiny_model_dir: Path) -> N
     assert set(send_specs(trainer, untied)) == set(trainer)
 
 
-def _config(model_dir: Path) -> object:
+def _config(model_dir: Path, fsdp_size: int = -1) -> object:
     from trainer.config import TrainerConfig
 
     return TrainerConfig.from_dict(
@@ -103,7 +103,11 @@ def _config(model_dir: Path) -> object:
             "actor_rollout_ref": {
                 "model": {"path": str(model_dir)},
                 "rollout": {"n": 2},
-                "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 0.05, "weight_decay": 0.0}},
+                "actor": {
+                    "ppo_mini_batch_size": 2,
+                    "optim": {"lr": 0.05, "weight_decay": 0.0},
+                    "fsdp_config": {"fsdp_size": fsdp_size},
+                },
             },
             "trainer": {"device": "cpu"},
         }
@@ -127,8 +131,9 @@ def _batch() -> object:
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
+@pytest.mark.parametrize(("ranks", "fsdp_size"), [(1, -1), (2, 1)])  # also replicated on 2 ranks (HSDP mesh)
 async def test_broadcast_path_moves_the_exact_weights_into_every_replica(
-    tiny_model_dir: Path, ray_local: None
+    tiny_model_dir: Path, ray_local: None, ranks: int, fsdp_size: int
 ) -> None:
     import ray
 
@@ -136,7 +141,8 @@ async def test_broadcast_path_moves_the_exact_weights_into_every_replica(
     from trainer.dp import DataParallelGroup
 
     pool = EngineReplicaPool.create(str(tiny_model_dir), 2, "cpu", max_context=128, max_batch_size=4)
-    group = DataParallelGroup.create(_config(tiny_model_dir), str(tiny_model_dir), "cpu", 1)  # type: ignore[arg-type]
+    cfg = _config(tiny_model_dir, fsdp_size)
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", ranks)  # type: ignore[arg-type]
     sync = WeightSync(group, pool, bucket_bytes=1 << 20)  # ~1 MiB buckets: several per sync
     prompt = [1, 2, 3, 4, 5]
     try:
