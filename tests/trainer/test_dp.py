@@ -93,7 +93,7 @@ def test_fsdp_size_picks_the_mesh_or_says_what_divides() -> None:
 def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[str, int]]]:
     """Two functions to run in each rank (DPWorker.call): the first starts counting FSDP2's parameter
     all-gathers and gradient reduce-scatters on the wire and the policy's forwards with autograd on (one
-    per training micro-batch; the log-prob passes run without), the second returns the counts and the
+    per training micro-batch; the log-prob passes run without), the second returns the counts, the dimensions of the mesh and the
     number of FSDP units. Nested, so Ray pickles them by value (the ranks cannot import this test module)."""
 
     def start(worker: Any) -> None:
@@ -124,7 +124,8 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
         from torch.distributed.fsdp import FSDPModule
 
         units = sum(isinstance(m, FSDPModule) for m in worker.actor.model.modules())
-        return {**worker.extensions["counts"], "units": units}
+        mesh_dims = int(next(worker.actor.model.parameters()).device_mesh.ndim)  # 2: (replicate, shard)
+        return {**worker.extensions["counts"], "units": units, "mesh_dims": mesh_dims}
 
     return start, read
 
@@ -196,6 +197,7 @@ def test_two_ranks_take_the_same_step_as_one(
         assert counts[0]["all_gather"] == 0, counts[0]
     else:
         assert counts[0]["all_gather"] >= units * micro, counts[0]  # one per unit and forward, at least
+    assert counts[0]["mesh_dims"] == (1 if fsdp_size == -1 else 2), counts[0]
     assert counts[0]["reduce_scatter"] == units * per, (
         f"grad_sync_per_micro_batch={grad_sync_per_micro_batch}: {counts[0]['reduce_scatter']} gradient "
         f"reduce-scatters for {units} FSDP units, {micro} micro-batches and {steps} optimizer steps"
