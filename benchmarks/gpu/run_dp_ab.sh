@@ -12,16 +12,20 @@
 # DP_COMPILE=1 keeps torch.compile on (the trainer's default; each leg then compiles first).
 # About 3-4 minutes (a leg: ~30 s of start-up and model load, then 5 updates); a leg that would start after
 # DP_AB_BUDGET_S (default 290) seconds is skipped and named in summary.txt.
-# Results under $OUT (5 files): summary.txt (cards, versions, one row a leg: update seconds, speedup over
+# Results under $OUT (6 files): summary.txt (cards, versions, one row a leg: update seconds, speedup over
 # 1 rank, the collectives one update issued), dp.jsonl (every rank's dp_phases JSON with its leg),
-# nccl_info.txt (NCCL's transport, channel and protocol lines), legs.log (each leg's last stderr lines),
-# nccl_debug.log.gz (that leg's whole NCCL log).
+# nccl_info.txt (NCCL's transport, channel and protocol lines), legs.log (each leg's last stderr lines, and
+# the ranks' tracebacks of a leg that failed), nccl_debug.log.gz (that leg's whole NCCL log),
+# legs_stderr.tgz (every leg's whole stderr).
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # as benchmarks/gpu/env.sh
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${DP_AB_BUDGET_S:-290}
+# the random model takes SmolLM2's tokenizer from AGENTLOOP_CACHE_DIR (carry .gpucache; benchmarks/gpu/env.sh)
+python3 -c "from agentloop.engine.models import smollm2_tokenizer_dir; smollm2_tokenizer_dir()" \
+  || { echo "no SmolLM2 tokenizer under AGENTLOOP_CACHE_DIR=${AGENTLOOP_CACHE_DIR:-unset}: carry .gpucache"; exit 1; }
 T0=$SECONDS
 WORK=$(mktemp -d)
 : > "$OUT/dp.jsonl"; : > "$OUT/legs.log"
@@ -47,6 +51,9 @@ leg() {  # name nproc timeout_s [VAR=value ...] -- dp_phases flags...
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - t)) s: ${envs[*]} dp_phases.py $*" | tee -a "$OUT/legs.log"
   grep -vE "NCCL INFO|Loading weights|OMP_NUM_THREADS|^\*+$|^$" "$WORK/$name.err" | tail -15 >> "$OUT/legs.log"
+  if [ "$rc" -ne 0 ]; then  # the ranks' own tracebacks (torchrun prefixes their lines with [rankN]:)
+    grep -E "^\[rank[0-9]+\]:" "$WORK/$name.err" | grep -v "NCCL INFO" | head -80 >> "$OUT/legs.log"
+  fi
   grep '^{' "$WORK/$name.out" | python3 -c "
 import json, sys
 for line in sys.stdin:
@@ -100,4 +107,5 @@ for name, ranks in legs.items():
 EOF
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
+tar czf "$OUT/legs_stderr.tgz" -C "$WORK" $(cd "$WORK" && ls *.err)  # every leg's whole stderr
 rm -rf "$WORK"
