@@ -91,6 +91,21 @@ class FSDPConfig(_Section):
         return v
 
 
+def shard_group_size(fsdp_size: int, ranks: int) -> int:
+    """How many of ``ranks`` trainer ranks share one copy of the model under ``fsdp_config.fsdp_size``:
+    all of them for -1 or at least ``ranks`` (as verl reads it), else ``fsdp_size``, which must divide
+    ``ranks`` (ValueError otherwise)."""
+    ranks = max(ranks, 1)
+    if fsdp_size == -1 or fsdp_size >= ranks:
+        return ranks
+    if fsdp_size < 1 or ranks % fsdp_size:
+        raise ValueError(
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the trainer's "
+            f"{ranks} ranks (or be -1, or at least {ranks}: shard over all of them)"
+        )
+    return fsdp_size
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(
         default=8, ge=1, description="Prompts per optimizer step (x rollout.n samples)."

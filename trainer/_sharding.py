@@ -1,12 +1,6 @@
-"""FSDP2 mechanics of the data-parallel trainer (trainer/dp.py): how a batch is dealt to the ranks, the
-mesh and the sharding, the gradient-sync switch, and the full state dicts a checkpoint holds.
-
-* Balance: rows are dealt greedily, longest first, to the rank holding the fewest tokens.
-* Collectives must line up: a rank with fewer micro-batches runs padding micro-batches (one row with
-  an all-zero response mask: zero loss, zero gradient) so every rank runs the same number of
-  forwards and backwards.
-* Gradients are summed over ranks, not averaged: the losses divide by the whole mini-batch's counts.
-"""
+"""FSDP2 mechanics of the data-parallel trainer: how a batch is dealt to the ranks, the mesh and the
+sharding, the gradient-sync switch, and the full state dicts a checkpoint holds. Why each works as it
+does (balance, padding micro-batches, summed gradients) is in trainer/dp.py's docstring."""
 
 from __future__ import annotations
 
@@ -18,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainer._config_actor import shard_group_size
 from trainer.actor import _micro_batches
 from trainer.batch import Batch
 
@@ -62,20 +57,16 @@ def rank_micro_batches(
 
 
 def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> DeviceMesh | None:
-    """The mesh FSDP2 shards over (``fsdp_config.fsdp_size``): None, FSDP2's default 1D mesh over every
-    rank, for -1 or at least ``world_size`` (as verl reads it); else a (world_size / fsdp_size, fsdp_size) mesh named
-    ("replicate", "shard"): HSDP, the model sharded within each group of ``fsdp_size`` consecutive
+    """The mesh FSDP2 shards over (``fsdp_config.fsdp_size``, read by ``shard_group_size``): None,
+    FSDP2's default 1D mesh over every rank, when all ranks share one copy; else a (world_size / k, k)
+    mesh named ("replicate", "shard"): HSDP, the model sharded within each group of k consecutive
     ranks and replicated across the groups. A collective: every rank calls it, in the same order."""
-    if fsdp_size == -1 or fsdp_size >= world_size:
+    size = shard_group_size(fsdp_size, world_size)
+    if size == world_size:
         return None
-    if fsdp_size < 1 or world_size % fsdp_size:
-        raise ValueError(
-            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the trainer's "
-            f"{world_size} ranks (or be -1, or at least {world_size}: shard over all of them)"
-        )
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (world_size // fsdp_size, fsdp_size)
+    shape = (world_size // size, size)
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
@@ -101,8 +92,9 @@ def shard(
 def sync_gradients(model: nn.Module, on: bool) -> None:
     """Turn FSDP2's gradient sync in the next backwards on or off for every unit of ``model`` (the
     reduce-scatter, and on a 2D mesh the all-reduce across the replicas too); while off, each rank
-    accumulates its unsharded (full-size) gradients, and the next backward with it on syncs their sum. An update that raises mid-mini-batch turns it back on but leaves the
-    unsynced gradients inside FSDP2 (the run stops there: an update is not retried)."""
+    accumulates its unsharded (full-size) gradients, and the next backward with it on syncs their
+    sum. An update that raises mid-mini-batch turns it back on but leaves the unsynced gradients
+    inside FSDP2 (the run stops there: an update is not retried)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from agentloop.errors import ConfigError
+from trainer._config_actor import shard_group_size
 from trainer.config import TrainerConfig, engine_kwargs
 
 log = structlog.get_logger("agentloop.trainer.placement")
@@ -72,12 +73,14 @@ def plan_placement(config: TrainerConfig, device: str) -> Plan:
     t, p = config.trainer, config.placement
     ranks = p.train_ranks or t.nnodes * t.n_gpus_per_node
     fsdp_size = config.actor_rollout_ref.actor.fsdp_config.fsdp_size
-    if fsdp_size != -1 and fsdp_size < ranks and ranks % fsdp_size:
+    try:
+        shard_group_size(fsdp_size, ranks)
+    except ValueError:
         raise PlacementError(
             f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must divide the {ranks} trainer "
             "rank(s) (trainer.nnodes x trainer.n_gpus_per_node or placement.train_ranks); set it to a "
             "divisor, or to -1 (or at least the number of ranks) to shard the model over all of them"
-        )
+        ) from None
     return Plan(
         device="cuda" if device.startswith("cuda") else "cpu",
         train_ranks=ranks,
@@ -138,8 +141,7 @@ def model_parameters(model_path: str | Path) -> int:
 def shard_ranks(config: TrainerConfig, ranks: int) -> int:
     """How many of ``ranks`` trainer ranks share one copy of the model state (``fsdp_config.fsdp_size``,
     -1: all of them); each holds 1/shard_ranks of it."""
-    fsdp_size = config.actor_rollout_ref.actor.fsdp_config.fsdp_size
-    return max(ranks, 1) if fsdp_size == -1 else min(fsdp_size, max(ranks, 1))
+    return shard_group_size(config.actor_rollout_ref.actor.fsdp_config.fsdp_size, ranks)
 
 
 def state_memory(config: TrainerConfig, model_path: str | Path, ranks: int) -> dict[str, float]:
