@@ -36,19 +36,11 @@ async def _burst(engine: TorchEngine, n: int, seed0: int) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-async def _wait_idle_captures(engine: TorchEngine, want: int, timeout_s: float = 60.0) -> None:
+async def _wait_stat(engine: TorchEngine, key: str, want: int, timeout_s: float = 60.0) -> None:
+    """Until ``engine.stats()[key]`` (graph_captures, idle_graph_captures) reaches ``want``."""
     deadline = time.monotonic() + timeout_s
-    while engine.stats()["idle_graph_captures"] < want:
-        assert time.monotonic() < deadline, (
-            f"idle captures: {engine.stats()['idle_graph_captures']} of {want}"
-        )
-        await asyncio.sleep(IDLE_CAPTURE_AFTER_S)
-
-
-async def _wait_captures(engine: TorchEngine, want: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while engine.stats()["graph_captures"] < want:
-        assert time.monotonic() < deadline, f"graph captures: {engine.stats()['graph_captures']} of {want}"
+    while engine.stats()[key] < want:
+        assert time.monotonic() < deadline, f"{key}: {engine.stats()[key]} of {want}"
         await asyncio.sleep(IDLE_CAPTURE_AFTER_S)
 
 
@@ -89,7 +81,9 @@ async def test_bursts_of_new_sizes_capture_nothing_after_the_idle_capture(tiny_m
         first = await _burst(engine, 50, 0)
         in_step = engine.stats()["graph_captures"]
         assert in_step >= 1 and engine.stats()["idle_graph_captures"] == 0
-        await _wait_captures(engine, len(_batch_buckets(64)))  # the rest of 64, 32, 16, 8, 4, 2, 1 idle
+        await _wait_stat(
+            engine, "graph_captures", len(_batch_buckets(64))
+        )  # the rest of 64, 32, 16, 8, 4, 2, 1 idle
         assert engine.stats()["idle_graph_captures"] == len(_batch_buckets(64)) - in_step
         captured = engine.stats()["graph_captures"]
         later = [await _burst(engine, n, 100 * n) for n in (20, 3, 1)]
@@ -110,10 +104,10 @@ async def test_a_request_arriving_during_idle_captures_is_served(tiny_model_dir:
     engine = TorchEngine(tiny_model_dir, device="cuda", dtype=torch.float32, max_batch_size=256)
     try:
         await _burst(engine, 60, 0)  # bucket 64: the idle captures are 32, 16, 8, 4, 2, 1
-        await _wait_idle_captures(engine, 1)  # they have begun
+        await _wait_stat(engine, "idle_graph_captures", 1)  # they have begun
         outs = await asyncio.wait_for(_burst(engine, 5, 7), 30)
         assert [len(o) for o in outs] == [6] * 5
-        await _wait_captures(engine, 7)  # 64 .. 1, each once, by a step or idle
+        await _wait_stat(engine, "graph_captures", 7)  # 64 .. 1, each once, by a step or idle
         await asyncio.sleep(4 * IDLE_CAPTURE_AFTER_S)
         assert engine.stats()["graph_captures"] == 7  # no bucket above 64 is guessed
     finally:
