@@ -97,13 +97,14 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
     )
 
 
-def _fsdp_config(args: argparse.Namespace) -> dict[str, bool | int]:
-    """The trainer ranks' fsdp_config from ``--no-reshard``, ``--grad-sync-per-mini-batch`` and
-    ``--fsdp-size``."""
+def _fsdp_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer ranks' fsdp_config from ``--no-reshard``, ``--grad-sync-per-mini-batch``,
+    ``--fsdp-size``, ``--param-dtype`` and ``--reduce-dtype``."""
     return {
         "reshard_after_forward": not args.no_reshard,
         "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
         "fsdp_size": args.fsdp_size,
+        "mixed_precision": {"param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype},
     }
 
 
@@ -331,6 +332,13 @@ async def main() -> None:
         default=-1,
         help="fsdp_config.fsdp_size: ranks sharing one copy of the model (-1 all: FSDP; 1: replicated)",
     )
+    for name, what in (("param", "parameters are all-gathered"), ("reduce", "gradients are reduced")):
+        ap.add_argument(
+            f"--{name}-dtype",
+            choices=["fp32", "bf16"],
+            default="fp32",
+            help=f"fsdp_config.mixed_precision.{name}_dtype: the dtype {what} in",
+        )
     ap.add_argument(
         "--only-sync", action="store_true", help="measure the weight sync only (skip trainer, rollout)"
     )

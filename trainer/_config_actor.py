@@ -3,7 +3,7 @@ losses, FSDP2) and the reference model; its ``rollout`` part lives in trainer/_c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -58,6 +58,45 @@ class OptimConfig(_Section):
 _CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high")
 
 
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+class MixedPrecisionConfig(_Section):
+    """The dtypes FSDP2 gathers parameters and reduces gradients in (verl's fsdp_config.mixed_precision;
+    verl defaults param_dtype to bf16, we keep fp32 so that one rank and N ranks take the same step).
+    The master weights, gradients and AdamW state stay float32 either way."""
+
+    param_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="fp32 or bf16: the dtype each layer's parameters are all-gathered and run in. bf16 "
+        "halves the all-gathers' bytes and runs every op of the layer (norms too) in bf16, where CUDA "
+        "autocast keeps norms in fp32: a small change of the numerics.",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="fp32 or bf16: the dtype gradients cross the ranks in (reduce-scatter, all-reduce). "
+        "bf16 halves those bytes and rounds each rank's gradient and their sum to 8 bits of mantissa "
+        "before the fp32 optimizer step.",
+    )
+
+    buffer_dtype: Literal["fp32"] = Field(
+        default="fp32",
+        description="verl's key, read for its configs: buffers (the rotary frequencies) stay float32; "
+        "FSDP2 has no buffer cast, so only fp32 is accepted.",
+    )
+
+    @field_validator("param_dtype", "reduce_dtype", "buffer_dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v: Any) -> Any:
+        name = _DTYPE_NAMES.get(str(v).lower()) if isinstance(v, str) else None
+        if name is None:
+            raise ValueError(
+                f"must be fp32 or bf16 (also float32, bfloat16); got {v!r} (fp16 is not supported: "
+                "it needs loss scaling)"
+            )
+        return name
+
+
 class FSDPConfig(_Section):
     """How FSDP2 shards the actor (and critic) when the trainer spans several ranks (verl's fsdp_config)."""
 
@@ -81,6 +120,10 @@ class FSDPConfig(_Section):
         "replicates it across the groups (HSDP, gradients all-reduced between them); 1 replicates it on "
         "every rank (plain data parallelism: no parameter all-gathers, one gradient all-reduce, the "
         "whole model, gradients and AdamW state on every rank). The same step either way.",
+    )
+    mixed_precision: MixedPrecisionConfig = Field(
+        default_factory=MixedPrecisionConfig,
+        description="Dtypes of the parameter all-gathers and the gradient reductions (fp32 or bf16).",
     )
 
     @field_validator("fsdp_size")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer._config_actor import shard_group_size
+from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
 from trainer.actor import _micro_batches
 from trainer.batch import Batch
 
@@ -70,18 +70,35 @@ def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> Dev
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
-def shard(
-    model: nn.Module, layers: Any, reshard_after_forward: bool = True, mesh: DeviceMesh | None = None
-) -> None:
+def mixed_precision_policy(config: MixedPrecisionConfig) -> Any:
+    """FSDP2's MixedPrecisionPolicy for ``fsdp_config.mixed_precision``; None when both dtypes are fp32
+    (FSDP2's default: parameters gathered and gradients reduced in their own float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if config.param_dtype == "fp32" and config.reduce_dtype == "fp32":
+        return None
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return MixedPrecisionPolicy(
+        param_dtype=None if config.param_dtype == "fp32" else dtypes[config.param_dtype],
+        reduce_dtype=dtypes[config.reduce_dtype],
+    )
+
+
+def shard(model: nn.Module, layers: Any, fsdp: FSDPConfig, mesh: DeviceMesh | None = None) -> None:
     """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
     gradients summed over ranks, not averaged (the losses use the whole batch's denominators).
-    ``reshard_after_forward=False`` keeps gathered parameters until the backward (FSDPConfig);
-    ``mesh`` (``data_parallel_mesh``) shards within groups of ranks and replicates across them."""
+    ``fsdp`` gives reshard_after_forward (False keeps gathered parameters until the backward) and the
+    mixed-precision dtypes; ``mesh`` (``data_parallel_mesh``) shards within groups of ranks and
+    replicates across them."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward}
+    policy = mixed_precision_policy(fsdp.mixed_precision)
+    if policy is not None:
+        options["mp_policy"] = policy
     for layer in layers or []:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators

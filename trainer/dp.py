@@ -87,7 +87,7 @@ class ShardedCritic(Critic):
         self.rank, self.world_size = rank, world_size
         fsdp = config.actor_rollout_ref.actor.fsdp_config  # the critic shards as the actor does
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
-        shard(self.model, getattr(self.model.decoder, "layers", None), fsdp.reshard_after_forward, mesh)
+        shard(self.model, getattr(self.model.decoder, "layers", None), fsdp, mesh)
         optim = config.critic.optim
         self.optimizer = torch.optim.AdamW(  # over the DTensor shards now
             self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
@@ -140,7 +140,7 @@ class ShardedActor(Actor):
         self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
         layers = getattr(getattr(self.model, "model", None), "layers", None)
-        shard(self.model, layers, fsdp.reshard_after_forward, self.mesh)
+        shard(self.model, layers, fsdp, self.mesh)
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
         self.optimizer = torch.optim.AdamW(

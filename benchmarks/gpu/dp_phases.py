@@ -9,9 +9,8 @@ each phase wrapped in ``cuda.synchronize()`` timers: the old-logprob pass, each 
 and backward, the gradient step (clip + AdamW), and the rest. Prints one JSON line per rank (its
 tokens, micro-batch shapes, phase seconds, the FSDP2 collectives it issued in the timed update, and the
 options it ran with) and the update time without the timers. No Ray: torchrun starts the ranks, so it
-runs where Ray is not installed. The FSDP2 options combine: ``--no-reshard`` and
-``--grad-sync-per-mini-batch`` set the trainer's fsdp_config, ``--bf16-params`` and ``--bf16-reduce``
-(A/B only, no config key) a MixedPrecisionPolicy passed to every ``fully_shard``.
+runs where Ray is not installed. The FSDP2 options combine; each sets a key of the trainer's
+fsdp_config (``--bf16-params`` and ``--bf16-reduce``: ``mixed_precision.param_dtype`` / ``reduce_dtype``).
 """
 
 from __future__ import annotations
@@ -60,22 +59,6 @@ class PhaseTimer:
         return timed
 
 
-def _fsdp_options(args: argparse.Namespace) -> None:
-    """Pass FSDP2 options that have no config key to trainer.dp.shard's ``fully_shard`` calls (an A/B
-    without code changes): the mixed-precision policy. Options with a config key go through the config
-    (``_overrides``): shard() passes reshard_after_forward itself, which would override one set here."""
-    import functools
-
-    import torch.distributed.fsdp as fsdp
-
-    if args.bf16_params or args.bf16_reduce:
-        policy = fsdp.MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if args.bf16_params else None,  # None: the fp32 master weights
-            reduce_dtype=torch.bfloat16 if args.bf16_reduce else torch.float32,
-        )
-        fsdp.fully_shard = functools.partial(fsdp.fully_shard, mp_policy=policy)  # type: ignore[assignment]
-
-
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The trainer config keys the flags set."""
     out = []
@@ -87,6 +70,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append("actor_rollout_ref.actor.fsdp_config.grad_sync_per_micro_batch=false")
     if args.fsdp_size != -1:
         out.append(f"actor_rollout_ref.actor.fsdp_config.fsdp_size={args.fsdp_size}")
+    if args.bf16_params:
+        out.append("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
+    if args.bf16_reduce:
+        out.append("actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16")
     return out
 
 
@@ -156,11 +143,9 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--token-budget", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bf16-params", action="store_true", help="fsdp_config.mixed_precision.param_dtype=bf16")
     ap.add_argument(
-        "--bf16-params", action="store_true", help="FSDP2 all-gathers bf16 parameters (fp32 grads)"
-    )
-    ap.add_argument(
-        "--bf16-reduce", action="store_true", help="FSDP2 reduce-scatters bf16 gradients (A/B only)"
+        "--bf16-reduce", action="store_true", help="fsdp_config.mixed_precision.reduce_dtype=bf16"
     )
     ap.add_argument("--no-reshard", action="store_true", help="FSDP2 keeps parameters gathered after forward")
     ap.add_argument(
@@ -174,7 +159,6 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
     ap.add_argument("--profile", default=None, help="rank 0 writes a kernel table of one update to this file")
     args = ap.parse_args()
-    _fsdp_options(args)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")

@@ -9,6 +9,8 @@
 # DP_AB_SET=fsdp_size runs other legs instead, for fsdp_config.fsdp_size: 1 rank; 4 ranks FSDP (-1) with
 #   --no-reshard --grad-sync-per-mini-batch | replicated (--fsdp-size 1) with --grad-sync-per-mini-batch
 #   | the same + --no-reshard | HSDP, 2 groups of 2 (--fsdp-size 2) with --no-reshard --grad-sync-per-mini-batch.
+# DP_AB_SET=mixed_precision: 1 rank; 4 ranks replicated (--fsdp-size 1 --no-reshard --grad-sync-per-mini-batch)
+#   with fp32 | bf16 gradient all-reduces (--bf16-reduce); FSDP with bf16 all-gathers and reduce-scatters.
 # DP_COMPILE=1 keeps torch.compile on (the trainer's default; each leg then compiles first).
 # About 3-4 minutes (a leg: ~30 s of start-up and model load, then 5 updates); a leg that would start after
 # DP_AB_BUDGET_S (default 290) seconds is skipped and named in summary.txt.
@@ -67,6 +69,12 @@ if [ "${DP_AB_SET:-}" = fsdp_size ]; then
   leg world4_replicated_gradsync 4 130 -- --grad-sync-per-mini-batch --fsdp-size 1
   leg world4_replicated_noreshard_gradsync 4 130 -- --no-reshard --grad-sync-per-mini-batch --fsdp-size 1
   leg world4_hsdp2_noreshard_gradsync 4 130 -- --no-reshard --grad-sync-per-mini-batch --fsdp-size 2
+elif [ "${DP_AB_SET:-}" = mixed_precision ]; then
+  ONE=(--no-reshard --grad-sync-per-mini-batch --fsdp-size 1)
+  leg world1 1 170 --
+  leg world4_replicated 4 130 -- "${ONE[@]}"
+  leg world4_replicated_bf16_reduce 4 130 -- "${ONE[@]}" --bf16-reduce
+  leg world4_fsdp_bf16_params_reduce 4 130 -- --no-reshard --grad-sync-per-mini-batch --bf16-params --bf16-reduce
 else
   BEST=(--no-reshard --bf16-params --grad-sync-per-mini-batch)
   leg world1 1 110 --

@@ -1,8 +1,10 @@
+# GPU call 2 of 2 on a warm 4-GPU machine (call 1 copied .raykit/r1 to /tmp/raykit); carry .raykit/r2, .gg
+# and .gpucache. Extra arguments go to scale_bench.py (e.g. --fsdp-size 1 --reduce-dtype bf16 --no-split-sync).
 set -o pipefail
 cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
 source benchmarks/gpu/env.sh
 export PYTHONPATH=/tmp/rsite:/tmp/site:$PWD
 echo "card: $(card) x $(nvidia-smi -L | wc -l)"
-timeout 560 python3 benchmarks/scale_bench.py --device cuda --gpus 4 --no-reshard --grad-sync-per-mini-batch \
+timeout 560 python3 benchmarks/scale_bench.py --device cuda --gpus 4 --no-reshard --grad-sync-per-mini-batch "$@" \
   --out $OUT/scale_bench_4gpu.json 2>&1 | tee $OUT/scale.log | grep -v "^(.*pid=" | tail -40

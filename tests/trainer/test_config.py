@@ -324,3 +324,29 @@ async def test_rollout_proxy_workers_reach_the_fits_proxy(tmp_path: Path, tiny_m
             TrainerConfig.model_validate({"actor_rollout_ref": {"rollout": {"proxy_workers": -1}}})
     finally:
         await store.close()
+
+
+def test_fsdp_mixed_precision_takes_verls_dtype_names() -> None:
+    from trainer._sharding import mixed_precision_policy
+
+    fsdp = TrainerConfig().actor_rollout_ref.actor.fsdp_config
+    assert (fsdp.mixed_precision.param_dtype, fsdp.mixed_precision.reduce_dtype) == ("fp32", "fp32")
+    assert mixed_precision_policy(fsdp.mixed_precision) is None  # FSDP2's own fp32 path
+    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
+    cfg = TrainerConfig().with_overrides([f"{key}.param_dtype=bfloat16", f"{key}.reduce_dtype=BF16"])
+    policy = mixed_precision_policy(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    cfg = TrainerConfig().with_overrides([f"{key}.reduce_dtype=bf16"])
+    policy = mixed_precision_policy(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision)
+    assert (policy.param_dtype, policy.reduce_dtype) == (None, torch.bfloat16)  # None: the fp32 params
+    with pytest.raises(ConfigError, match=rf"{key}.param_dtype: .*must be fp32 or bf16.*got 'fp16'"):
+        TrainerConfig().with_overrides([f"{key}.param_dtype=fp16"])
+    with pytest.raises(ConfigError, match=rf"{key}.reduce_dtype: .*must be fp32 or bf16.*got 32"):
+        TrainerConfig().with_overrides([f"{key}.reduce_dtype=32"])
+    verl_block = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    verl = TrainerConfig.from_dict(  # verl's default block reads as it is written there
+        {"actor_rollout_ref": {"actor": {"fsdp_config": {"mixed_precision": verl_block}}}}
+    )
+    assert verl.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "bf16"
+    with pytest.raises(ConfigError, match=rf"{key}.buffer_dtype: Input should be 'fp32'; got 'bf16'"):
+        TrainerConfig().with_overrides([f"{key}.buffer_dtype=bf16"])

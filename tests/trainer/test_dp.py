@@ -13,7 +13,7 @@ import torch
 from agentloop.types import Triplet
 from trainer.actor import Actor
 from trainer.batch import build_batch
-from trainer.config import TrainerConfig
+from trainer.config import FSDPConfig, TrainerConfig
 from trainer.dp import DataParallelGroup, balance_by_tokens
 
 
@@ -24,6 +24,7 @@ def _config(
     reshard_after_forward: bool = True,
     grad_sync_per_micro_batch: bool = True,
     fsdp_size: int = -1,
+    mixed_precision: dict[str, str] | None = None,
 ) -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
@@ -43,6 +44,7 @@ def _config(
                         "reshard_after_forward": reshard_after_forward,
                         "grad_sync_per_micro_batch": grad_sync_per_micro_batch,
                         "fsdp_size": fsdp_size,
+                        "mixed_precision": mixed_precision or {},
                     },
                 },
             },
@@ -100,6 +102,7 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
         import torch.distributed as dist
 
         counts = worker.extensions["counts"] = {"all_gather": 0, "reduce_scatter": 0, "train_forward": 0}
+        dtypes = worker.extensions["dtypes"] = {"all_gather": set(), "reduce_scatter": set()}
 
         def count(key: str, new: str, old: str) -> None:
             # the calls FSDP2 makes: *_single in torch 2.13, *_tensor before they existed
@@ -108,6 +111,8 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
 
             def counted(*args: Any, **kwargs: Any) -> Any:
                 counts[key] += 1
+                tensor = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+                dtypes[key].add(str(tensor.dtype))  # the output buffer: the dtype on the wire
                 return collective(*args, **kwargs)
 
             setattr(dist, name, counted)  # in this rank's process only, which ends with the test
@@ -120,12 +125,13 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
 
         worker.actor.model.register_forward_hook(forward_hook)
 
-    def read(worker: Any) -> dict[str, int]:
+    def read(worker: Any) -> dict[str, Any]:
         from torch.distributed.fsdp import FSDPModule
 
         units = sum(isinstance(m, FSDPModule) for m in worker.actor.model.modules())
         mesh_dims = int(next(worker.actor.model.parameters()).device_mesh.ndim)  # 2: (replicate, shard)
-        return {**worker.extensions["counts"], "units": units, "mesh_dims": mesh_dims}
+        dtypes = {f"{k}_dtypes": sorted(v) for k, v in worker.extensions["dtypes"].items()}
+        return {**worker.extensions["counts"], **dtypes, "units": units, "mesh_dims": mesh_dims}
 
     return start, read
 
@@ -202,6 +208,9 @@ def test_two_ranks_take_the_same_step_as_one(
         f"grad_sync_per_micro_batch={grad_sync_per_micro_batch}: {counts[0]['reduce_scatter']} gradient "
         f"reduce-scatters for {units} FSDP units, {micro} micro-batches and {steps} optimizer steps"
     )
+    if counts[0]["reduce_scatter"]:  # fsdp_config.mixed_precision left at fp32: fp32 on the wire
+        assert counts[0]["reduce_scatter_dtypes"] == ["torch.float32"], counts[0]
+    assert counts[0]["all_gather_dtypes"] in ([], ["torch.float32"]), counts[0]
     assert got.keys() == expected.keys()
     moved = max(float((expected[k] - before[k]).abs().max()) for k in expected)
     assert moved > 5e-4, "the update must move the weights for the comparison to mean something"
@@ -233,6 +242,65 @@ def test_two_ranks_take_the_same_step_as_one(
     pg_atol = int(batch.response_mask.sum()) * eps
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=pg_atol), key
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("param_dtype", "reduce_dtype"),
+    [("fp32", "bf16"), pytest.param("bf16", "bf16", marks=pytest.mark.slow)],
+)
+def test_mixed_precision_moves_bf16_and_keeps_the_fp32_step(
+    tiny_model_dir: Path, ray_local: None, param_dtype: str, reduce_dtype: str
+) -> None:
+    """fsdp_config.mixed_precision: the collectives carry bf16 where asked, the master weights stay fp32,
+    and the step is one rank's fp32 step up to bf16 rounding of the gradients (and of the forward)."""
+    mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+    cfg = _config(tiny_model_dir, token_budget=32, mixed_precision=mixed)
+    batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
+    single = Actor(_config(tiny_model_dir, token_budget=32), tiny_model_dir, "cpu")
+    before = single.named_weights()
+    m1 = single.update(batch)
+    expected = single.named_weights()
+    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
+    try:
+        import anyio
+        import ray
+
+        start_counting, read_counts = _collective_counters()
+        ray.get([w.call.remote(start_counting) for w in group.workers])
+
+        async def step() -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+            metrics = await group.update.remote(batch)
+            return metrics, await group.named_weights.remote()
+
+        m2, got = anyio.run(step)
+        counts = ray.get(group.workers[0].call.remote(read_counts))
+    finally:
+        group.shutdown()
+    wire = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}
+    assert counts["reduce_scatter_dtypes"] == [wire[reduce_dtype]], counts
+    assert counts["all_gather_dtypes"] == [wire[param_dtype]], counts
+    assert all(got[k].dtype == torch.float32 for k in got), "the master weights must stay fp32"
+    lr = 1e-3  # the config's; one AdamW step from zero state moves a weight by lr * g / (|g| + eps):
+    # +-lr wherever |g| is above the rounding, so bf16 changes a step only where g's sign flips (2 * lr)
+    flipped = sum(int(((got[k] - expected[k]).abs() > lr).sum()) for k in expected)
+    moved = sum(int(((expected[k] - before[k]).abs() > lr / 2).sum()) for k in expected)
+    assert moved > 10**6, "the update must move the weights for the comparison to mean something"
+    if param_dtype == "fp32":
+        # only the reduction rounds: each rank's gradient and their sum to bf16 (2^-9 relative each), so
+        # an element's error is under 2^-8 (|g1| + |g2|) and the norm's under ~3 * 2^-9. A sign flips
+        # only where |g1 + g2| is within that of 0: 23 of 2.9M weights here; 1e-3 leaves room for
+        # another CPU's float order, and the fp32 reduce (the other tests) flips none beyond noise
+        assert flipped <= 1e-3 * moved, f"{flipped} of {moved} weights stepped the other way"
+        assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=3 * 2**-9)
+    else:
+        # the forward and backward run in bf16 too. GRPO's advantages cancel (pg_loss ~ 0), so the
+        # gradient is a small difference of large terms and its bf16 error is not small relative to it:
+        # grad_norm 15.7 vs 19.5 here and 0.9% of the weights step the other way. A wrong reduction
+        # (a rank's gradient lost or doubled) flips about half of them
+        assert flipped <= 0.05 * moved, f"{flipped} of {moved} weights stepped the other way"
+        assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=0.35)
+    assert m2["actor/entropy"] == pytest.approx(m1["actor/entropy"], rel=2**-7)  # bf16 logits at most
 
 
 @pytest.mark.e2e
@@ -373,7 +441,7 @@ def test_shard_keeps_gathered_parameters_only_when_asked(
     try:
         model = load_policy(tiny_model_dir, torch.device("cpu"))
         layers = model.model.layers
-        shard(model, layers, reshard_after_forward)
+        shard(model, layers, FSDPConfig(reshard_after_forward=reshard_after_forward))
         with torch.no_grad():
             model(input_ids=torch.tensor([[5, 6, 7]]))
         gathered = not isinstance(layers[0].self_attn.q_proj.weight, DTensor)
