@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
     ap.add_argument("--profile", default=None, help="rank 0 writes a kernel table of one update to this file")
     args = ap.parse_args()
+    args.param_dtype = "bf16" if args.bf16_params else "fp32"  # scale_bench's _config reads these two
+    args.reduce_dtype = "bf16" if args.bf16_reduce else "fp32"
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
