@@ -4,10 +4,10 @@ Durability: WAL journal with ``synchronous=FULL``; a call returns only after its
 committed, so a process killed at any moment (SIGKILL, power loss) loses no enqueue and no
 finished rollout that a caller was told about.
 
-Speed without weakening that: one connection owned by one dedicated thread. Calls queue up on
-it; the thread runs every call waiting at that moment in one transaction (a SAVEPOINT each, so
-one failing call does not undo the others), commits once and only then answers them all
-(group commit). Several processes may open the same file; writes take ``BEGIN IMMEDIATE`` and
+Speed without weakening that: one connection owned by one dedicated thread
+(agentloop/store/_sqlite_thread.py). Calls queue up on it; the thread runs every call waiting at
+that moment in one transaction (a SAVEPOINT each, so one failing call does not undo the others),
+commits once and only then answers them all (group commit). Several processes may open the same file; writes take ``BEGIN IMMEDIATE`` and
 wait up to ``busy_timeout_s`` for each other.
 
 Models are stored as JSON columns (never pickle); the FIFO queue is ordered by an
@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
 import sqlite3
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
-import structlog
 
 from agentloop.errors import AgentLoopError, InvalidRequestError, NotFoundError
 from agentloop.resources import Resources, ResourcesLike
 from agentloop.store import state
+from agentloop.store._sqlite_thread import DURABLE, READ, WRITE, ConnectionThread, Op
 from agentloop.store.base import RolloutWaiter
 from agentloop.store.sessions import SCHEMA as SESSION_SCHEMA
 from agentloop.store.state import (
@@ -56,18 +53,7 @@ from agentloop.types import (
     Span,
 )
 
-log = structlog.get_logger(__name__)
 T = TypeVar("T")
-# A call's needs: _READ (no write lock), _WRITE (commit, no fsync: survives a killed process), _DURABLE
-# (commit with fsync under synchronous=FULL: survives power loss). WAL is one ordered log, so the fsync of
-# a durable commit also makes every earlier commit durable.
-_READ, _WRITE, _DURABLE = 0, 1, 2
-Op = Callable[[sqlite3.Connection], tuple[T, list[str]]]  # returns (value, ids of rollouts that finished)
-# (op, mode, the caller's loop and its future) or (op, mode, None, a thread-safe future: SQLiteStore.submit)
-_Job = (
-    tuple[Op[Any], int, asyncio.AbstractEventLoop, asyncio.Future[Any]]
-    | tuple[Op[Any], int, None, concurrent.futures.Future[Any]]
-)
 
 _SCHEMA = (
     """
@@ -88,97 +74,6 @@ CREATE TABLE IF NOT EXISTS resources (version INTEGER PRIMARY KEY, data TEXT NOT
 """
     + SESSION_SCHEMA
 )
-
-
-class _Worker(threading.Thread):
-    """The one thread that owns the connection and runs calls in group-committed batches."""
-
-    def __init__(self, path: str, synchronous: str, busy_timeout_s: float, max_batch: int) -> None:
-        super().__init__(name=f"agentloop-sqlite:{Path(path).name}", daemon=True)
-        self.jobs: queue.SimpleQueue[_Job | None]
-        self.jobs = queue.SimpleQueue()
-        self.max_batch = max_batch
-        self.conn = sqlite3.connect(
-            path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
-        )
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute(f"PRAGMA synchronous={synchronous}")
-        self.synchronous, self.full = synchronous, synchronous == "FULL"
-        self.conn.execute("PRAGMA foreign_keys=OFF")
-        self.conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                break
-            batch = [job]
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.jobs.put(None)  # finish this batch, then stop
-                    break
-                batch.append(nxt)
-            self._run_batch(batch)
-        self.conn.close()
-
-    def _run_batch(self, batch: list[_Job]) -> None:
-        conn = self.conn
-        outcomes: list[tuple[bool, Any]] = []
-        try:
-            mode = max(m for _, m, _, _ in batch)
-            full = mode == _DURABLE and self.synchronous == "FULL"
-            if full != self.full:  # fsync only commits that hold an enqueue or a finished rollout
-                conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
-                self.full = full
-            conn.execute("BEGIN" if mode == _READ else "BEGIN IMMEDIATE")
-            for op, _, _, _ in batch:
-                conn.execute("SAVEPOINT op")
-                try:
-                    outcomes.append((True, op(conn)))
-                except Exception as exc:
-                    conn.execute("ROLLBACK TO op")
-                    outcomes.append((False, exc))
-                conn.execute("RELEASE op")
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:  # nothing of this batch was committed: every caller hears so
-            log.error("sqlite batch failed", error=str(exc), calls=len(batch))
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            err = AgentLoopError(f"SQLite store failed, nothing of this call was saved: {exc}")
-            outcomes = [(False, err)] * len(batch)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
-        for (_, _, loop, fut), (ok, value) in zip(batch, outcomes, strict=True):
-            if isinstance(fut, concurrent.futures.Future):  # from SQLiteStore.submit: answered from here
-                _settle(fut, ok, value[0] if ok else value)
-            elif loop is not None:
-                by_loop.setdefault(loop, []).append((fut, ok, value))
-        for loop, answers in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, answers)
-            except RuntimeError:  # the caller's loop is closed; nobody is waiting
-                pass
-
-
-def _deliver(answers: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
-    for fut, ok, value in answers:
-        if fut.cancelled():
-            continue
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-
-def _settle(fut: concurrent.futures.Future[Any], ok: bool, value: Any) -> None:
-    if fut.set_running_or_notify_cancel():
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
 
 
 def _one(conn: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> Any:
@@ -206,13 +101,13 @@ class SQLiteStore:
         self.path = Path(path)
         self._clock = clock
         self._poll_interval_s = poll_interval_s  # how often waiters look for other processes' writes
-        self._worker = _Worker(str(path), synchronous, busy_timeout_s, max_batch=512)
+        self._worker = ConnectionThread(str(path), _SCHEMA, synchronous, busy_timeout_s, max_batch=512)
         self._worker.start()
         self._closed = False
         self._waiters: dict[str, list[RolloutWaiter]] = {}
         self._resources_cache: Resources | None = None  # read by the worker thread only
 
-    async def _call(self, op: Op[T], mode: int = _DURABLE) -> T:
+    async def _call(self, op: Op[T], mode: int = DURABLE) -> T:
         if self._closed:
             raise AgentLoopError(f"SQLiteStore({self.path}) is closed; open a new one")
         loop = asyncio.get_running_loop()
@@ -223,7 +118,7 @@ class SQLiteStore:
             self._notify(finished)
         return value
 
-    def submit(self, op: Op[T], mode: int = _WRITE) -> concurrent.futures.Future[T]:
+    def submit(self, op: Op[T], mode: int = WRITE) -> concurrent.futures.Future[T]:
         """Queue ``op`` on the writer thread without waiting (from any thread, with or without an event
         loop); the future gets its value once its transaction committed. For writes whose caller waits
         later, such as ``SessionJournal``'s; ops that finish rollouts must go through the async calls."""
@@ -354,7 +249,7 @@ class SQLiteStore:
             )
             return attempted, finished + self._save(conn, rollout, attempt)
 
-        return await self._call(op, _WRITE)
+        return await self._call(op, WRITE)
 
     async def update_attempt(
         self,
@@ -374,7 +269,7 @@ class SQLiteStore:
             )
             return attempt, self._save(conn, rollout, attempt)
 
-        return await self._call(op, _DURABLE if parsed is not None and parsed.is_terminal else _WRITE)
+        return await self._call(op, DURABLE if parsed is not None and parsed.is_terminal else WRITE)
 
     async def add_span(self, span: Span) -> Span:
         span = parse_span(span)
@@ -391,7 +286,7 @@ class SQLiteStore:
             conn.execute("UPDATE attempts SET next_span=? WHERE attempt_id=?", (seq + 1, attempt.attempt_id))  # type: ignore[operator]
             return accepted, self._save(conn, rollout, attempt)
 
-        return await self._call(op, _WRITE)
+        return await self._call(op, WRITE)
 
     async def query_spans(
         self, rollout_id: str, attempt_id: str | Literal["latest"] = "latest"
@@ -408,24 +303,24 @@ class SQLiteStore:
             rows = conn.execute("SELECT data FROM spans WHERE attempt_id=? ORDER BY sequence_id", (aid,))
             return [Span.model_validate_json(r[0]) for r in rows], []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def get_rollout(self, rollout_id: str) -> Rollout:
-        return await self._call(lambda conn: (self._load(conn, rollout_id)[0], []), mode=_READ)
+        return await self._call(lambda conn: (self._load(conn, rollout_id)[0], []), mode=READ)
 
     async def get_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
         def op(conn: sqlite3.Connection) -> tuple[Attempt, list[str]]:
             self._load(conn, rollout_id)
             return self._load_attempt(conn, rollout_id, attempt_id)[0], []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def get_rollout_attempt(self, rollout_id: str, attempt_id: str) -> tuple[Rollout, Attempt]:
         def op(conn: sqlite3.Connection) -> tuple[tuple[Rollout, Attempt], list[str]]:
             rollout = self._load(conn, rollout_id)[0]
             return (rollout, self._load_attempt(conn, rollout_id, attempt_id)[0]), []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def list_attempts(self, rollout_id: str) -> list[Attempt]:
         def op(conn: sqlite3.Connection) -> tuple[list[Attempt], list[str]]:
@@ -435,7 +330,7 @@ class SQLiteStore:
             )
             return [Attempt.model_validate_json(r[0]) for r in rows], []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def list_rollouts(self, status: list[str] | None = None, limit: int | None = None) -> list[Rollout]:
         wanted, limit = parse_statuses(status), parse_limit(limit)
@@ -449,7 +344,7 @@ class SQLiteStore:
         def op(conn: sqlite3.Connection) -> tuple[list[Rollout], list[str]]:
             return [Rollout.model_validate_json(r[0]) for r in conn.execute(sql, args)], []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
         def op(conn: sqlite3.Connection) -> tuple[Rollout, list[str]]:
@@ -482,7 +377,7 @@ class SQLiteStore:
             self._waiters.setdefault(rid, []).append(waiter)
         try:
             deadline = time.monotonic() + timeout
-            done = await self._call(self._finished_op(ids, watchdog=False), mode=_READ)
+            done = await self._call(self._finished_op(ids, watchdog=False), mode=READ)
             waiter.pending.difference_update(r.rollout_id for r in done)
             while waiter.pending:
                 remaining = deadline - time.monotonic()
@@ -502,7 +397,7 @@ class SQLiteStore:
                         del self._waiters[rid]
         if len(done) == len(ids) or timeout == 0:
             return done
-        return await self._call(self._finished_op(ids, watchdog=False), mode=_READ)
+        return await self._call(self._finished_op(ids, watchdog=False), mode=READ)
 
     async def check_timeouts(self) -> list[Attempt]:
         return await self._call(self._watchdog)
@@ -525,7 +420,7 @@ class SQLiteStore:
             latest = self._latest_resources(conn)
             return (latest.model_copy(deep=True) if latest is not None else None), []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def get_resources(self, version: int) -> Resources:
         version = parse_version(version)
@@ -536,7 +431,7 @@ class SQLiteStore:
                 raise NotFoundError(f"resources version {version} not found")
             return Resources.model_validate_json(row[0]), []
 
-        return await self._call(op, mode=_READ)
+        return await self._call(op, mode=READ)
 
     async def close(self) -> None:
         """Finish the queued calls, close the connection and stop the thread."""

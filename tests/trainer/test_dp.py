@@ -141,9 +141,10 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
     ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size", "world"),
     [
         (True, True, -1, 2),
-        (False, False, -1, 2),
         (False, False, 1, 2),
-        # one option flipped at a time: .ci/run's slow tests (make test holds both flipped together)
+        # the rest are .ci/run's slow tests (make test holds both options flipped, replicated): both
+        # flipped with full sharding, then one at a time
+        pytest.param(False, False, -1, 2, marks=pytest.mark.slow),
         pytest.param(True, False, -1, 2, marks=pytest.mark.slow),
         pytest.param(False, True, -1, 2, marks=pytest.mark.slow),
         # HSDP: sharded within 2 groups of 2 ranks, reduce-scatter then all-reduce
@@ -306,7 +307,11 @@ def test_mixed_precision_moves_bf16_and_keeps_the_fp32_step(
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("grad_sync_per_micro_batch", "fsdp_size"),
-    [(True, -1), (False, -1), pytest.param(False, 1, marks=pytest.mark.slow)],
+    [
+        (True, -1),
+        pytest.param(False, -1, marks=pytest.mark.slow),
+        pytest.param(False, 1, marks=pytest.mark.slow),
+    ],
 )
 def test_two_ranks_train_the_critic_as_one(
     tiny_model_dir: Path, ray_local: None, grad_sync_per_micro_batch: bool, fsdp_size: int
