@@ -104,3 +104,13 @@ def attempt_row_weights(mask: torch.Tensor, attempt_index: torch.Tensor) -> torc
     tokens = torch.zeros(m.shape[0], device=m.device).index_add_(0, inv, m.sum(-1).float())  # per attempt
     attempts = (tokens > 0).sum().clamp(min=1)
     return torch.where(tokens[inv] > 0, 1.0 / (tokens[inv].clamp(min=1) * attempts), 0.0)
+
+
+def loss_denominator(mask: torch.Tensor, agg: str) -> float:
+    """What agg_loss divides a micro-batch's loss by (tokens or sequences with a token); 1 for
+    attempt-mean-token-mean, whose row weights already hold the whole mini-batch's denominator."""
+    if agg == "attempt-mean-token-mean":
+        return 1.0
+    if agg == "token-mean":
+        return max(float(mask.sum()), 1.0)
+    return max(float((mask.sum(-1) > 0).sum()), 1.0)

@@ -13,8 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
-from trainer.actor import _micro_batches
-from trainer.batch import Batch
+from trainer.batch import Batch, micro_batches_with_rows
 
 
 def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -45,7 +44,7 @@ def rank_micro_batches(
     mine: list[tuple[Batch, torch.Tensor]] = []
     if rows:
         index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
-        mine = [(mb, index[r]) for mb, r in _micro_batches(batch.select(rows), budget)]
+        mine = [(mb, index[r]) for mb, r in micro_batches_with_rows(batch.select(rows), budget)]
     count = torch.tensor([len(mine)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if int(count) > len(mine) and len(batch):

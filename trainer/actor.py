@@ -29,6 +29,7 @@ import structlog
 import torch
 from torch import nn
 
+from trainer._lora import merged_lora_weights, wrap_lora
 from trainer.advantages import attempt_gae, batch_advantages, loss_mask
 from trainer.algorithms import (
     agg_loss,
@@ -37,9 +38,10 @@ from trainer.algorithms import (
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
+    loss_denominator,
     masked_mean,
 )
-from trainer.batch import Batch, split_by_groups, split_by_token_budget
+from trainer.batch import Batch, micro_batches_with_rows, split_by_groups
 from trainer.compiled import compile_layers, enabled, model_inputs, warm_up
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
@@ -89,7 +91,7 @@ class Actor:
         if arr.model.enable_gradient_checkpointing:
             cast("PreTrainedModel", self.model).gradient_checkpointing_enable()
         if arr.model.lora_rank > 0:
-            self.model = _wrap_lora(self.model, config)
+            self.model = wrap_lora(self.model, config)
         # torch.compile (inductor, CUDA only): each decoder layer and the LM-head statistics (head.py)
         self.compiled = enabled(arr.actor.use_torch_compile, self.device)
         self.fused_head = head_shortcut_is_exact(self.model, self.device)
@@ -214,7 +216,7 @@ class Actor:
         """The token-budget micro-batches this process runs, each with the row indices (into ``batch``)
         it holds; for log-probs and for the update (trainer/dp.py: this rank's share, padded)."""
         budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        return _micro_batches(batch, budget, self.shared_prompts)
+        return micro_batches_with_rows(batch, budget, self.shared_prompts)
 
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         """The (B, R) log-probs of every row, from ``out`` holding the rows this process computed."""
@@ -323,7 +325,7 @@ class Actor:
         agg = actor.loss_agg_mode
         pg_agg = "seq-mean-token-mean" if actor.policy_loss == "gspo" else agg  # gspo fixes its own
         # one denominator for the whole mini-batch so accumulated micro-batches equal one big batch
-        denom, pg_denom = _local_count(mask_all, agg), _local_count(mask_all, pg_agg)
+        denom, pg_denom = loss_denominator(mask_all, agg), loss_denominator(mask_all, pg_agg)
         if agg == "attempt-mean-token-mean":  # per-row weights over the whole mini-batch's attempts
             mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
         self.optimizer.zero_grad(set_to_none=True)
@@ -361,7 +363,7 @@ class Actor:
                 )
                 share = float(m.sum()) / active_tokens  # this micro-batch's share of the active tokens
                 # re-aggregate the policy loss against the mini-batch denominator
-                policy_loss = pl.loss * _local_count(m, pg_agg) / pg_denom
+                policy_loss = pl.loss * loss_denominator(m, pg_agg) / pg_denom
                 entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom, row_weights=row_weights)  # type: ignore[arg-type]
                 loss = policy_loss - actor.entropy_coeff * entropy
                 if actor.use_kl_loss:
@@ -412,7 +414,7 @@ class Actor:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the base model's names (LoRA merged), detached, on CPU."""
         if self.config.actor_rollout_ref.model.lora_rank > 0:
-            return _merged_lora_weights(self.model)
+            return merged_lora_weights(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def state(self) -> dict[str, Any]:
@@ -463,81 +465,3 @@ def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
     if bool(keep.all()):
         return mini
     return mini.select(keep.nonzero().flatten())
-
-
-def _local_count(mask: torch.Tensor, agg: str) -> float:
-    """What agg_loss divided this micro-batch's loss by (tokens or sequences with a token); 1 for
-    attempt-mean-token-mean, whose row weights already hold the whole mini-batch's denominator."""
-    if agg == "attempt-mean-token-mean":
-        return 1.0
-    if agg == "token-mean":
-        return max(float(mask.sum()), 1.0)
-    return max(float((mask.sum(-1) > 0).sum()), 1.0)
-
-
-def _micro_batches(
-    batch: Batch, budget: int, shared_prompts: bool = False
-) -> list[tuple[Batch, torch.Tensor]]:
-    """Token-budget micro-batches of ``batch`` with the row indices (into batch) each one holds."""
-    batch.extras["row"] = torch.arange(len(batch), device=batch.input_ids.device)  # (B,)
-    split = split_by_token_budget(batch, budget, padded=True, shared_prompts=shared_prompts)
-    return [(mb, mb.extras["row"]) for mb in split]
-
-
-def _wrap_lora(model: nn.Module, config: TrainerConfig) -> nn.Module:
-    """``model`` with LoRA adapters (peft): only the adapters train; the base weights stay frozen.
-
-    With gradient checkpointing on, peft makes the (frozen) embeddings' output require grad itself,
-    so the adapters inside checkpointed layers get gradients."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as exc:
-        raise ImportError(
-            "actor_rollout_ref.model.lora_rank > 0 needs peft: `pip install peft` (or lora_rank=0)"
-        ) from exc
-    m = config.actor_rollout_ref.model
-    lora = LoraConfig(
-        r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=m.target_modules, task_type="CAUSAL_LM"
-    )
-    try:
-        return get_peft_model(model, lora)  # type: ignore[arg-type]
-    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
-        linear = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, nn.Linear)})
-        raise ValueError(
-            f"actor_rollout_ref.model.target_modules={m.target_modules!r} does not fit this model ({exc}); "
-            f"use 'all-linear' or a list of its linear layers' names: {linear}"
-        ) from None
-
-
-@torch.no_grad()
-def _merged_lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state dict (its own names and shapes) with each LoRA delta added, on CPU.
-
-    What ``merge_and_unload`` would give, without copying the model or touching its base weights:
-    each adapted ``<name>.base_layer.weight`` becomes ``<name>.weight`` plus B @ A * scale.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()  # type: ignore[operator]
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if not isinstance(module, LoraLayer) or module.merged or module.disable_adapters:
-            continue  # merged: the delta is already in the base weight; disabled: it does not apply
-        active = [a for a in module.active_adapters if a in module.lora_A]
-        if active and (
-            not hasattr(module, "get_delta_weight") or any(module.use_dora.get(a) for a in active)
-        ):
-            raise NotImplementedError(f"merging the LoRA adapter of {name} ({type(module).__name__})")
-        for adapter in active:
-            delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]  # (out, in) like the weight
-            key = f"{name}.weight"
-            deltas[key] = deltas[key] + delta if key in deltas else delta
-    out: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict().items():
-        parts = key.split(".")
-        if any(p.startswith("lora_") for p in parts):
-            continue  # adapter tensors (lora_A, lora_B, lora_magnitude_vector, ...)
-        name = ".".join(p for p in parts if p != "base_layer")
-        merged = value + deltas[name].to(value.dtype) if name in deltas else value
-        out[name] = merged.detach().to("cpu", copy=True)
-    return out

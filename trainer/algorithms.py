@@ -45,6 +45,7 @@ from trainer._masked import (
     LossAggMode,
     agg_loss,
     attempt_row_weights,
+    loss_denominator,
     masked_mean,
     masked_whiten,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "known_adv_estimators",
     "known_policy_losses",
     "logprobs_from_logits",
+    "loss_denominator",
     "masked_mean",
     "masked_whiten",
     "pg",

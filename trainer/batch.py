@@ -499,3 +499,12 @@ def split_by_groups(batch: Batch, groups_per_mini_batch: int) -> list[Batch]:
     for s in range(0, len(order), groups_per_mini_batch):
         out.append(batch.select([i for g in order[s : s + groups_per_mini_batch] for i in rows_of[g]]))
     return out
+
+
+def micro_batches_with_rows(
+    batch: Batch, budget: int, shared_prompts: bool = False
+) -> list[tuple[Batch, torch.Tensor]]:
+    """Token-budget micro-batches of ``batch`` with the row indices (into batch) each one holds."""
+    batch.extras["row"] = torch.arange(len(batch), device=batch.input_ids.device)  # (B,)
+    split = split_by_token_budget(batch, budget, padded=True, shared_prompts=shared_prompts)
+    return [(mb, mb.extras["row"]) for mb in split]

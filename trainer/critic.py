@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from trainer import compiled
-from trainer.algorithms import explained_variance, masked_mean, value_loss
-from trainer.batch import Batch, split_by_groups
+from trainer.algorithms import explained_variance, loss_denominator, masked_mean, value_loss
+from trainer.batch import Batch, micro_batches_with_rows, split_by_groups
 from trainer.config import TrainerConfig
 from trainer.hidden import shared_prompt_hidden
 
@@ -137,9 +137,7 @@ class Critic:
 
     def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
         """The token-budget micro-batches this process runs, with their rows (trainer/dp.py overrides)."""
-        from trainer.actor import _micro_batches
-
-        return _micro_batches(batch, self.token_budget, self.shared_prompts)
+        return micro_batches_with_rows(batch, self.token_budget, self.shared_prompts)
 
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         return out
@@ -198,12 +196,10 @@ class Critic:
         return metrics
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
-        from trainer.actor import _local_count
-
         cc = self.config.critic
         agg = cc.loss_agg_mode
         mask_all = mini.response_mask.bool()  # (b, R)
-        denom = _local_count(mask_all, agg)
+        denom = loss_denominator(mask_all, agg)
         if agg == "attempt-mean-token-mean":
             from trainer.algorithms import attempt_row_weights
 

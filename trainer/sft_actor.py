@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from trainer.actor import Actor, _local_count
-from trainer.algorithms import agg_loss, attempt_row_weights
+from trainer.actor import Actor
+from trainer.algorithms import agg_loss, attempt_row_weights, loss_denominator
 from trainer.batch import Batch
 
 
@@ -22,7 +22,7 @@ class SFTActor(Actor):
         batch = batch.to(self.device)
         mask = batch.response_mask.bool()  # (B, R)
         agg = actor.loss_agg_mode
-        denom = _local_count(mask, agg)  # one denominator for the batch: micro-batches add up to it
+        denom = loss_denominator(mask, agg)  # one denominator for the batch: micro-batches add up to it
         if agg == "attempt-mean-token-mean":
             batch.extras["row_weights"] = attempt_row_weights(mask, batch.row_attempts())
         self.model.train()
