@@ -58,43 +58,59 @@ class OptimConfig(_Section):
 _CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high")
 
 
-_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+# verl's names (verl.utils.torch_dtypes.PrecisionType) for the two dtypes FSDP2 runs here
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _dtype_name(v: Any, allowed: tuple[str, ...]) -> str:
+    name = _DTYPE_NAMES.get(str(v).lower()) if isinstance(v, str | int) and not isinstance(v, bool) else None
+    if name is not None and name in allowed:
+        return name
+    aliases = ", ".join(k for k, n in _DTYPE_NAMES.items() if n in allowed and k not in allowed)
+    expected = f"{' or '.join(allowed)} (verl's names {aliases} too)"
+    why = ""
+    if str(v).lower() in ("fp16", "float16", "16"):
+        why = "; fp16 is not supported: it needs loss scaling"
+    elif len(allowed) == 1:
+        why = "; FSDP2 has no buffer cast, so buffers keep their own float32"
+    raise ValueError(f"must be {expected}; got {v!r}{why}")
 
 
 class MixedPrecisionConfig(_Section):
     """The dtypes FSDP2 gathers parameters and reduces gradients in (verl's fsdp_config.mixed_precision;
     verl defaults param_dtype to bf16, we keep fp32 so that one rank and N ranks take the same step).
-    The master weights, gradients and AdamW state stay float32 either way."""
+    The master weights and AdamW state stay float32 either way; so do the gradients the optimizer
+    reads. Only with several ranks: one process (the plain Actor) has no FSDP2 and ignores the keys."""
 
     param_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="fp32 or bf16: the dtype each layer's parameters are all-gathered and run in. bf16 "
-        "halves the all-gathers' bytes and runs every op of the layer (norms too) in bf16, where CUDA "
-        "autocast keeps norms in fp32: a small change of the numerics.",
+        "halves the all-gathers' bytes and runs the layers with bf16 weights (HF's RMSNorm still takes "
+        "its statistics in fp32), where CUDA autocast keeps fp32 weights outside the matmuls: a small "
+        "change of the numerics.",
     )
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="fp32 or bf16: the dtype gradients cross the ranks in (reduce-scatter, all-reduce). "
-        "bf16 halves those bytes and rounds each rank's gradient and their sum to 8 bits of mantissa "
-        "before the fp32 optimizer step.",
+        "bf16 halves those bytes and rounds each rank's gradient, and the partial sums on the way, to "
+        "8 significant bits before the fp32 optimizer step. With grad_sync_per_micro_batch=false FSDP2 "
+        "also keeps the unsynced gradient in bf16, so the micro-batches add up in bf16 too.",
     )
-
     buffer_dtype: Literal["fp32"] = Field(
         default="fp32",
         description="verl's key, read for its configs: buffers (the rotary frequencies) stay float32; "
         "FSDP2 has no buffer cast, so only fp32 is accepted.",
     )
 
-    @field_validator("param_dtype", "reduce_dtype", "buffer_dtype", mode="before")
+    @field_validator("param_dtype", "reduce_dtype", mode="before")
     @classmethod
-    def _dtype(cls, v: Any) -> Any:
-        name = _DTYPE_NAMES.get(str(v).lower()) if isinstance(v, str) else None
-        if name is None:
-            raise ValueError(
-                f"must be fp32 or bf16 (also float32, bfloat16); got {v!r} (fp16 is not supported: "
-                "it needs loss scaling)"
-            )
-        return name
+    def _dtype(cls, v: Any) -> str:
+        return _dtype_name(v, ("fp32", "bf16"))
+
+    @field_validator("buffer_dtype", mode="before")
+    @classmethod
+    def _buffer_dtype(cls, v: Any) -> str:
+        return _dtype_name(v, ("fp32",))
 
 
 class FSDPConfig(_Section):
@@ -111,7 +127,8 @@ class FSDPConfig(_Section):
         description="Reduce-scatter the gradients after every micro-batch's backward; False accumulates "
         "them unsharded on each rank and reduce-scatters once per optimizer step (in the mini-batch's last "
         "backward): one reduce-scatter per layer and mini-batch instead of one per micro-batch, at the "
-        "memory of a full-size fp32 gradient of the model on every rank. The same step either way.",
+        "memory of a full-size gradient of the model on every rank (fp32; bf16 with "
+        "mixed_precision.reduce_dtype=bf16). The same step either way.",
     )
     fsdp_size: int = Field(
         default=-1,
@@ -125,6 +142,11 @@ class FSDPConfig(_Section):
         default_factory=MixedPrecisionConfig,
         description="Dtypes of the parameter all-gathers and the gradient reductions (fp32 or bf16).",
     )
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _null_mixed_precision(cls, v: Any) -> Any:
+        return {} if v is None else v  # verl writes mixed_precision: null for "the defaults"
 
     @field_validator("fsdp_size")
     @classmethod

@@ -7,8 +7,8 @@ finished rollout that a caller was told about.
 Speed without weakening that: one connection owned by one dedicated thread
 (agentloop/store/_sqlite_thread.py). Calls queue up on it; the thread runs every call waiting at
 that moment in one transaction (a SAVEPOINT each, so one failing call does not undo the others),
-commits once and only then answers them all (group commit). Several processes may open the same file; writes take ``BEGIN IMMEDIATE`` and
-wait up to ``busy_timeout_s`` for each other.
+commits once and only then answers them all (group commit). Several processes may open the same
+file; writes take ``BEGIN IMMEDIATE`` and wait up to ``busy_timeout_s`` for each other.
 
 Models are stored as JSON columns (never pickle); the FIFO queue is ordered by an
 AUTOINCREMENT position, so a requeued rollout goes to the back.

@@ -1,10 +1,10 @@
 """How fast the ranks' collectives are on their own, with no compute beside them (a diagnostic).
 
-    torchrun --nproc_per_node 4 benchmarks/gpu/nccl_probe.py [--mib 64 544 1976]
+    torchrun --nproc_per_node 4 benchmarks/gpu/nccl_probe.py [--mib 64 519 1884]
 
 Times all-reduce (fsdp_size=1's gradient sync), reduce-scatter and all-gather of fp32 and bf16 tensors of
-each size (default: a Qwen2-0.5B layer's fp32 gradient, its tied embedding's, the whole model's), the
-median of 5 after 2 warm-ups. Rank 0 prints one JSON line: per collective, dtype and size, seconds and
+each size in MiB of fp32 (default: about a Qwen2-0.5B layer's fp32 gradient, its tied embedding's, the
+whole model's), the median of 5 after 2 warm-ups. Rank 0 prints one JSON line: per collective, dtype and size, seconds and
 bus bandwidth (NCCL's busbw: algbw x 2(n-1)/n for all-reduce, x (n-1)/n for the others), so the time an
 update's collectives cost when they are not hidden can be read against the update's phases.
 """
@@ -40,7 +40,7 @@ def _timed(fn: Callable[[], object], reps: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=float, nargs="+", default=[64, 544, 1976], help="fp32 sizes in MiB")
+    ap.add_argument("--mib", type=float, nargs="+", default=[64, 519, 1884], help="fp32 sizes in MiB")
     args = ap.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
