@@ -145,6 +145,29 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
     return start, read
 
 
+def _counted_step(
+    cfg: TrainerConfig, model_dir: Path, batch: Any, world: int
+) -> tuple[dict[str, float], dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """One update of ``batch`` by ``world`` gloo ranks with ``_collective_counters`` on: the metrics, the
+    weights after it and each rank's counts."""
+    import anyio
+    import ray
+
+    group = DataParallelGroup.create(cfg, str(model_dir), "cpu", world_size=world)
+    try:
+        start_counting, read_counts = _collective_counters()
+        ray.get([w.call.remote(start_counting) for w in group.workers])
+
+        async def step() -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+            metrics = await group.update.remote(batch)
+            return metrics, await group.named_weights.remote()
+
+        metrics, weights = anyio.run(step)
+        return metrics, weights, ray.get([w.call.remote(read_counts) for w in group.workers])
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size", "world"),
@@ -186,23 +209,7 @@ def test_two_ranks_take_the_same_step_as_one(
     before = single.named_weights()
     m1 = single.update(batch)
     expected = single.named_weights()
-
-    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=world)
-    try:
-        import anyio
-        import ray
-
-        start_counting, read_counts = _collective_counters()
-        ray.get([w.call.remote(start_counting) for w in group.workers])
-
-        async def step() -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-            metrics = await group.update.remote(batch)
-            return metrics, await group.named_weights.remote()
-
-        m2, got = anyio.run(step)
-        counts = ray.get([w.call.remote(read_counts) for w in group.workers])
-    finally:
-        group.shutdown()
+    m2, got, counts = _counted_step(cfg, tiny_model_dir, batch, world)
     # every rank issues the same collectives (padded micro-batch counts), or the group would hang
     assert all(c == counts[0] for c in counts), counts
     steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
@@ -288,22 +295,8 @@ def test_mixed_precision_moves_bf16_and_keeps_the_fp32_step(
     before = single.named_weights()
     m1 = single.update(batch)
     expected = single.named_weights()
-    group = DataParallelGroup.create(cfg, str(tiny_model_dir), "cpu", world_size=2)
-    try:
-        import anyio
-        import ray
-
-        start_counting, read_counts = _collective_counters()
-        ray.get([w.call.remote(start_counting) for w in group.workers])
-
-        async def step() -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-            metrics = await group.update.remote(batch)
-            return metrics, await group.named_weights.remote()
-
-        m2, got = anyio.run(step)
-        counts = ray.get(group.workers[0].call.remote(read_counts))
-    finally:
-        group.shutdown()
+    m2, got, per_rank = _counted_step(cfg, tiny_model_dir, batch, world=2)
+    counts = per_rank[0]
     wire = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}
     if fsdp_size == 1:  # no parameter all-gather, no reduce-scatter: the gradients are all-reduced
         assert counts["all_gather"] == counts["reduce_scatter"] == 0, counts
