@@ -109,6 +109,57 @@ def _fsdp_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals given in microseconds."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e6
+
+
+def profiled_update(actor: Any, batch: Any, table_rows: int = 12) -> dict[str, Any]:
+    """One ``actor.update(batch)`` under torch.profiler (every rank must call it): its wall time, the
+    GPU's busy time (the union of its kernels' intervals; wall minus busy is time the GPU waited on the
+    CPU or on other ranks), the busy time of compute and of NCCL kernels, and the kernel table
+    (``table``: the top ``table_rows`` by device time)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    if dist.is_initialized():
+        dist.barrier()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        actor.update(batch)
+        sync()
+        wall = time.perf_counter() - t0
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) == cuda]
+
+    def busy(nccl: bool | None) -> float:
+        chosen = [e for e in kernels if nccl is None or ("nccl" in e.name.lower()) == nccl]
+        return round(_busy_seconds([(e.time_range.start, e.time_range.end) for e in chosen]), 4)
+
+    return {
+        "wall_s": round(wall, 4),
+        "gpu_busy_s": busy(None),
+        "compute_busy_s": busy(False),
+        "nccl_busy_s": busy(True),
+        "kernels": len(kernels),
+        "table": prof.key_averages().table(sort_by="self_device_time_total", row_limit=table_rows),
+    }
+
+
+def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
+    """``profiled_update`` in a DPWorker rank (through ``worker.call``)."""
+    return profiled_update(worker._ready(), batch)
+
+
 async def _train_tokens_per_s(
     model: str, world: int, args: argparse.Namespace, share: float
 ) -> dict[str, float]:
@@ -119,6 +170,7 @@ async def _train_tokens_per_s(
     group = DataParallelGroup.create(
         _config(model, args.batch, args), model, args.device, world, actor_options=lambda r: opts
     )
+    profiles = None
     try:
         await group.update.remote(batch)  # warm-up (allocations, kernels)
         times = []
@@ -126,11 +178,17 @@ async def _train_tokens_per_s(
             t0 = time.perf_counter()
             await group.update.remote(batch)
             times.append(time.perf_counter() - t0)
+        if args.profile_trainer:  # after the timed updates: one more, profiled on every rank
+            profiles = await asyncio.gather(*[w.call.remote(_profile_rank, batch) for w in group.workers])
     finally:
         group.shutdown()
     tokens = int(batch.attention_mask.sum())
     best = statistics.median(times)
-    return {"tokens_per_update": tokens, "update_s": best, "tokens_per_s": tokens / best}
+    out: dict[str, Any] = {"tokens_per_update": tokens, "update_s": best, "tokens_per_s": tokens / best}
+    out["update_s_all"] = times
+    if profiles is not None:
+        out["profiled_update_by_rank"] = profiles
+    return out
 
 
 async def _rollout_tokens_per_s(
@@ -145,26 +203,38 @@ async def _rollout_tokens_per_s(
     sampling = SamplingParams(temperature=1.0, max_tokens=args.gen_tokens, ignore_eos=True, seed=0)
     try:
 
-        async def wave(tag: str) -> tuple[int, float]:
+        async def wave(tag: str) -> tuple[int, float, dict[str, Any]]:
             prompts = [[rng.randrange(3, 30000) for _ in range(64)] for _ in range(args.requests)]
+            before = await pool.replica_stats()
+            done_at: list[float] = [0.0] * replicas  # when each replica's last result reached the driver
+
+            async def one(i: int, prompt: list[int]) -> int:
+                rid = f"{tag}-{i}/attempt/req-0"
+                out = await pool.generate(prompt, sampling, request_id=rid)
+                idx = pool.pick(rid)  # the attempt's sticky replica
+                done_at[idx] = max(done_at[idx], time.perf_counter() - t0)
+                return len(out.token_ids)
+
             t0 = time.perf_counter()
-            outs = await asyncio.gather(
-                *[
-                    pool.generate(p, sampling, request_id=f"{tag}-{i}/attempt/req-0")
-                    for i, p in enumerate(prompts)
-                ]
-            )
-            return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
+            counts = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+            wall = time.perf_counter() - t0
+            after = await pool.replica_stats()
+            engine = {  # per replica: its engine's own step time in this wave, against the wall time
+                k: [round(a[k] - b[k], 4) for a, b in zip(after, before, strict=True)]
+                for k in ("step_s", "prefill_s", "decode_s", "decode_steps")
+            }
+            return sum(counts), wall, {"replica_done_s": [round(d, 4) for d in done_at], **engine}
 
         await wave("warm")  # CUDA-graph captures, allocator
         waves = [await wave(f"timed{i}") for i in range(args.reps)]
-        rates = [tokens / wall for tokens, wall in waves]
+        rates = [tokens / wall for tokens, wall, _ in waves]
         return {
             "generated_tokens": waves[0][0],
-            "wall_s": statistics.median(w for _, w in waves),
+            "wall_s": statistics.median(w for _, w, _ in waves),
             "tokens_per_s": statistics.median(rates),
             "tokens_per_s_waves": rates,
             "routed": pool.stats()["routed"],
+            "waves": [detail for _, _, detail in waves],
         }
     finally:
         await pool.stop()
@@ -347,6 +417,11 @@ async def main() -> None:
     )
     ap.add_argument(
         "--no-split-sync", action="store_true", help="skip the weight sync into replicas on GPUs of their own"
+    )
+    ap.add_argument(
+        "--profile-trainer",
+        action="store_true",
+        help="after the timed updates, one more under torch.profiler on every rank (GPU busy vs wall)",
     )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
     ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")

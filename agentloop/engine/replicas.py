@@ -81,10 +81,11 @@ class EngineReplica:
 
     async def generate_many(
         self, requests: list[tuple[list[int], SamplingParams, str]]
-    ) -> AsyncIterator[tuple[str, TokenOutput | Exception]]:
+    ) -> AsyncIterator[list[tuple[str, TokenOutput | Exception]]]:
         """Run ``requests`` (prompt ids, sampling, request id) at once and yield ``(request_id, output
-        or error)`` as each finishes: a Ray streaming generator, so a burst of requests costs one actor
-        call instead of one each. Closing the stream aborts what is still running."""
+        or error)`` pairs as they finish, those done together in one list: a Ray streaming generator,
+        so a burst of requests costs one actor call and a batch finishing in one engine step one
+        streamed item, not one each. Closing the stream aborts what is still running."""
         self.requests += len(requests)
 
         async def one(prompt: list[int], sampling: SamplingParams, rid: str) -> tuple[str, Any]:
@@ -93,12 +94,13 @@ class EngineReplica:
             except Exception as exc:
                 return rid, exc
 
-        tasks = [asyncio.ensure_future(one(*r)) for r in requests]
+        running = {asyncio.ensure_future(one(*r)) for r in requests}
         try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
+            while running:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                yield [t.result() for t in done]
         finally:
-            for t in tasks:
+            for t in running:
                 t.cancel()
 
     async def abort(self, request_id: str) -> bool:
@@ -269,14 +271,14 @@ class EngineReplicaPool:
         error: Exception | None = None
         try:
             async for ref in stream:
-                rid, out = await ref
-                waiter = self._waiters.get(rid)
-                if waiter is None or waiter.done():
-                    continue
-                if isinstance(out, Exception):
-                    waiter.set_exception(out)
-                else:
-                    waiter.set_result(out)
+                for rid, out in await ref:
+                    waiter = self._waiters.get(rid)
+                    if waiter is None or waiter.done():
+                        continue
+                    if isinstance(out, Exception):
+                        waiter.set_exception(out)
+                    else:
+                        waiter.set_result(out)
         except Exception as exc:  # the replica died or the stream broke
             error = exc
         for rid in rids:

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from scale_bench import _batch, _config  # noqa: E402
+from scale_bench import _batch, _config, profiled_update  # noqa: E402
 
 from benchmarks.gpu.random_model import build_random_model  # noqa: E402
 from trainer.dp import ShardedActor  # noqa: E402
@@ -113,29 +113,6 @@ def _count_collectives(counts: dict[str, int]) -> Callable[[], None]:
     return restore
 
 
-def _profile(actor: ShardedActor, batch: Any, out: str | None) -> None:
-    """One update under torch.profiler; rank 0 writes its kernels by CUDA time, with the update's wall
-    time and the summed kernel time of the compute kernels and of NCCL's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        actor.update(batch)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    if out is None:
-        return
-    cuda = torch.autograd.DeviceType.CUDA
-    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == cuda]
-    nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
-    compute = sum(e.self_device_time_total for e in kernels if "nccl" not in e.key.lower()) / 1e6
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
-    with open(out, "w") as f:
-        f.write(f"wall_s {wall:.4f} compute_kernels_s {compute:.4f} nccl_kernels_s {nccl:.4f}\n{table}\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=128)
@@ -157,7 +134,11 @@ def main() -> None:
         "--fsdp-size", type=int, default=-1, help="fsdp_config.fsdp_size (1: replicated, no all-gathers)"
     )
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
-    ap.add_argument("--profile", default=None, help="rank 0 writes a kernel table of one update to this file")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="one update under torch.profiler; rank r writes its kernel table to PROFILE.rankr",
+    )
     args = ap.parse_args()
     args.param_dtype = "bf16" if args.bf16_params else "fp32"  # scale_bench's _config reads these two
     args.reduce_dtype = "bf16" if args.bf16_reduce else "fp32"
@@ -183,8 +164,10 @@ def main() -> None:
         torch.cuda.synchronize()
         plain.append(time.perf_counter() - t0)
 
+    profiled = None
     if args.profile:
-        _profile(actor, batch, args.profile if rank == 0 else None)
+        profiled = profiled_update(actor, batch, table_rows=40)
+        Path(f"{args.profile}.rank{rank}").write_text(profiled.pop("table") + "\n")
 
     timer = PhaseTimer()
     actor._old_logprobs = timer.wrap("old_logprobs", actor._old_logprobs)  # type: ignore[method-assign]
@@ -228,6 +211,7 @@ def main() -> None:
         "phase_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         "phase_calls": timer.calls,
         "optimizer_steps": int(metrics["actor/optimizer_steps"]),
+        "profiled_update": profiled,
         "collective_calls": collectives,  # in the timed update, by torch.distributed function
         "forward_shapes_rows_width_tokens": timer.shapes,
         "note": "forward includes the old-logprob forwards (also inside old_logprobs)",

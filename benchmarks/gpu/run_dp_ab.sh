@@ -11,6 +11,9 @@
 #   | the same + --no-reshard | HSDP, 2 groups of 2 (--fsdp-size 2) with --no-reshard --grad-sync-per-mini-batch.
 # DP_AB_SET=mixed_precision: 1 rank; 4 ranks replicated (--fsdp-size 1 --no-reshard --grad-sync-per-mini-batch)
 #   with fp32 | bf16 gradient all-reduces (--bf16-reduce); FSDP with bf16 all-gathers and reduce-scatters.
+# DP_AB_SET=profile: 1 rank; 4 ranks replicated (--fsdp-size 1 --no-reshard --grad-sync-per-mini-batch), each
+#   with one more update under torch.profiler (every rank's GPU busy time against the update's wall time;
+#   kernel tables kernels_world{1,4}.rank{r} under $OUT).
 # DP_COMPILE=1 keeps torch.compile on (the trainer's default; each leg then compiles first).
 # About 3-4 minutes (a leg: ~30 s of start-up and model load, then 5 updates); a leg that would start after
 # DP_AB_BUDGET_S (default 290) seconds is skipped and named in summary.txt.
@@ -75,6 +78,10 @@ elif [ "${DP_AB_SET:-}" = mixed_precision ]; then
   leg world4_replicated 4 130 -- "${ONE[@]}"
   leg world4_replicated_bf16_reduce 4 130 -- "${ONE[@]}" --bf16-reduce
   leg world4_fsdp_bf16_params_reduce 4 130 -- --no-reshard --grad-sync-per-mini-batch --bf16-params --bf16-reduce
+elif [ "${DP_AB_SET:-}" = profile ]; then  # with DP_COMPILE=1: scale_bench's trainer, one update profiled
+  ONE=(--no-reshard --grad-sync-per-mini-batch --fsdp-size 1)
+  leg world1 1 170 -- --profile "$OUT/kernels_world1"
+  leg world4_replicated 4 130 -- "${ONE[@]}" --profile "$OUT/kernels_world4"
 else
   BEST=(--no-reshard --bf16-params --grad-sync-per-mini-batch)
   leg world1 1 110 --
@@ -112,6 +119,9 @@ for name, ranks in legs.items():
     speedup = f"{base / med:.3f}" if base and med else "-"
     print(f"{name:40s} {r0['world']:5d} {med:9.4f} {slowest:8.4f} {speedup:>8s}  {r0.get('collective_calls')}")
     print(f"{'':40s} phases {r0['phase_s']} steps {r0.get('optimizer_steps')} env {r0['options']['env']}")
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        if r.get("profiled_update"):
+            print(f"{'':40s} rank {r['rank']} profiled {r['profiled_update']}")
 EOF
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
