@@ -122,8 +122,8 @@ def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
 def profiled_update(actor: Any, batch: Any, table_rows: int = 12) -> dict[str, Any]:
     """One ``actor.update(batch)`` under torch.profiler (every rank must call it): its wall time, the
     GPU's busy time (the union of its kernels' intervals; wall minus busy is time the GPU waited on the
-    CPU or on other ranks), the busy time of compute and of NCCL kernels, and the kernel table
-    (``table``: the top ``table_rows`` by device time)."""
+    CPU or on other ranks), the busy time of compute and of NCCL kernels, and two op tables of the top
+    ``table_rows``: ``table`` by device time, ``cpu_table`` by CPU time (children included)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -152,6 +152,7 @@ def profiled_update(actor: Any, batch: Any, table_rows: int = 12) -> dict[str, A
         "nccl_busy_s": busy(True),
         "kernels": len(kernels),
         "table": prof.key_averages().table(sort_by="self_device_time_total", row_limit=table_rows),
+        "cpu_table": prof.key_averages().table(sort_by="cpu_time_total", row_limit=table_rows),
     }
 
 
@@ -220,7 +221,7 @@ async def _rollout_tokens_per_s(
             wall = time.perf_counter() - t0
             after = await pool.replica_stats()
             engine = {  # per replica: its engine's own step time in this wave, against the wall time
-                k: [round(a[k] - b[k], 4) for a, b in zip(after, before, strict=True)]
+                k: [round(a.get(k, 0) - b.get(k, 0), 4) for a, b in zip(after, before, strict=True)]
                 for k in ("step_s", "prefill_s", "decode_s", "decode_steps")
             }
             return sum(counts), wall, {"replica_done_s": [round(d, 4) for d in done_at], **engine}

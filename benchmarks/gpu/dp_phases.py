@@ -167,7 +167,8 @@ def main() -> None:
     profiled = None
     if args.profile:
         profiled = profiled_update(actor, batch, table_rows=40)
-        Path(f"{args.profile}.rank{rank}").write_text(profiled.pop("table") + "\n")
+        tables = profiled.pop("table") + "\n" + profiled.pop("cpu_table") + "\n"
+        Path(f"{args.profile}.rank{rank}").write_text(tables)
 
     timer = PhaseTimer()
     actor._old_logprobs = timer.wrap("old_logprobs", actor._old_logprobs)  # type: ignore[method-assign]
