@@ -162,7 +162,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--test-freq", type=int, default=0, help="validate every N steps (0: before/after only)")
     p.add_argument("--seed", type=int, default=0, help="data split and sampling seed")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    add_async_options(p)
     return p
+
+
+def add_async_options(p: argparse.ArgumentParser) -> None:
+    """``--max-staleness`` and ``--weight-update-policy``: train synchronously (the default) or fully
+    asynchronously (e.g. 2 and inflight: the next batches are sampled while one trains)."""
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="weight versions a batch may lag behind (0: synchronous; k: the next k batches are sampled "
+        "while one trains)",
+    )
+    p.add_argument(
+        "--weight-update-policy",
+        choices=("drain", "abort", "inflight"),
+        default="drain",
+        help="how the engine takes new weights with requests in flight (inflight: they go on with the new)",
+    )
 
 
 def grpo_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
@@ -175,7 +194,13 @@ def grpo_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dic
         },
         "actor_rollout_ref": {
             "model": {"path": model_path},
-            "rollout": {"n": args.n, "temperature": args.temperature, "concurrency": 64},
+            "rollout": {
+                "n": args.n,
+                "temperature": args.temperature,
+                "concurrency": 64,
+                "max_staleness": args.max_staleness,
+                "weight_update_policy": args.weight_update_policy,
+            },
             "actor": {
                 "ppo_mini_batch_size": args.batch_size,
                 "ppo_max_token_len_per_gpu": 2048,  # small micro-batches keep the (b, R, 49k) logits small
@@ -206,8 +231,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--n must be >= 2 (GRPO compares the samples of one prompt), got {args.n}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    check_async_options(args)
     if not 0.0 <= args.format_bonus < 1.0:
         raise ValueError(f"--format-bonus must be in [0, 1), got {args.format_bonus}")
+
+
+def check_async_options(args: argparse.Namespace) -> None:
+    if args.max_staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
 
 
 def new_run_dir(args: argparse.Namespace, prefix: str) -> Path:
@@ -238,7 +269,9 @@ def fit_and_save(
 
     t_start = time.perf_counter()
     model_path = str(resolve_model(args.model))
-    engine = load_engine(model_path, device=args.device, max_batch_size=64)
+    engine = load_engine(
+        model_path, device=args.device, max_batch_size=64, weight_update_policy=args.weight_update_policy
+    )
     t_loaded = time.perf_counter()
     result = Trainer(make_config(args, run_dir, model_path)).fit(agent, train, val, engine=engine)
     t_trained = time.perf_counter()

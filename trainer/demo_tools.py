@@ -297,6 +297,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=1,
         help="steps that train only the critic first (--estimator gae)",
     )
+    from trainer.demo import add_async_options
+
+    add_async_options(p)
     return p
 
 
@@ -334,6 +337,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-turns must be >= 2 (a tool call, then the answer), got {args.max_turns}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    from trainer.demo import check_async_options
+
+    check_async_options(args)
     if not 0.0 <= args.call_bonus < 1.0:
         raise ValueError(f"--call-bonus must be in [0, 1), got {args.call_bonus}")
     if args.train_size < args.batch_size:

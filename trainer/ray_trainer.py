@@ -195,6 +195,7 @@ class Trainer:
                 "engine_s",
             )
         engine = engine or layout.engine
+        _warn_if_policy_differs(engine, cfg.actor_rollout_ref.rollout.weight_update_policy)
         worker = layout.worker or _start_worker(cfg, str(model_path), device)
         if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
             signal.signal(signal.SIGTERM, state.handler)
@@ -382,6 +383,19 @@ class Trainer:
             return report.version, report.metrics()
         return int(await engine.update_weights(await worker.named_weights.remote())), {}
 
+
+def _warn_if_policy_differs(engine: Any, configured: str) -> None:
+    """An engine handed to ``fit`` keeps the weight update policy it was built with; the config's
+    ``rollout.weight_update_policy`` only reaches engines the trainer builds. Say so when they differ."""
+    actual = getattr(engine, "weight_update_policy", None)
+    if actual is not None and actual != configured:
+        log.warning(
+            "engine.weight_update_policy_differs",
+            engine=actual,
+            config=configured,
+            hint="the given engine's policy applies: build it with "
+            f"load_engine(..., weight_update_policy={configured!r}) to use the config's",
+        )
 
 def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
     import ray

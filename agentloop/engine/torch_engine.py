@@ -193,6 +193,11 @@ class TorchEngine(EngineThread):
         return self._max_context
 
     @property
+    def weight_update_policy(self) -> WeightUpdatePolicy:
+        """How this engine takes new weights with requests in flight (set when it is built)."""
+        return self._policy
+
+    @property
     def weights_version(self) -> int:
         return self._weights_version
 

@@ -168,6 +168,7 @@ async def test_update_weights_drains_in_flight_requests(engine: Any, chat_prompt
 
 async def test_update_weights_abort_policy(tiny_model_dir: Path, chat_prompt: list[int]) -> None:
     eng = make_engine("torch", tiny_model_dir, weight_update_policy="abort")
+    assert eng.weight_update_policy == "abort"
     name = "model.norm.weight"
     try:
         with anyio.fail_after(30):
@@ -192,6 +193,7 @@ async def test_update_weights_inflight_policy(
     from safetensors.torch import load_file
 
     eng = make_engine(engine_kind, tiny_model_dir, weight_update_policy="inflight")
+    assert eng.weight_update_policy == "inflight"
     sp = SamplingParams(temperature=1.0, max_tokens=300, ignore_eos=True, seed=11)
     name = "model.norm.weight"
     norm = load_file(str(tiny_model_dir / "model.safetensors"))[name]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.demo import build_parser, make_datasets, parse_answer, run_demo, score
+from trainer.demo import build_parser, grpo_config, make_datasets, parse_answer, run_demo, score
 from trainer.report import render_report, write_report
 
 
@@ -66,6 +66,22 @@ def test_parser_rejects_bad_values(tmp_path: Path) -> None:
     args = build_parser().parse_args(["--n", "1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--n must be >= 2"):
         run_demo(args)
+    args = build_parser().parse_args(["--max-staleness", "-1", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--max-staleness must be >= 0, got -1"):
+        run_demo(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--weight-update-policy", "later"])
+
+
+def test_async_options_reach_the_trainer_config(tmp_path: Path) -> None:
+    """Synchronous by default; --max-staleness / --weight-update-policy set the rollout keys."""
+    from trainer.config import TrainerConfig
+
+    default = grpo_config(build_parser().parse_args([]), tmp_path, "m")["actor_rollout_ref"]["rollout"]
+    assert (default["max_staleness"], default["weight_update_policy"]) == (0, "drain")
+    args = build_parser().parse_args(["--max-staleness", "2", "--weight-update-policy", "inflight"])
+    rollout = TrainerConfig.from_dict(grpo_config(args, tmp_path, "m")).actor_rollout_ref.rollout
+    assert (rollout.max_staleness, rollout.weight_update_policy) == (2, "inflight")
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not

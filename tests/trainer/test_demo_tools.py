@@ -158,6 +158,7 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
         (["--max-turns", "1"], "--max-turns must be >= 2"),
         (["--call-bonus", "1.0"], "--call-bonus must be in"),
         (["--train-size", "2", "--batch-size", "4"], "--train-size"),
+        (["--max-staleness", "-2"], "--max-staleness must be >= 0"),
     ):
         with pytest.raises(ValueError, match=match):
             run_tools_demo(build_parser().parse_args([*argv, "--out", str(tmp_path)]))

@@ -82,3 +82,22 @@ def test_fit_learns_allowed_tokens(tmp_path: Path, tiny_model_dir: Path, stalene
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
     assert rows[-1]["weights_version"] == 12
     assert (result.run_dir / "reward_curve.png").stat().st_size > 0
+
+
+def test_a_given_engine_whose_policy_differs_from_the_config_is_logged() -> None:
+    """fit(engine=...) keeps the engine's own weight update policy: a config asking for another is
+    told so (the key only reaches engines the trainer builds)."""
+    from types import SimpleNamespace
+
+    from structlog.testing import capture_logs
+
+    from trainer.ray_trainer import _warn_if_policy_differs
+
+    with capture_logs() as logs:
+        _warn_if_policy_differs(SimpleNamespace(weight_update_policy="drain"), "inflight")
+        _warn_if_policy_differs(SimpleNamespace(weight_update_policy="inflight"), "inflight")
+        _warn_if_policy_differs(SimpleNamespace(), "inflight")  # an engine that does not say (replicas)
+    assert [(e["event"], e["engine"], e["config"]) for e in logs] == [
+        ("engine.weight_update_policy_differs", "drain", "inflight")
+    ]
+    assert "weight_update_policy='inflight'" in logs[0]["hint"]
