@@ -169,18 +169,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def add_async_options(p: argparse.ArgumentParser) -> None:
     """``--max-staleness`` and ``--weight-update-policy``: train synchronously (the default) or fully
     asynchronously (e.g. 2 and inflight: the next batches are sampled while one trains)."""
+    from agentloop.engine.base import WEIGHT_UPDATE_POLICIES
+
     p.add_argument(
         "--max-staleness",
         type=int,
         default=0,
-        help="weight versions a batch may lag behind (0: synchronous; k: the next k batches are sampled "
-        "while one trains)",
+        help="actor_rollout_ref.rollout.max_staleness (0: synchronous)",
     )
     p.add_argument(
         "--weight-update-policy",
-        choices=("drain", "abort", "inflight"),
+        choices=WEIGHT_UPDATE_POLICIES,
         default="drain",
-        help="how the engine takes new weights with requests in flight (inflight: they go on with the new)",
+        help="actor_rollout_ref.rollout.weight_update_policy",
     )
 
 
@@ -198,6 +199,7 @@ def grpo_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dic
                 "n": args.n,
                 "temperature": args.temperature,
                 "concurrency": 64,
+                "max_num_seqs": 64,
                 "max_staleness": args.max_staleness,
                 "weight_update_policy": args.weight_update_policy,
             },
@@ -237,6 +239,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def check_async_options(args: argparse.Namespace) -> None:
+    """Refuse a negative ``--max-staleness`` with a message that names the flag."""
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
 
@@ -265,15 +268,16 @@ def fit_and_save(
 
     from agentloop.engine.factory import load_engine
     from agentloop.engine.models import resolve_model
+    from trainer.config import TrainerConfig, engine_kwargs
     from trainer.ray_trainer import Trainer
 
     t_start = time.perf_counter()
     model_path = str(resolve_model(args.model))
-    engine = load_engine(
-        model_path, device=args.device, max_batch_size=64, weight_update_policy=args.weight_update_policy
-    )
+    config = TrainerConfig.from_dict(make_config(args, run_dir, model_path))
+    # the engine the config describes (slots, weight update policy), as fit would build it
+    engine = load_engine(model_path, device=args.device, **engine_kwargs(config.actor_rollout_ref.rollout))
     t_loaded = time.perf_counter()
-    result = Trainer(make_config(args, run_dir, model_path)).fit(agent, train, val, engine=engine)
+    result = Trainer(config).fit(agent, train, val, engine=engine)
     t_trained = time.perf_counter()
     anyio.run(engine.stop)
     _shutdown_ray()
@@ -356,8 +360,10 @@ def main(args: argparse.Namespace) -> int:
 
 __all__ = [
     "PROMPT",
+    "add_async_options",
     "arithmetic_agent",
     "build_parser",
+    "check_async_options",
     "main",
     "make_datasets",
     "parse_answer",

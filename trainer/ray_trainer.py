@@ -397,6 +397,7 @@ def _warn_if_policy_differs(engine: Any, configured: str) -> None:
             f"load_engine(..., weight_update_policy={configured!r}) to use the config's",
         )
 
+
 def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
     import ray
 

@@ -64,6 +64,7 @@ class EngineReplica:
             "model_path": self.model_path,
             "max_context": self.engine.max_context,
             "weights_version": self.engine.weights_version,
+            "weight_update_policy": getattr(self.engine, "weight_update_policy", None),
             "requests": self.requests,
         }
 
@@ -81,11 +82,10 @@ class EngineReplica:
 
     async def generate_many(
         self, requests: list[tuple[list[int], SamplingParams, str]]
-    ) -> AsyncIterator[list[tuple[str, TokenOutput | Exception]]]:
+    ) -> AsyncIterator[tuple[str, TokenOutput | Exception]]:
         """Run ``requests`` (prompt ids, sampling, request id) at once and yield ``(request_id, output
-        or error)`` pairs as they finish, those done together in one list: a Ray streaming generator,
-        so a burst of requests costs one actor call and a batch finishing in one engine step one
-        streamed item, not one each. Closing the stream aborts what is still running."""
+        or error)`` as each finishes: a Ray streaming generator, so a burst of requests costs one actor
+        call instead of one each. Closing the stream aborts what is still running."""
         self.requests += len(requests)
 
         async def one(prompt: list[int], sampling: SamplingParams, rid: str) -> tuple[str, Any]:
@@ -94,13 +94,12 @@ class EngineReplica:
             except Exception as exc:
                 return rid, exc
 
-        running = {asyncio.ensure_future(one(*r)) for r in requests}
+        tasks = [asyncio.ensure_future(one(*r)) for r in requests]
         try:
-            while running:
-                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                yield [t.result() for t in done]
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
         finally:
-            for t in running:
+            for t in tasks:
                 t.cancel()
 
     async def abort(self, request_id: str) -> bool:
@@ -140,6 +139,7 @@ class EngineReplicaPool:
             tokenizer = AutoTokenizer.from_pretrained(self._model_path)  # loaded here, not shipped over Ray
         self._tokenizer = tokenizer
         self._version = int(info["weights_version"])
+        self._policy: str | None = info.get("weight_update_policy")
         self._inflight = [0] * len(self.replicas)
         self._routed = [0] * len(self.replicas)
         self._sticky: OrderedDict[str, int] = OrderedDict()
@@ -193,6 +193,11 @@ class EngineReplicaPool:
     @property
     def weights_version(self) -> int:
         return self._version
+
+    @property
+    def weight_update_policy(self) -> str | None:
+        """The replicas' weight update policy (the first replica's; they are built alike)."""
+        return self._policy
 
     def pick(self, request_id: str | None) -> int:
         """The replica for ``request_id``: its routing key's replica, else the least loaded one."""
@@ -271,14 +276,14 @@ class EngineReplicaPool:
         error: Exception | None = None
         try:
             async for ref in stream:
-                for rid, out in await ref:
-                    waiter = self._waiters.get(rid)
-                    if waiter is None or waiter.done():
-                        continue
-                    if isinstance(out, Exception):
-                        waiter.set_exception(out)
-                    else:
-                        waiter.set_result(out)
+                rid, out = await ref
+                waiter = self._waiters.get(rid)
+                if waiter is None or waiter.done():
+                    continue
+                if isinstance(out, Exception):
+                    waiter.set_exception(out)
+                else:
+                    waiter.set_result(out)
         except Exception as exc:  # the replica died or the stream broke
             error = exc
         for rid in rids:

@@ -75,13 +75,16 @@ def test_parser_rejects_bad_values(tmp_path: Path) -> None:
 
 def test_async_options_reach_the_trainer_config(tmp_path: Path) -> None:
     """Synchronous by default; --max-staleness / --weight-update-policy set the rollout keys."""
-    from trainer.config import TrainerConfig
+    from trainer.config import TrainerConfig, engine_kwargs
 
     default = grpo_config(build_parser().parse_args([]), tmp_path, "m")["actor_rollout_ref"]["rollout"]
     assert (default["max_staleness"], default["weight_update_policy"]) == (0, "drain")
     args = build_parser().parse_args(["--max-staleness", "2", "--weight-update-policy", "inflight"])
     rollout = TrainerConfig.from_dict(grpo_config(args, tmp_path, "m")).actor_rollout_ref.rollout
     assert (rollout.max_staleness, rollout.weight_update_policy) == (2, "inflight")
+    # fit_and_save builds the demo's engine from these keys
+    kwargs = engine_kwargs(rollout)
+    assert (kwargs["weight_update_policy"], kwargs["max_batch_size"]) == ("inflight", 64)
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
