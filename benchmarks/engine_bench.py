@@ -44,7 +44,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -286,17 +286,36 @@ def _engine_counters(engine: Any) -> dict[str, float]:
     return {k: float(stats[k]) for k in _ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
 
 
-async def _idle_captures_settled(engine: Any, quiet_s: float = 2.0, limit_s: float = 60.0) -> float:
-    """Wait until the engine has made no idle graph capture for ``quiet_s`` (TorchEngine captures
-    the smaller batch buckets after its warm-up; at most ``limit_s``); returns the seconds waited."""
+def _own_stats(engine: Any) -> Callable[[], Awaitable[list[dict[str, Any]]]]:
+    """``idle_captures_settled``'s reader for one in-process engine."""
+
+    async def read() -> list[dict[str, Any]]:
+        return [engine.stats()] if hasattr(engine, "stats") else []
+
+    return read
+
+
+async def idle_captures_settled(
+    read_stats: Callable[[], Awaitable[list[dict[str, Any]]]], quiet_s: float = 2.0, limit_s: float = 60.0
+) -> float:
+    """Wait until the engines whose stats ``read_stats`` returns have made no idle graph capture for
+    ``quiet_s`` (TorchEngine captures the smaller batch buckets after its warm-up; at most ``limit_s``);
+    returns the seconds waited. Engines without idle captures (vLLM, CPU) return at once."""
     t0 = time.perf_counter()
-    stats = engine.stats() if hasattr(engine, "stats") else {}
-    if "idle_graph_captures" not in stats or not stats.get("cuda_graphs"):  # vLLM, or no graphs (CPU)
+
+    def count(stats: list[dict[str, Any]]) -> int | None:
+        found = [
+            s["idle_graph_captures"] for s in stats if "idle_graph_captures" in s and s.get("cuda_graphs")
+        ]
+        return sum(found) if found else None
+
+    last = count(await read_stats())
+    if last is None:
         return 0.0
-    last, since = stats["idle_graph_captures"], time.perf_counter()
+    since = time.perf_counter()
     while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < limit_s:
         await asyncio.sleep(0.1)
-        now = engine.stats()["idle_graph_captures"]
+        now = count(await read_stats())
         if now != last:
             last, since = now, time.perf_counter()
     return time.perf_counter() - t0
@@ -512,7 +531,7 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
         _, _, _, calls = await proxy_round("warm", min(m, 8))
         sp = SamplingParams.model_validate(calls[0].sampling).model_copy(update={"max_tokens": m})
         await direct_round("warm", sp.model_copy(update={"max_tokens": min(m, 8)}))
-        settled_s = await _idle_captures_settled(engine)  # none of them inside a timed round
+        settled_s = await idle_captures_settled(_own_stats(engine))  # none of them inside a timed round
         for r in range(args.reps):  # ABBA order: a drift over the run hits both ways alike
             for way in ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct"):
                 tag = f"{way}{r}"

@@ -227,6 +227,11 @@ async def _rollout_tokens_per_s(
             return sum(counts), wall, {"replica_done_s": [round(d, 4) for d in done_at], **engine}
 
         await wave("warm")  # CUDA-graph captures, allocator
+        settled_s = 0.0
+        if not args.no_settle:  # the replicas' idle captures of the other batch sizes, before any timed wave
+            from engine_bench import idle_captures_settled
+
+            settled_s = await idle_captures_settled(pool.replica_stats)
         waves = [await wave(f"timed{i}") for i in range(args.reps)]
         rates = [tokens / wall for tokens, wall, _ in waves]
         return {
@@ -236,6 +241,7 @@ async def _rollout_tokens_per_s(
             "tokens_per_s_waves": rates,
             "routed": pool.stats()["routed"],
             "waves": [detail for _, _, detail in waves],
+            "idle_captures_settled_s": round(settled_s, 2),
         }
     finally:
         await pool.stop()
@@ -423,6 +429,12 @@ async def main() -> None:
         "--profile-trainer",
         action="store_true",
         help="after the timed updates, one more under torch.profiler on every rank (GPU busy vs wall)",
+    )
+    ap.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="time the rollout waves right after the warm-up wave, without waiting for the replicas' idle "
+        "CUDA-graph captures to end (then a wave may stop for a capture)",
     )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
     ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")
