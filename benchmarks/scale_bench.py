@@ -163,7 +163,7 @@ def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
 
 async def _train_tokens_per_s(
     model: str, world: int, args: argparse.Namespace, share: float
-) -> dict[str, float]:
+) -> dict[str, Any]:
     from trainer.dp import DataParallelGroup
 
     batch = _batch(args.batch, args.prompt_len, args.response_len)
@@ -185,8 +185,12 @@ async def _train_tokens_per_s(
         group.shutdown()
     tokens = int(batch.attention_mask.sum())
     best = statistics.median(times)
-    out: dict[str, Any] = {"tokens_per_update": tokens, "update_s": best, "tokens_per_s": tokens / best}
-    out["update_s_all"] = times
+    out: dict[str, Any] = {
+        "tokens_per_update": tokens,
+        "update_s": best,
+        "update_s_all": times,
+        "tokens_per_s": tokens / best,
+    }
     if profiles is not None:
         out["profiled_update_by_rank"] = profiles
     return out
