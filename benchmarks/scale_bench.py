@@ -94,6 +94,7 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
                 },
             },
             "trainer": {"device": args.device},
+            "placement": {"numa_binding": not args.no_numa_binding},
         }
     )
 
@@ -156,6 +157,18 @@ def profiled_update(actor: Any, batch: Any, table_rows: int = 12) -> dict[str, A
     }
 
 
+def _rank_cpus(worker: Any) -> dict[str, Any]:
+    """Where a DPWorker rank's threads may run: how many CPUs, and the NUMA node of its GPU."""
+    from trainer._numa import SYSFS, cuda_pci_address
+
+    out: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0))}
+    if torch.cuda.is_available():
+        address = cuda_pci_address(0)
+        node = SYSFS / "bus/pci/devices" / address / "numa_node"
+        out.update(gpu=address, gpu_numa_node=node.read_text().strip() if node.exists() else None)
+    return out
+
+
 def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
     """``profiled_update`` in a DPWorker rank (through ``worker.call``)."""
     return profiled_update(worker._ready(), batch)
@@ -173,6 +186,7 @@ async def _train_tokens_per_s(
     )
     profiles = None
     try:
+        placement = await asyncio.gather(*[w.call.remote(_rank_cpus) for w in group.workers])
         await group.update.remote(batch)  # warm-up (allocations, kernels)
         times = []
         for _ in range(args.reps):
@@ -190,6 +204,7 @@ async def _train_tokens_per_s(
         "update_s": best,
         "update_s_all": times,
         "tokens_per_s": tokens / best,
+        "rank_cpus": placement,
     }
     if profiles is not None:
         out["profiled_update_by_rank"] = profiles
@@ -440,6 +455,11 @@ async def main() -> None:
         help="time the rollout waves right after the warm-up wave, without waiting for the replicas' idle "
         "CUDA-graph captures to end (then a wave may stop for a capture)",
     )
+    ap.add_argument(
+        "--no-numa-binding",
+        action="store_true",
+        help="placement.numa_binding false: trainer ranks run on any CPU, not their GPU's NUMA node's",
+    )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
     ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")
     ap.add_argument(
@@ -464,6 +484,8 @@ async def main() -> None:
             setattr(args, k, v)
     import ray
 
+    from trainer._numa import numa_node_count
+
     root = str(Path(__file__).resolve().parents[1])  # Ray workers import agentloop/trainer from here
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_gpus=n_gpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -477,6 +499,8 @@ async def main() -> None:
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
         "fsdp_config": _fsdp_config(args),
+        "numa_binding": not args.no_numa_binding,
+        "numa_nodes": numa_node_count(),
         "scale_to": n,
     }
     target = TARGETS.get(n, TARGETS[2])

@@ -145,6 +145,10 @@ class PlacementConfig(_Section):
     local_runner: bool = Field(
         default=True, description="Run agents in the trainer process too; False: remote runners only."
     )
+    numa_binding: bool = Field(
+        default=True,
+        description="Pin each GPU trainer rank to the CPUs of its GPU's NUMA node (hosts with several nodes).",
+    )
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> PlacementConfig:
