@@ -94,7 +94,7 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
                 },
             },
             "trainer": {"device": args.device},
-            "placement": {"numa_binding": not args.no_numa_binding},
+            "placement": {"numa_binding": args.numa_binding},
         }
     )
 
@@ -456,9 +456,9 @@ async def main() -> None:
         "CUDA-graph captures to end (then a wave may stop for a capture)",
     )
     ap.add_argument(
-        "--no-numa-binding",
+        "--numa-binding",
         action="store_true",
-        help="placement.numa_binding false: trainer ranks run on any CPU, not their GPU's NUMA node's",
+        help="placement.numa_binding true: each trainer rank runs on its GPU's NUMA node's CPUs",
     )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
     ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")
@@ -499,7 +499,7 @@ async def main() -> None:
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
         "fsdp_config": _fsdp_config(args),
-        "numa_binding": not args.no_numa_binding,
+        "numa_binding": args.numa_binding,
         "numa_nodes": numa_node_count(),
         "scale_to": n,
     }

@@ -146,7 +146,7 @@ class PlacementConfig(_Section):
         default=True, description="Run agents in the trainer process too; False: remote runners only."
     )
     numa_binding: bool = Field(
-        default=True,
+        default=False,
         description="Pin each GPU trainer rank to the CPUs of its GPU's NUMA node (hosts with several nodes).",
     )
 

@@ -1,10 +1,14 @@
 # GPU call 2 of 2 on a warm 4-GPU machine (call 1 copied .raykit/r1 to /tmp/raykit); carry .raykit/r2, .gg
 # and .gpucache. Extra arguments go to scale_bench.py (e.g. --fsdp-size 1 --reduce-dtype bf16 --no-split-sync).
+# A later call on the same warm machine finds Ray installed in /tmp/rsite and needs only .gg and .gpucache.
 set -o pipefail
-cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
+if [ ! -d /tmp/rsite/ray ]; then
+  cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
 source benchmarks/gpu/env.sh
 export PYTHONPATH=/tmp/rsite:/tmp/site:$PWD
-echo "card: $(card) x $(nvidia-smi -L | wc -l)"
+echo "card: $(card) x $(nvidia-smi -L | wc -l); NUMA nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l); $(date +%T)"
 timeout 560 python3 benchmarks/scale_bench.py --device cuda --gpus 4 --no-reshard --grad-sync-per-mini-batch "$@" \
   --out $OUT/scale_bench_4gpu.json 2>&1 | tee $OUT/scale.log | grep -v "^(.*pid=" | tail -40
+echo "done $(date +%T)"
