@@ -94,7 +94,7 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
                 },
             },
             "trainer": {"device": args.device},
-            "placement": {"numa_binding": args.numa_binding},
+            "placement": {"cpu_binding": args.cpu_binding},
         }
     )
 
@@ -157,15 +157,16 @@ def profiled_update(actor: Any, batch: Any, table_rows: int = 12) -> dict[str, A
     }
 
 
-def _rank_cpus(worker: Any) -> dict[str, Any]:
-    """Where a DPWorker rank's threads may run: how many CPUs, and the NUMA node of its GPU."""
-    from trainer._numa import SYSFS, cuda_pci_address
+def _process_cpus(_actor: Any = None) -> dict[str, Any]:
+    """Where a GPU process (a DPWorker rank, an engine replica: through their ``call``) may run: its
+    CPUs, and its GPU's PCI address and NUMA node."""
+    from agentloop.cpu_binding import cuda_pci_address, pci_numa_node
 
-    out: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0))}
+    cpus = sorted(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"cpus": len(cpus), "first_cpu": cpus[0], "last_cpu": cpus[-1]}
     if torch.cuda.is_available():
         address = cuda_pci_address(0)
-        node = SYSFS / "bus/pci/devices" / address / "numa_node"
-        out.update(gpu=address, gpu_numa_node=node.read_text().strip() if node.exists() else None)
+        out.update(gpu=address, gpu_numa_node=pci_numa_node(address))
     return out
 
 
@@ -186,7 +187,7 @@ async def _train_tokens_per_s(
     )
     profiles = None
     try:
-        placement = await asyncio.gather(*[w.call.remote(_rank_cpus) for w in group.workers])
+        placement = await asyncio.gather(*[w.call.remote(_process_cpus) for w in group.workers])
         await group.update.remote(batch)  # warm-up (allocations, kernels)
         times = []
         for _ in range(args.reps):
@@ -217,7 +218,9 @@ async def _rollout_tokens_per_s(
     from agentloop.engine.base import SamplingParams
     from agentloop.engine.replicas import EngineReplicaPool
 
-    pool = EngineReplicaPool.create(model, replicas, args.device, max_batch_size=args.engine_batch)
+    pool = EngineReplicaPool.create(
+        model, replicas, args.device, cpu_binding=args.cpu_binding, max_batch_size=args.engine_batch
+    )
     pool.batch_submit = batch_submit
     rng = random.Random(1)
     sampling = SamplingParams(temperature=1.0, max_tokens=args.gen_tokens, ignore_eos=True, seed=0)
@@ -245,6 +248,7 @@ async def _rollout_tokens_per_s(
             }
             return sum(counts), wall, {"replica_done_s": [round(d, 4) for d in done_at], **engine}
 
+        replica_cpus = await asyncio.gather(*[r.call.remote(_process_cpus) for r in pool.replicas])
         await wave("warm")  # CUDA-graph captures, allocator
         settled_s = 0.0
         if not args.no_settle:  # the replicas' idle captures of the other batch sizes, before any timed wave
@@ -261,6 +265,7 @@ async def _rollout_tokens_per_s(
             "routed": pool.stats()["routed"],
             "waves": [detail for _, _, detail in waves],
             "idle_captures_settled_s": round(settled_s, 2),
+            "replica_cpus": replica_cpus,
         }
     finally:
         await pool.stop()
@@ -456,9 +461,10 @@ async def main() -> None:
         "CUDA-graph captures to end (then a wave may stop for a capture)",
     )
     ap.add_argument(
-        "--numa-binding",
-        action="store_true",
-        help="placement.numa_binding true: each trainer rank runs on its GPU's NUMA node's CPUs",
+        "--cpu-binding",
+        choices=["none", "numa", "exclusive"],
+        default="none",
+        help="placement.cpu_binding of the trainer ranks and the engine replicas (agentloop/cpu_binding.py)",
     )
     ap.add_argument("--only-rollout", action="store_true", help="measure only rollout on 1 vs N replicas")
     ap.add_argument("--only-trainer", action="store_true", help="measure only the trainer on 1 vs N ranks")
@@ -484,7 +490,7 @@ async def main() -> None:
             setattr(args, k, v)
     import ray
 
-    from trainer._numa import numa_node_count
+    from agentloop.cpu_binding import numa_node_count
 
     root = str(Path(__file__).resolve().parents[1])  # Ray workers import agentloop/trainer from here
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -499,7 +505,7 @@ async def main() -> None:
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
         "fsdp_config": _fsdp_config(args),
-        "numa_binding": args.numa_binding,
+        "cpu_binding": args.cpu_binding,
         "numa_nodes": numa_node_count(),
         "scale_to": n,
     }

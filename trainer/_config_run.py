@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from agentloop.adapter import Strategy
+from agentloop.cpu_binding import CpuBinding
 from agentloop.http_limits import is_loopback
 from agentloop.keys import KeyRef
 from trainer._config_keys import _Section
@@ -145,9 +146,10 @@ class PlacementConfig(_Section):
     local_runner: bool = Field(
         default=True, description="Run agents in the trainer process too; False: remote runners only."
     )
-    numa_binding: bool = Field(
-        default=False,
-        description="Pin each GPU trainer rank to the CPUs of its GPU's NUMA node (hosts with several nodes).",
+    cpu_binding: CpuBinding = Field(
+        default="none",
+        description="CPUs of each GPU trainer rank and engine replica: none (the OS picks), numa (its GPU's "
+        "NUMA node) or exclusive (a disjoint share of the node's CPUs per GPU); see agentloop/cpu_binding.py.",
     )
 
     @model_validator(mode="after")

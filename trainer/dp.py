@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from agentloop.cpu_binding import bind_gpu_process
 from trainer import checkpoint as ck
-from trainer._numa import bind_to_gpu_numa_node
 from trainer._sharding import (
     balance_by_tokens,
     data_parallel_mesh,
@@ -238,15 +238,14 @@ class DPWorker:
 
     def setup(self, config: TrainerConfig, model_path: str, device: str, addr: str, port: int) -> None:
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        cpus = os.cpu_count() or 1
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray's CUDA_VISIBLE_DEVICES shows this actor one GPU
             torch.cuda.set_device(0)
-            # before NCCL starts its threads, which inherit the affinity
-            bound = bind_to_gpu_numa_node(0) if config.placement.numa_binding else None
-            cpus = min(cpus, len(bound)) if bound else cpus
-        torch.set_num_threads(max(1, cpus // self.world_size))  # Ray sets OMP threads to 1 for actors
+            bound = bind_gpu_process(config.placement.cpu_binding)  # before NCCL starts its threads
+            threads = min(threads, len(bound)) if bound else threads
+        torch.set_num_threads(threads)  # Ray sets OMP threads to 1 for actors
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         self.actor = ShardedActor(config, model_path, device, self.rank, self.world_size)
         log.info("dp.rank_ready", rank=self.rank, world_size=self.world_size, backend=backend)

@@ -276,6 +276,7 @@ def place(config: TrainerConfig, model_path: str, device: str, *, engine_given: 
             plan.replicas,
             device,
             actor_options=lambda i: opts(first_replica_bundle + i, share),
+            cpu_binding=config.placement.cpu_binding,
             **engine_kwargs(config.actor_rollout_ref.rollout),
         )
     return layout

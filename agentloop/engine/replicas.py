@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 import torch
 
+from agentloop.cpu_binding import CpuBinding, bind_gpu_process, check_mode
 from agentloop.engine.base import SamplingParams, TokenOutput
 from agentloop.errors import EngineError
 
@@ -48,12 +49,17 @@ class EngineReplica:
     """One engine in a Ray actor (async): a TorchEngine built from ``model_path`` on ``device``."""
 
     def __init__(
-        self, model_path: str, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None
+        self,
+        model_path: str,
+        device: str = "cpu",
+        engine_kwargs: dict[str, Any] | None = None,
+        cpu_binding: CpuBinding = "none",
     ) -> None:
         from agentloop.engine.factory import load_engine
 
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray's CUDA_VISIBLE_DEVICES shows this actor its own GPU
+            bind_gpu_process(cpu_binding)  # before the engine starts its thread, which inherits it
         self.model_path = model_path
         self.engine = load_engine(model_path, device=device, **(engine_kwargs or {}))
         self.requests = 0
@@ -161,18 +167,21 @@ class EngineReplicaPool:
         device: str = "cpu",
         *,
         actor_options: Callable[[int], dict[str, Any]] | None = None,
+        cpu_binding: CpuBinding = "none",
         **engine_kwargs: Any,
     ) -> EngineReplicaPool:
-        """Start ``replicas`` EngineReplica actors (Ray must be initialised): one GPU each on CUDA."""
+        """Start ``replicas`` EngineReplica actors (Ray must be initialised): one GPU each on CUDA,
+        each pinned to CPUs as ``cpu_binding`` says (agentloop/cpu_binding.py)."""
         import ray
 
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        check_mode(cpu_binding)  # here, not in each actor
         default = {"num_gpus": 1, "num_cpus": 0} if device.startswith("cuda") else {"num_cpus": 0}
         handles = [
             ray.remote(EngineReplica)
             .options(max_concurrency=1000, **(actor_options(i) if actor_options else default))
-            .remote(model_path, device, engine_kwargs)
+            .remote(model_path, device, engine_kwargs, cpu_binding)
             for i in range(replicas)
         ]
         # ray's stubs type actor-handle methods as plain functions, without .remote

@@ -39,6 +39,8 @@ def test_routing_key() -> None:
 def test_pool_validates_input() -> None:
     with pytest.raises(ValueError, match="non-empty list of replica actor handles"):
         EngineReplicaPool([])
+    with pytest.raises(ValueError, match="cpu_binding must be one of none, numa, exclusive, got 'all'"):
+        EngineReplicaPool.create("/nowhere", 2, cpu_binding="all")  # type: ignore[arg-type]  # before any actor
 
 
 @pytest.mark.e2e

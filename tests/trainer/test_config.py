@@ -101,6 +101,10 @@ def test_bad_values_name_the_key_and_what_is_allowed() -> None:
         TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"clip_ratio_low": -0.1}}})
     with pytest.raises(ConfigError, match="must be a dict or TrainerConfig, got list"):
         TrainerConfig.from_dict([1])  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=r"placement.cpu_binding: Input should be 'none', 'numa' or 'exclusive'; got 'fast'"
+    ):
+        TrainerConfig.from_dict({"placement": {"cpu_binding": "fast"}})
 
 
 def test_batch_sizes_must_divide_and_the_message_says_which_numbers() -> None:
