@@ -7,12 +7,16 @@ data-parallel step or a rollout wave the slowest process sets the pace of all. `
 * ``none``: leave the process where the OS puts it.
 * ``numa``: the CPUs of the GPU's NUMA node (as torchrun's ``--numa-binding``); a no-op on a host
   with one node or where sysfs does not name the GPU's node.
-* ``exclusive``: the node's CPUs dealt out among the node's GPUs in contiguous, disjoint shares (by PCI
-  address order), so no two GPUs' processes share a CPU; on a host with one node, all of this
-  process's CPUs are dealt out. Processes of one GPU (a colocated rank and replica) share its share.
+* ``exclusive``: the node's physical cores dealt out among the node's GPUs in contiguous, disjoint
+  shares (by PCI address order), each core with all its hardware threads, so no two GPUs' processes
+  share a core; on a host with one node, all the cores this process may use are dealt out. Processes
+  of one GPU (a colocated rank and replica) share its share.
 
-Only CPUs this process may already run on are used. Call it before starting threads (the engine's,
-NCCL's), which inherit the affinity.
+Limits: only CPUs this process may already run on are used, and a binding narrows that set, so bind
+once per process, before starting threads (the engine's, NCCL's), which inherit the affinity. sysfs
+shows every GPU of the host, so ``exclusive`` deals the cores out among all the host's GPUs, also
+those another job uses. Only NVIDIA GPUs are dealt cores. Where a mode cannot apply, the process is
+left as it is and a warning says why.
 """
 
 from __future__ import annotations
@@ -23,13 +27,29 @@ from typing import Literal, get_args
 
 import structlog
 
-__all__ = ["CpuBinding", "bind_gpu_process", "check_mode"]
+__all__ = [
+    "CpuBinding",
+    "bind_gpu_process",
+    "check_mode",
+    "cpus_for",
+    "cuda_pci_address",
+    "numa_node_count",
+    "pci_numa_node",
+]
 
 log = structlog.get_logger("agentloop.cpu_binding")
 
 CpuBinding = Literal["none", "numa", "exclusive"]
-SYSFS = Path("/sys")  # tests point this at a fake tree
+SYSFS = Path("/sys")
 _NVIDIA = "0x10de"
+_GPU_CLASSES = ("0x0300", "0x0302")  # display (VGA) and 3D controllers
+
+
+def check_mode(mode: object) -> CpuBinding:
+    """``mode`` when it is a CpuBinding, else a ValueError that lists them."""
+    if mode not in get_args(CpuBinding):
+        raise ValueError(f"cpu_binding must be one of {', '.join(get_args(CpuBinding))}, got {mode!r}")
+    return mode  # type: ignore[return-value]
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -45,44 +65,50 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def numa_node_count() -> int:
+def pci_address(domain: int, bus: int, device: int) -> str:
+    """The sysfs name of PCI function 0 of ``domain:bus:device``: ``"0000:1b:00.0"``."""
+    return f"{domain:04x}:{bus:02x}:{device:02x}.0"
+
+
+def cuda_pci_address(device_index: int = 0) -> str:
+    """The sysfs PCI address of CUDA device ``device_index`` of this process (AttributeError on a
+    torch whose device properties lack the PCI ids)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    return pci_address(props.pci_domain_id, props.pci_bus_id, props.pci_device_id)  # type: ignore[attr-defined]
+
+
+def numa_node_count(root: Path = SYSFS) -> int:
     """NUMA nodes this host has (1 when sysfs does not say)."""
-    nodes = SYSFS / "devices/system/node"
+    nodes = root / "devices/system/node"
     if not nodes.is_dir():
         return 1
     return max(1, sum(1 for p in nodes.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()))
 
 
-def pci_numa_node(pci_address: str) -> int | None:
-    """The NUMA node of the PCI device at ``pci_address`` (``"0000:1b:00.0"``); None when sysfs does
-    not say (one-node hosts write -1)."""
+def pci_numa_node(address: str, root: Path = SYSFS) -> int | None:
+    """The NUMA node of the PCI device at ``address``; None when sysfs does not say (one-node hosts
+    write -1) or has no such device."""
     try:
-        node = int((SYSFS / "bus/pci/devices" / pci_address.lower() / "numa_node").read_text().strip())
+        node = int((root / "bus/pci/devices" / address.lower() / "numa_node").read_text().strip())
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
 
 
-def node_cpus(node: int) -> set[int] | None:
-    """CPUs of NUMA node ``node`` that this process may run on; None when there are none."""
+def node_cpus(node: int, allowed: set[int], root: Path = SYSFS) -> set[int]:
+    """The CPUs of NUMA node ``node`` among ``allowed`` (none when sysfs does not say)."""
     try:
-        cpus = parse_cpu_list((SYSFS / f"devices/system/node/node{node}/cpulist").read_text())
+        return parse_cpu_list((root / f"devices/system/node/node{node}/cpulist").read_text()) & allowed
     except (OSError, ValueError):
-        return None
-    return (cpus & os.sched_getaffinity(0)) or None
+        return set()
 
 
-def pci_numa_cpus(pci_address: str) -> set[int] | None:
-    """CPUs of the NUMA node of the PCI device at ``pci_address`` that this process may run on; None
-    when sysfs does not name a node or none of its CPUs is allowed here."""
-    node = pci_numa_node(pci_address)
-    return None if node is None else node_cpus(node)
-
-
-def nvidia_gpus() -> list[str]:
-    """PCI addresses of the host's NVIDIA display and 3D controllers, sorted (all of them, whatever
-    CUDA_VISIBLE_DEVICES shows this process)."""
-    devices = SYSFS / "bus/pci/devices"
+def nvidia_gpus(root: Path = SYSFS) -> list[str]:
+    """PCI addresses of the host's NVIDIA GPUs, sorted (all of them, whatever CUDA_VISIBLE_DEVICES
+    shows this process)."""
+    devices = root / "bus/pci/devices"
     if not devices.is_dir():
         return []
     found = []
@@ -91,39 +117,65 @@ def nvidia_gpus() -> list[str]:
             vendor, klass = (dev / "vendor").read_text().strip(), (dev / "class").read_text().strip()
         except OSError:
             continue
-        if vendor == _NVIDIA and klass[:6] in ("0x0300", "0x0302"):
+        if vendor == _NVIDIA and klass[:6] in _GPU_CLASSES:
             found.append(dev.name.lower())
     return sorted(found)
 
 
-def exclusive_cpus(pci_address: str) -> set[int] | None:
-    """This GPU's share of its node's CPUs (see the module docstring); None when the GPU is not in
-    sysfs or its share would be empty."""
-    address = pci_address.lower()
-    node = pci_numa_node(address)
-    peers = [g for g in nvidia_gpus() if pci_numa_node(g) == node]
+def physical_cores(cpus: set[int], root: Path = SYSFS) -> list[list[int]]:
+    """``cpus`` grouped by physical core (hardware threads of one core together), ordered by their
+    lowest CPU; a CPU whose topology sysfs does not give is a core of its own."""
+    cores: dict[int, list[int]] = {}
+    for cpu in sorted(cpus):
+        try:
+            siblings = parse_cpu_list(
+                (root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+            )
+        except (OSError, ValueError):
+            siblings = {cpu}
+        cores.setdefault(min(siblings & cpus or {cpu}), []).append(cpu)
+    return [cores[k] for k in sorted(cores)]
+
+
+def exclusive_cpus(address: str, allowed: set[int], root: Path = SYSFS) -> tuple[set[int] | None, str]:
+    """This GPU's share of its node's cores among ``allowed`` CPUs (see the module docstring), or
+    None and why not."""
+    address = address.lower()
+    node = pci_numa_node(address, root)
+    peers = [g for g in nvidia_gpus(root) if pci_numa_node(g, root) == node]
     if address not in peers:
-        return None
-    pool = node_cpus(node) if node is not None else os.sched_getaffinity(0)
-    if not pool:
-        return None
-    cpus, k, n = sorted(pool), peers.index(address), len(peers)
-    share = set(cpus[k * len(cpus) // n : (k + 1) * len(cpus) // n])
-    return share or None
+        return None, f"GPU {address} is not among the NVIDIA GPUs sysfs lists"
+    cores = physical_cores(node_cpus(node, allowed, root) if node is not None else allowed, root)
+    k, n = peers.index(address), len(peers)
+    if len(cores) < n:
+        return None, f"{len(cores)} cores here for {n} GPUs on the node: fewer than one a GPU"
+    share = cores[k * len(cores) // n : (k + 1) * len(cores) // n]
+    return {cpu for core in share for cpu in core}, ""
 
 
-def cuda_pci_address(device_index: int = 0) -> str:
-    """The sysfs PCI address of CUDA device ``device_index`` of this process."""
-    import torch
-
-    props = torch.cuda.get_device_properties(device_index)
-    domain, bus, device = (getattr(props, f"pci_{k}_id") for k in ("domain", "bus", "device"))  # untyped
-    return f"{domain:04x}:{bus:02x}:{device:02x}.0"
+def cpus_for(
+    mode: CpuBinding, address: str, allowed: set[int] | None = None, root: Path = SYSFS
+) -> tuple[set[int] | None, str]:
+    """The CPUs ``mode`` gives the GPU at ``address`` out of ``allowed`` (default: those this process
+    may run on), or None and why the process stays as it is ("" for mode ``none``)."""
+    check_mode(mode)
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    if mode == "none":
+        return None, ""
+    if mode == "exclusive":
+        return exclusive_cpus(address, allowed, root)
+    if numa_node_count(root) < 2:
+        return None, "one NUMA node"
+    node = pci_numa_node(address, root)
+    if node is None:
+        return None, f"sysfs gives no NUMA node for GPU {address}"
+    cpus = node_cpus(node, allowed, root)
+    return (cpus, "") if cpus else (None, f"none of node {node}'s CPUs is allowed to this process")
 
 
 def bind_threads(cpus: set[int]) -> None:
-    """Move this process's threads that still have the main thread's affinity onto ``cpus`` (threads
-    started later inherit it from the thread that starts them)."""
+    """Move the calling thread, and every thread of this process with the calling thread's affinity,
+    onto ``cpus`` (threads started later inherit it from the thread that starts them)."""
     original = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     for tid in os.listdir("/proc/self/task"):
@@ -134,34 +186,24 @@ def bind_threads(cpus: set[int]) -> None:
             continue
 
 
-def check_mode(mode: object) -> CpuBinding:
-    """``mode`` when it is a CpuBinding, else a ValueError that lists them."""
-    if mode not in get_args(CpuBinding):
-        raise ValueError(f"cpu_binding must be one of {', '.join(get_args(CpuBinding))}, got {mode!r}")
-    return mode  # type: ignore[return-value]
-
-
-def cpus_for(mode: CpuBinding, pci_address: str) -> set[int] | None:
-    """The CPUs ``mode`` gives the GPU at ``pci_address``; None: leave the process as it is."""
-    if check_mode(mode) == "numa":
-        return pci_numa_cpus(pci_address) if numa_node_count() > 1 else None
-    if mode == "exclusive":
-        return exclusive_cpus(pci_address)
-    return None
-
-
 def bind_gpu_process(mode: CpuBinding, device_index: int = 0) -> set[int] | None:
     """Pin this process as ``mode`` says for its CUDA device ``device_index``; the CPUs it is pinned
-    to, or None where there is nothing to do (``none``, no CUDA, nothing known about the GPU)."""
+    to, or None where it stays as it is (``none``, no CUDA, or the mode cannot apply: a warning says
+    why). Never raises for an opt-in speed setting, except for a ``mode`` that is not one."""
     check_mode(mode)
     import torch
 
     if mode == "none" or not torch.cuda.is_available():
         return None
-    address = cuda_pci_address(device_index)
-    cpus = cpus_for(mode, address)
+    try:
+        address = cuda_pci_address(device_index)
+        cpus, why = cpus_for(mode, address)
+        if cpus is not None:
+            bind_threads(cpus)
+    except (AttributeError, OSError) as exc:  # a torch without PCI ids; an affinity the OS refused
+        cpus, why, address = None, f"{type(exc).__name__}: {exc}", "?"
     if cpus is None:
+        log.warning("cpu_binding.skipped", mode=mode, gpu=address, reason=why)
         return None
-    bind_threads(cpus)
     log.info("cpu_binding.bound", mode=mode, gpu=address, cpus=len(cpus), first=min(cpus), last=max(cpus))
     return cpus

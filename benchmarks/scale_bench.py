@@ -462,7 +462,7 @@ async def main() -> None:
     )
     ap.add_argument(
         "--cpu-binding",
-        choices=["none", "numa", "exclusive"],
+        choices=["none", "numa", "exclusive"],  # agentloop.cpu_binding.CpuBinding (checked below)
         default="none",
         help="placement.cpu_binding of the trainer ranks and the engine replicas (agentloop/cpu_binding.py)",
     )
@@ -473,6 +473,9 @@ async def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from agentloop.cpu_binding import check_mode
+
+    check_mode(args.cpu_binding)
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     args.gpus = args.gpus or (n_gpus if gpu else 2)

@@ -148,8 +148,9 @@ class PlacementConfig(_Section):
     )
     cpu_binding: CpuBinding = Field(
         default="none",
-        description="CPUs of each GPU trainer rank and engine replica: none (the OS picks), numa (its GPU's "
-        "NUMA node) or exclusive (a disjoint share of the node's CPUs per GPU); see agentloop/cpu_binding.py.",
+        description="CPUs of the data-parallel trainer ranks and the replica pool's engines (GPU runs placed "
+        "by placement.*): none (the OS picks), numa (their GPU's NUMA node) or exclusive (a disjoint share "
+        "of the node's cores per GPU); see agentloop/cpu_binding.py.",
     )
 
     @model_validator(mode="after")
