@@ -35,6 +35,7 @@ __all__ = [
     "cuda_pci_address",
     "numa_node_count",
     "pci_numa_node",
+    "usable_cpus",
 ]
 
 log = structlog.get_logger("agentloop.cpu_binding")
@@ -50,6 +51,14 @@ def check_mode(mode: object) -> CpuBinding:
     if mode not in get_args(CpuBinding):
         raise ValueError(f"cpu_binding must be one of {', '.join(get_args(CpuBinding))}, got {mode!r}")
     return mode  # type: ignore[return-value]
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity where the OS has one (a container's cpuset, a
+    binding), else every CPU of the machine."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -12,6 +12,8 @@ import torch
 
 from agentloop import cpu_binding as cb
 
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+
 
 def _sysfs(
     root: Path,
@@ -64,6 +66,14 @@ def test_parse_cpu_list(text: str, cpus: set[int]) -> None:
 def test_parse_cpu_list_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError, match="expected a cpulist like '0-3,8'"):
         cb.parse_cpu_list(text)
+
+
+@pytest.mark.usefixtures("thread_affinities")
+def test_usable_cpus_follow_the_affinity() -> None:
+    allowed = os.sched_getaffinity(0)
+    assert cb.usable_cpus() == len(allowed)
+    os.sched_setaffinity(0, {min(allowed)})
+    assert cb.usable_cpus() == 1  # a container's cpuset or a binding, not the machine's count
 
 
 def test_pci_address_is_sysfs_naming() -> None:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from agentloop.cpu_binding import bind_gpu_process
+from agentloop.cpu_binding import bind_gpu_process, usable_cpus
 from trainer import checkpoint as ck
 from trainer._sharding import (
     balance_by_tokens,
@@ -238,7 +238,7 @@ class DPWorker:
 
     def setup(self, config: TrainerConfig, model_path: str, device: str, addr: str, port: int) -> None:
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        threads = max(1, usable_cpus() // self.world_size)  # a share of the CPUs the ranks all see
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray's CUDA_VISIBLE_DEVICES shows this actor one GPU

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from agentloop.cpu_binding import usable_cpus
 from trainer import checkpoint as ck
 from trainer import local_sync, weight_sync
 from trainer.actor import Actor
@@ -18,7 +18,7 @@ class TrainerWorker:
     """The Ray actor that owns the policy: updates, weights and checkpoints."""
 
     def __init__(self, config: TrainerConfig, model_path: str, device: str) -> None:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray sets OMP threads to 1 for actors
+        torch.set_num_threads(usable_cpus())  # Ray sets OMP threads to 1 for actors
         self.actor = Actor(config, model_path, device)
         self._shared = local_sync.SharedWeights()
 
