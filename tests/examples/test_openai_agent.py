@@ -45,6 +45,7 @@ def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert anyio.run(check) == {"calls": 3, "samples": 3, "masked": 0}
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.e2e
 def test_cli_train_flag_runs_trainer_fit(tiny_model_dir: Path, tmp_path: Path) -> None:
     argv = ["--model", str(tiny_model_dir), "--rollouts", "4", "--device", "cpu", "--max-tokens", "4",

@@ -91,6 +91,7 @@ def test_no_update_compiles_after_the_warm_up(tiny_model_dir: Path) -> None:
     assert actor.warm_up_compiled() == 2 * len(compiled.warm_up_shapes(256, 48))
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.usefixtures("eager_dynamo")
 def test_the_reference_model_and_the_critic_are_warmed_up_too(tiny_model_dir: Path) -> None:
     """PPO with a KL loss: the reference model's log-probs (frozen parameters: another guard) and the
@@ -116,6 +117,7 @@ def test_without_the_warm_up_updates_compile(tiny_model_dir: Path, monkeypatch: 
     assert _graphs() > 0
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.usefixtures("eager_dynamo")
 def test_sharded_actor_warms_up_after_sharding(tiny_model_dir: Path) -> None:
     """FSDP2 (1 gloo rank, in this process): the warm-up runs on the sharded model, no update compiles

@@ -61,6 +61,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path: Path, tiny_model_
         assert abs(got[key] - expected[key]) < 1e-4, (key, got[key], expected[key])
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.e2e
 def test_async_checkpoint_records_the_first_untrained_batch(tmp_path: Path, tiny_model_dir: Path) -> None:
     """With max_staleness 1 the next batch is already enqueued when step 1 checkpoints; the saved data

@@ -29,6 +29,7 @@ async def hangs_on_its_first_attempt(task: dict, llm: al.LLM, rollout: Attempted
     return float(bool(resp.choices[0].message.content))
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_hung_agent_times_out_and_is_retried_in_training_and_validation(

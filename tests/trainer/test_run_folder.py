@@ -77,6 +77,7 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_rerun_of_a_finished_run_returns_at_once_and_never_hangs(
@@ -201,6 +202,7 @@ def test_empty_batch_error_lists_the_attempts_errors_with_counts(
     assert "4 x AgentError: agent <agent failing_agent> returned a builtins.str" in message, message
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_validation_is_greedy_and_runs_before_and_after_training(
