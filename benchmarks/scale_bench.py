@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -407,6 +407,8 @@ TARGETS = {  # 2 GPUs: the first scale-out targets; 4 GPUs: issue 20's
 
 
 async def main() -> None:
+    from agentloop.cpu_binding import CpuBinding, numa_node_count
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
@@ -462,7 +464,7 @@ async def main() -> None:
     )
     ap.add_argument(
         "--cpu-binding",
-        choices=["none", "numa", "exclusive"],  # agentloop.cpu_binding.CpuBinding (checked below)
+        choices=get_args(CpuBinding),
         default="none",
         help="placement.cpu_binding of the trainer ranks and the engine replicas (agentloop/cpu_binding.py)",
     )
@@ -473,9 +475,6 @@ async def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from agentloop.cpu_binding import check_mode
-
-    check_mode(args.cpu_binding)
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     args.gpus = args.gpus or (n_gpus if gpu else 2)
@@ -492,8 +491,6 @@ async def main() -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     import ray
-
-    from agentloop.cpu_binding import numa_node_count
 
     root = str(Path(__file__).resolve().parents[1])  # Ray workers import agentloop/trainer from here
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
