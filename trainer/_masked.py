@@ -52,7 +52,7 @@ def agg_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
     mode: str = "token-mean",
-    denominator: float | None = None,
+    denominator: float | torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a (B, T) loss to a scalar.
@@ -106,11 +106,11 @@ def attempt_row_weights(mask: torch.Tensor, attempt_index: torch.Tensor) -> torc
     return torch.where(tokens[inv] > 0, 1.0 / (tokens[inv].clamp(min=1) * attempts), 0.0)
 
 
-def loss_denominator(mask: torch.Tensor, agg: str) -> float:
-    """What agg_loss divides a micro-batch's loss by (tokens or sequences with a token); 1 for
-    attempt-mean-token-mean, whose row weights already hold the whole mini-batch's denominator."""
+def loss_denominator(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """What agg_loss divides a micro-batch's loss by (tokens or sequences with a token, at least 1), a
+    float32 scalar on ``mask``'s device (no CPU-GPU sync); 1 for attempt-mean-token-mean, whose row
+    weights already hold the whole mini-batch's denominator."""
     if agg == "attempt-mean-token-mean":
-        return 1.0
-    if agg == "token-mean":
-        return max(float(mask.sum()), 1.0)
-    return max(float((mask.sum(-1) > 0).sum()), 1.0)
+        return torch.ones((), device=mask.device)
+    counted = mask.sum() if agg == "token-mean" else (mask.sum(-1) > 0).sum()
+    return counted.clamp(min=1).to(torch.float32)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
-from trainer.batch import Batch, micro_batches_with_rows
+from trainer.batch import Batch, index_on, micro_batches_with_rows, token_budget_rows
 
 
 def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -35,23 +35,26 @@ def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
 
 
 def rank_micro_batches(
-    batch: Batch, budget: int, rank: int, world_size: int, device: torch.device
+    batch: Batch, budget: int, rank: int, world_size: int
 ) -> list[tuple[Batch, torch.Tensor]]:
     """This rank's token-budget micro-batches of ``batch`` (row indices into it), padded to the most any
-    rank has with zero-mask rows (empty index) so every rank runs the same forwards (a collective)."""
-    parts = balance_by_tokens(batch.sequence_lengths().tolist(), world_size)  # CPU-GPU sync
+    rank has with zero-mask rows (empty index) so every rank runs the same forwards (a collective).
+
+    Every rank holds the whole batch and deals it the same way, so each counts every rank's
+    micro-batches itself, from the rows' lengths on the host: no collective, nothing waits for the GPU."""
+    host = batch.rows_on_host()
+    parts = balance_by_tokens(host.sequence_tokens(), world_size)
+    most = max(len(token_budget_rows(host.take(part), budget, padded=True)) for part in parts)
     rows = parts[rank]
     mine: list[tuple[Batch, torch.Tensor]] = []
     if rows:
-        index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+        index = index_on(batch.input_ids.device, rows)
         mine = [(mb, index[r]) for mb, r in micro_batches_with_rows(batch.select(rows), budget)]
-    count = torch.tensor([len(mine)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    if int(count) > len(mine) and len(batch):
+    if most > len(mine) and len(batch):
         pad = batch.select([0])
         pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
         empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
-        mine += [(pad, empty)] * (int(count) - len(mine))
+        mine += [(pad, empty)] * (most - len(mine))
     return mine
 
 

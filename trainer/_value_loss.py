@@ -25,7 +25,7 @@ def value_loss(
     *,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
-    denominator: float | None = None,
+    denominator: float | torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
 ) -> ValueLossOutput:
     """PPO's clipped value loss (as verl's ``compute_value_loss``), all (B, T):

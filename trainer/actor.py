@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer._lora import merged_lora_weights, wrap_lora
 from trainer.advantages import attempt_gae, batch_advantages, loss_mask
@@ -237,6 +238,7 @@ class Actor:
         batch = batch.to(self.device)
         mask = batch.response_mask  # (B, R)
         metrics: dict[str, float] = {}
+        on_device: dict[str, torch.Tensor] = {}  # metrics read back after the update, not before it
 
         old = self._old_logprobs(batch, metrics)  # (B, R)
         batch.extras["old_logprobs"] = old
@@ -256,7 +258,7 @@ class Actor:
             batch.extras["ref_logprobs"] = ref
             if cfg.algorithm.use_kl_in_reward:
                 kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
-                metrics["actor/kl_in_reward"] = float(masked_mean(kl, mask.bool(), dim=-1).mean())
+                on_device["actor/kl_in_reward"] = masked_mean(kl, mask.bool(), dim=-1).mean()
         if self.critic is not None:  # PPO: values, GAE over each attempt, the critic fitted to the returns
             values = self.critic.values(batch)  # (B, R)
             adv, returns = attempt_gae(batch, values, cfg, kl)  # (B, R) each
@@ -264,10 +266,10 @@ class Actor:
         else:
             adv = batch_advantages(batch, cfg, kl)  # (B, R)
         batch.extras["advantages"] = adv
-        metrics["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask.bool()))
+        on_device["actor/advantage_abs_mean"] = masked_mean(adv.abs(), mask.bool())
         if batch.truncated is not None:
-            metrics["actor/truncated_samples"] = float(batch.truncated.sum())
-        metrics["actor/loss_tokens_masked"] = float((mask.bool() & ~keep).sum())
+            on_device["actor/truncated_samples"] = batch.truncated.sum()
+        on_device["actor/loss_tokens_masked"] = (mask.bool() & ~keep).sum()
         batch = replace(batch, response_mask=keep.long())  # the loss trains on these tokens only
 
         sums: dict[str, float] = {}
@@ -282,8 +284,11 @@ class Actor:
                     sums[k] = sums.get(k, 0.0) + v
                 n_steps += 1
         metrics.update({k: v / max(n_steps, 1) for k, v in sums.items()})
+        if on_device:
+            read = torch.stack([v.float() for v in on_device.values()]).tolist()
+            metrics.update(zip(on_device, read, strict=True))
         self.step += 1
-        tokens = int(batch.attention_mask.sum())
+        tokens = sum(batch.rows_on_host().sequence_tokens())
         elapsed = time.perf_counter() - t0
         metrics.update(
             {
@@ -329,15 +334,13 @@ class Actor:
         if agg == "attempt-mean-token-mean":  # per-row weights over the whole mini-batch's attempts
             mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
         self.optimizer.zero_grad(set_to_none=True)
-        totals = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/clip_frac": 0.0, "actor/approx_kl": 0.0}
-        if actor.use_kl_loss:
-            totals["actor/kl_loss"] = 0.0
         active = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
-        totals["actor/active_samples"] = float(len(active))
         if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
-            totals["actor/grad_norm"] = 0.0
-            return totals
-        active_tokens = max(float(active.response_mask.sum()), 1.0)  # the rows the metrics average over
+            zeros = dict.fromkeys(self._loss_metric_names(), 0.0)
+            return {**zeros, "actor/active_samples": 0.0, "actor/grad_norm": 0.0}
+        # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
+        totals = {k: torch.zeros((), device=self.device) for k in self._loss_metric_names()}
+        active_tokens = active.response_mask.sum().clamp(min=1)  # the rows the metrics average over
         micro = self._split_micro_batches(active)
         try:
             for i, (mb, _rows) in enumerate(micro):
@@ -361,7 +364,7 @@ class Actor:
                     rollout_is_weights=None if is_weights is None else is_weights[:, :r],
                     row_weights=row_weights,
                 )
-                share = float(m.sum()) / active_tokens  # this micro-batch's share of the active tokens
+                share = m.sum() / active_tokens  # this micro-batch's share of the active tokens
                 # re-aggregate the policy loss against the mini-batch denominator
                 policy_loss = pl.loss * loss_denominator(m, pg_agg) / pg_denom
                 entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom, row_weights=row_weights)  # type: ignore[arg-type]
@@ -376,31 +379,41 @@ class Actor:
                         row_weights=row_weights,
                     )
                     loss = loss + actor.kl_loss_coef * kl
-                    totals["actor/kl_loss"] += float(kl)
+                    totals["actor/kl_loss"] += kl.detach()
                 self._sync_gradients(i == len(micro) - 1)  # padded: the same count on every rank
                 loss.backward()
-                totals["actor/pg_loss"] += float(policy_loss.detach())
-                totals["actor/entropy"] += float(entropy.detach())
-                totals["actor/clip_frac"] += float(pl.clip_frac) * share
-                totals["actor/approx_kl"] += float(pl.approx_kl) * share
+                totals["actor/pg_loss"] += policy_loss.detach()
+                totals["actor/entropy"] += entropy.detach()
+                totals["actor/clip_frac"] += pl.clip_frac * share
+                totals["actor/approx_kl"] += pl.approx_kl * share
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
-        totals["actor/grad_norm"] = self._apply_gradients()
-        return totals
+        metrics = self._apply_gradients(totals)
+        metrics["actor/active_samples"] = float(len(active))
+        return metrics
 
-    def _apply_gradients(self) -> float:
+    def _loss_metric_names(self) -> list[str]:
+        names = ["actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl"]
+        return [*names, "actor/kl_loss"] if self.config.actor_rollout_ref.actor.use_kl_loss else names
+
+    def _apply_gradients(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clip the accumulated gradients to ``actor.grad_clip`` and take the optimizer step (skipped
-        when the norm is not finite); returns the norm before clipping."""
+        when the norm is not finite). Returns ``totals`` read back to the host, in the step's one CPU-GPU
+        sync, with ``actor/grad_norm``: the norm before clipping."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.config.actor_rollout_ref.actor.grad_clip
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))  # note: CPU-GPU sync
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if isinstance(norm, DTensor):  # FSDP2: the global norm, replicated on every rank
+            norm = norm.full_tensor()
+        values = torch.stack([*(v.float() for v in totals.values()), norm.float()]).tolist()  # the sync
+        grad_norm = values.pop()
         if math.isfinite(grad_norm):
             self._apply_warmup()
             self.optimizer.step()
         else:
             log.warning("actor.skip_step_nonfinite_grad", grad_norm=grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return {**dict(zip(totals, values, strict=True)), "actor/grad_norm": grad_norm}
 
     def _apply_warmup(self) -> None:
         optim = self.config.actor_rollout_ref.actor.optim
@@ -461,7 +474,7 @@ def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
     if not zero_adv_is_zero_grad:
         return mini
     adv = mini.extras["advantages"] * mini.response_mask  # (b, R)
-    keep = (adv != 0).any(-1)  # (b,)  note: CPU-GPU sync below
-    if bool(keep.all()):
+    keep = (adv != 0).any(-1).tolist()  # (b,)  note: the CPU-GPU sync of the selection
+    if all(keep):
         return mini
-    return mini.select(keep.nonzero().flatten())
+    return mini.select([i for i, k in enumerate(keep) if k])

@@ -74,6 +74,36 @@ class Calls:
         return out.view(shape)
 
 
+@dataclass(frozen=True)
+class HostRows:
+    """What splitting a batch reads of each row, kept on the host so that splitting a GPU batch into
+    mini- and micro-batches (and dealing it to ranks) never waits for the GPU."""
+
+    prompt_tokens: tuple[int, ...]  # real prompt tokens of each row
+    response_tokens: tuple[int, ...]  # real response tokens (tool tokens included) of each row
+    group_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, prompt_length: int, group_ids: torch.Tensor) -> HostRows:
+        """Read from a batch's tensors (a CPU-GPU sync when they are on a GPU)."""
+        p = prompt_length
+        return cls(
+            tuple(attention_mask[:, :p].sum(-1).tolist()),
+            tuple(attention_mask[:, p:].sum(-1).tolist()),
+            tuple(group_ids.tolist()),
+        )
+
+    def take(self, rows: Sequence[int]) -> HostRows:
+        return HostRows(
+            tuple(self.prompt_tokens[i] for i in rows),
+            tuple(self.response_tokens[i] for i in rows),
+            tuple(self.group_ids[i] for i in rows),
+        )
+
+    def sequence_tokens(self) -> list[int]:
+        return [p + r for p, r in zip(self.prompt_tokens, self.response_tokens, strict=True)]
+
+
 @dataclass
 class Batch:
     """A padded training batch; row i of every tensor is sample i."""
@@ -93,6 +123,7 @@ class Batch:
     temperatures: torch.Tensor | None = None  # (B, R) float32, the sampling temperature of each token
     truncated: torch.Tensor | None = None  # (B,) bool, cut to max_response_length or stopped by max_tokens
     calls: Calls | None = None  # only on the batch build_batch made (advantages are computed on it)
+    host_rows: HostRows | None = None  # the rows' lengths and groups on the host; see ``rows_on_host``
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -107,6 +138,21 @@ class Batch:
 
     def sequence_lengths(self) -> torch.Tensor:
         return self.attention_mask.sum(-1)  # (B,) non-pad tokens per sample
+
+    def rows_on_host(self) -> HostRows:
+        """The rows' token counts and groups as Python ints: kept from build_batch through ``select``
+        and ``to``, read from the tensors (a CPU-GPU sync on a GPU batch) where a batch lacks them."""
+        if self.host_rows is None or len(self.host_rows.group_ids) != len(self):
+            self.host_rows = HostRows.of(self.attention_mask, self.prompt_length, self.group_ids)
+        return self.host_rows
+
+    def fully_real(self) -> bool:
+        """Whether no token of the batch is padding (every row fills both the prompt and the response
+        columns), read on the host."""
+        rows = self.rows_on_host()
+        return all(p == self.prompt_length for p in rows.prompt_tokens) and all(
+            r == self.response_length for r in rows.response_tokens
+        )
 
     def row_attempts(self) -> torch.Tensor:
         """(B,) attempt id of each row (each row its own attempt when the batch does not say)."""
@@ -145,11 +191,12 @@ class Batch:
         """Rows ``indices`` (in that order), with the columns that are padding in all of them cut off.
 
         The selection has no ``calls``: advantages are computed on the whole batch before it is split."""
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)  # (b,)
-        p, attn = self.prompt_length, self.attention_mask[idx]  # (b, P+R)
-        # note: .item() here is a CPU-GPU sync point when the batch is on a GPU
-        new_p = int(attn[:, :p].sum(-1).max().item()) if len(idx) else 0
-        new_r = int(attn[:, p:].sum(-1).max().item()) if len(idx) else 0
+        # note: indices given as a GPU tensor are read back (a CPU-GPU sync); a list or a CPU tensor is not
+        rows = indices.tolist() if isinstance(indices, torch.Tensor) else [int(i) for i in indices]
+        host = self.rows_on_host().take(rows)
+        idx = index_on(self.input_ids.device, rows)  # (b,)
+        p = self.prompt_length
+        new_p, new_r = max(host.prompt_tokens, default=0), max(host.response_tokens, default=0)
         cols = torch.arange(p - new_p, p + new_r, device=idx.device)  # kept columns
 
         def rows_cols(t: torch.Tensor) -> torch.Tensor:
@@ -169,12 +216,22 @@ class Batch:
             group_ids=self.group_ids[idx],
             prompt_length=new_p,
             engine_logprobs=resp(self.engine_logprobs),
-            metadata=[self.metadata[i] for i in idx.tolist()],
+            metadata=[self.metadata[i] for i in rows] if self.metadata else [],
             extras={k: resp(v) for k, v in self.extras.items()},
             attempt_ids=resp(self.attempt_ids),
             temperatures=resp(self.temperatures),
             truncated=resp(self.truncated),
+            host_rows=host,
         )
+
+
+def index_on(device: torch.device, rows: Sequence[int]) -> torch.Tensor:
+    """``rows`` as a long tensor on ``device``; copied to a GPU from pinned memory, without waiting
+    for the work queued on it."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def _group_key(metadata: dict[str, Any]) -> str | None:
@@ -372,10 +429,14 @@ def build_batch(
         k: [] for k in ("row", "start", "length", "reward", "step", "source")
     }
     call_attempts: list[int] = []
+    prompt_tokens: list[int] = []
+    response_tokens: list[int] = []
     for i, (attempt, row) in enumerate(rows):
         sample = row.sample
         resp = sample.response_ids
         np_, nr = len(sample.prompt_ids), min(len(resp), max_response_length)
+        prompt_tokens.append(np_)
+        response_tokens.append(nr)
         truncated[i] = len(resp) > max_response_length or row.hit_max_tokens
         input_ids[i, p - np_ : p] = torch.tensor(sample.prompt_ids)
         input_ids[i, p : p + nr] = torch.tensor(resp[:nr])
@@ -431,6 +492,7 @@ def build_batch(
         temperatures=temperatures,
         truncated=truncated,
         calls=calls,
+        host_rows=HostRows(tuple(prompt_tokens), tuple(response_tokens), tuple(group_ids.tolist())),
     )
     return batch, stats
 
@@ -446,19 +508,31 @@ def split_by_token_budget(
     each distinct prompt once) counts each distinct prompt once and keeps the rows that share a prompt
     next to each other, longest prompt group first.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     p = batch.prompt_length
-    # note: .tolist() is a CPU-GPU sync point when the batch is on a GPU
-    plen = batch.attention_mask[:, :p].sum(-1).tolist()
-    rlen = batch.attention_mask[:, p:].sum(-1).tolist()
-    order = sorted(range(len(batch)), key=lambda i: -(plen[i] + rlen[i]))
-    prompt_of = list(range(len(batch)))  # a prompt id per row: every row its own without sharing
+    host = batch.rows_on_host()
+    prompt_of = None
     if shared_prompts:
-        ids = batch.input_ids[:, :p].tolist()
+        plen = host.prompt_tokens
+        ids = batch.input_ids[:, :p].tolist()  # note: a CPU-GPU sync on a GPU batch
         keys = [tuple(ids[i][p - plen[i] :]) for i in range(len(batch))]
         first: dict[tuple[int, ...], int] = {}
         prompt_of = [first.setdefault(k, i) for i, k in enumerate(keys)]  # first row with these tokens
+    return [batch.select(g) for g in token_budget_rows(host, max_tokens, padded=padded, prompt_of=prompt_of)]
+
+
+def token_budget_rows(
+    host: HostRows, max_tokens: int, *, padded: bool = False, prompt_of: Sequence[int] | None = None
+) -> list[list[int]]:
+    """The rows of each micro-batch ``split_by_token_budget`` makes, read from the rows' lengths alone;
+    ``prompt_of`` (a prompt id per row) counts each distinct prompt once, as ``shared_prompts`` does."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    plen, rlen = host.prompt_tokens, host.response_tokens
+    order = sorted(range(len(plen)), key=lambda i: -(plen[i] + rlen[i]))
+    shared_prompts = prompt_of is not None
+    if prompt_of is None:
+        prompt_of = range(len(plen))  # a prompt id per row: every row its own without sharing
+    else:
         longest: dict[int, int] = {}
         for i in order:
             longest.setdefault(prompt_of[i], plen[i] + rlen[i])  # order is longest first
@@ -483,7 +557,7 @@ def split_by_token_budget(
         total, max_p, max_r = total + plen[i] * (new_prompt or not shared_prompts) + rlen[i], mp, mr
     if cur:
         groups.append(cur)
-    return [batch.select(g) for g in groups]
+    return groups
 
 
 def split_by_groups(batch: Batch, groups_per_mini_batch: int) -> list[Batch]:
@@ -491,9 +565,10 @@ def split_by_groups(batch: Batch, groups_per_mini_batch: int) -> list[Batch]:
     appearance): a task's attempts, however many calls they made, always train in one mini-batch."""
     if groups_per_mini_batch < 1:
         raise ValueError(f"groups per mini-batch must be >= 1, got {groups_per_mini_batch}")
-    order = list(dict.fromkeys(batch.group_ids.tolist()))  # note: CPU-GPU sync on a GPU batch
+    group_ids = batch.rows_on_host().group_ids
+    order = list(dict.fromkeys(group_ids))
     rows_of: dict[int, list[int]] = {}
-    for i, g in enumerate(batch.group_ids.tolist()):
+    for i, g in enumerate(group_ids):
         rows_of.setdefault(g, []).append(i)
     out = []
     for s in range(0, len(order), groups_per_mini_batch):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from trainer.batch import Batch
+from trainer.batch import Batch, HostRows
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -67,7 +67,7 @@ def model_inputs(mb: Batch) -> Batch:
     attention keeps every earlier position's output as it was; the responses, their mask and
     ``prompt_length`` stay as they are."""
     extra = -mb.input_ids.shape[1] % WIDTH_MULTIPLE
-    if extra == 0 and bool(mb.attention_mask.all()):  # note: a CPU-GPU sync
+    if extra == 0 and mb.fully_real():
         extra = WIDTH_MULTIPLE
     if extra == 0:
         return mb
@@ -164,4 +164,5 @@ def _probe_batch(rows: int, p: int, r: int, vocab_size: int, device: torch.devic
         rewards=torch.zeros(rows, device=device),
         group_ids=torch.arange(rows, device=device),
         prompt_length=p,
+        host_rows=HostRows((p,) * rows, (r,) * rows, tuple(range(rows))),
     )

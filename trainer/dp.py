@@ -95,7 +95,7 @@ class ShardedCritic(Critic):
         )
 
     def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
-        return rank_micro_batches(batch, self.token_budget, self.rank, self.world_size, self.device)
+        return rank_micro_batches(batch, self.token_budget, self.rank, self.world_size)
 
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)  # each row was filled by exactly one rank
@@ -181,7 +181,7 @@ class ShardedActor(Actor):
 
     def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
         budget = self.config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        return rank_micro_batches(batch, budget, self.rank, self.world_size, self.device)
+        return rank_micro_batches(batch, budget, self.rank, self.world_size)
 
     def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)  # each row was filled by exactly one rank: the sum is the whole (B, R)

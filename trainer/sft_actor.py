@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from trainer.actor import Actor
 from trainer.algorithms import agg_loss, attempt_row_weights, loss_denominator
 from trainer.batch import Batch
@@ -27,26 +29,23 @@ class SFTActor(Actor):
             batch.extras["row_weights"] = attempt_row_weights(mask, batch.row_attempts())
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        totals = {"sft/loss": torch.zeros((), device=self.device), "sft/tokens": mask.sum()}
         for mb, _rows in self._split_micro_batches(batch):
             logprobs, _ = self._forward(self.model, mb, entropy=False)  # (b, r)
             nll = agg_loss(
                 -logprobs, mb.response_mask, agg, denominator=denom, row_weights=mb.extras.get("row_weights")
             )
             nll.backward()
-            loss_sum += float(nll.detach())  # note: CPU-GPU sync
-        grad_norm = self._apply_gradients()
+            totals["sft/loss"] += nll.detach()
+        metrics = self._apply_gradients(totals)
         self.step += 1
-        tokens = float(mask.sum())
         elapsed = time.perf_counter() - t0
         return {
-            "sft/loss": loss_sum,
-            "sft/tokens": tokens,
+            **metrics,
             "sft/samples": float(len(batch)),
-            "actor/grad_norm": grad_norm,
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "timing/update_s": elapsed,
-            "perf/update_tokens_per_s": float(batch.attention_mask.sum()) / max(elapsed, 1e-9),
+            "perf/update_tokens_per_s": sum(batch.rows_on_host().sequence_tokens()) / max(elapsed, 1e-9),
         }
 
     def mean_nll(self, batch: Batch) -> float:

@@ -142,6 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     args.param_dtype = "bf16" if args.bf16_params else "fp32"  # scale_bench's _config reads these two
     args.reduce_dtype = "bf16" if args.bf16_reduce else "fp32"
+    args.cpu_binding = "none"  # torchrun's ranks stay where the OS puts them
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")

@@ -30,9 +30,9 @@ class _Probe(SFTActor):
 
     grads: torch.Tensor
 
-    def _apply_gradients(self) -> float:
+    def _apply_gradients(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         self.grads = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
-        return super()._apply_gradients()
+        return super()._apply_gradients(totals)
 
 
 def _loss_and_grad(actor: _Probe, t: Triplet) -> tuple[float, torch.Tensor]:

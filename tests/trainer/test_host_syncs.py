@@ -1,0 +1,147 @@
+"""What the update reads back from the device: the rows' lengths and groups live on the host, and the
+micro-batch loop reads nothing back, so on a GPU its kernels queue without waiting (a CPU-GPU sync
+leaves the GPU idle while the host prepares the next kernels)."""
+
+from __future__ import annotations
+
+import collections
+import random
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from agentloop.types import Triplet
+from tests.trainer.samples import actor_config
+from trainer._sharding import balance_by_tokens, rank_micro_batches
+from trainer.actor import Actor
+from trainer.batch import Batch, HostRows, build_batch, split_by_groups, split_by_token_budget
+
+_T = torch.Tensor
+# the calls that copy a GPU tensor's values to the host, so wait for every kernel queued before them
+_READS_BACK = {_T.item, _T.__float__, _T.__int__, _T.__bool__, _T.tolist, _T.nonzero, torch.nonzero}
+_TRAINER = str(Path(__file__).resolve().parents[2] / "trainer")
+
+
+class _ReadBacks(TorchFunctionMode):
+    """Counts the read-backs made directly by trainer/ code, by call site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _READS_BACK:
+            caller = traceback.extract_stack(limit=2)[0]
+            if caller.filename.startswith(_TRAINER):
+                self.sites[f"{Path(caller.filename).name}:{caller.lineno}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _triplets(n: int, seed: int = 0) -> list[Triplet]:
+    rng = random.Random(seed)
+    return [
+        Triplet(
+            prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(2, 12))],
+            response_ids=[rng.randrange(3, 500) for _ in range(rng.randint(1, 10))],
+            reward=float(rng.random() < 0.5),
+            metadata={"group_id": i // 4},
+        )
+        for i in range(n)
+    ]
+
+
+def _batch(n: int, seed: int = 0) -> Batch:
+    batch, _ = build_batch(_triplets(n, seed), max_prompt_length=16, max_response_length=16)
+    return batch
+
+
+def _from_tensors(batch: Batch) -> HostRows:
+    return HostRows.of(batch.attention_mask, batch.prompt_length, batch.group_ids)
+
+
+def test_build_batch_records_what_the_tensors_hold() -> None:
+    batch = _batch(12)
+    assert batch.host_rows == _from_tensors(batch)
+    assert batch.rows_on_host().sequence_tokens() == batch.sequence_lengths().tolist()
+
+
+def test_selections_and_splits_keep_the_host_rows_true() -> None:
+    batch = _batch(24, seed=3)
+    rng = random.Random(1)
+    for _ in range(20):
+        rows = rng.sample(range(len(batch)), rng.randint(1, len(batch)))
+        part = batch.select(rows)
+        assert part.host_rows == _from_tensors(part)
+        assert part.host_rows == batch.rows_on_host().take(rows)
+        assert part.fully_real() == bool(part.attention_mask.all())
+    for part in [*split_by_token_budget(batch, 40, padded=True), *split_by_groups(batch, 2)]:
+        assert part.host_rows == _from_tensors(part)
+    full = batch.select([0])
+    assert full.fully_real() and bool(full.attention_mask.all())
+
+
+def test_a_batch_without_host_rows_reads_them_from_its_tensors() -> None:
+    batch = _batch(8)
+    batch.host_rows = None
+    assert batch.rows_on_host() == _from_tensors(batch)
+    stale = _batch(8)
+    stale.host_rows = stale.rows_on_host().take([0, 1])  # rows of another selection
+    assert stale.rows_on_host() == _from_tensors(stale)
+
+
+def test_select_takes_a_tensor_of_rows_too() -> None:
+    batch = _batch(8)
+    by_list, by_tensor = batch.select([5, 1, 2]), batch.select(torch.tensor([5, 1, 2]))
+    assert torch.equal(by_list.input_ids, by_tensor.input_ids)
+    assert by_list.host_rows == by_tensor.host_rows
+    assert by_list.metadata == [batch.metadata[i] for i in (5, 1, 2)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_rank_counts_the_same_padded_micro_batches_without_a_collective(world: int) -> None:
+    """rank_micro_batches pads each rank to the most micro-batches any rank has, counted on the host
+    from the rows' lengths (no all-reduce): checked against each rank's own split."""
+    batch = _batch(30, seed=7)
+    budget = 60
+    parts = balance_by_tokens(batch.sequence_lengths().tolist(), world)
+    own = [len(split_by_token_budget(batch.select(p), budget, padded=True)) if p else 0 for p in parts]
+    for rank in range(world):
+        mine = rank_micro_batches(batch, budget, rank, world)
+        assert len(mine) == max(own)
+        real = [rows for _, rows in mine if len(rows)]
+        assert len(real) == own[rank]
+        held = sorted(i for rows in real for i in rows.tolist())
+        assert held == sorted(parts[rank])
+        for mb, rows in mine[own[rank] :]:  # padding: one row, nothing to train
+            assert len(rows) == 0 and int(mb.response_mask.sum()) == 0
+
+
+def _loop_read_backs(model_dir: Path, budget: int) -> tuple[collections.Counter[str], int]:
+    actor = Actor(actor_config(model_dir, ppo_max_token_len_per_gpu=budget), model_dir, "cpu")
+    batch = _batch(16, seed=5)
+    forwards = 0
+    forward = actor._forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal forwards
+        forwards += 1
+        return forward(*args, **kwargs)
+
+    actor._forward = counted  # type: ignore[method-assign]
+    counter = _ReadBacks()
+    with counter:
+        actor.update(batch)
+    return counter.sites, forwards
+
+
+def test_the_update_reads_back_the_same_whatever_its_micro_batches(tiny_model_dir: Path) -> None:
+    """The read-backs of an update do not grow with its micro-batches: none inside the loop. (Before:
+    six a micro-batch, each making the GPU wait for the host between forward and backward.)"""
+    few, few_forwards = _loop_read_backs(tiny_model_dir, budget=10_000)
+    many, many_forwards = _loop_read_backs(tiny_model_dir, budget=16)
+    assert many_forwards > few_forwards + 8  # the small budget really made more micro-batches
+    assert many == few, f"read-backs by site: {dict(few)} vs {dict(many)}"
