@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainer._lora import merged_lora_weights, wrap_lora
+from trainer._read_back import clip_and_read_back
 from trainer.advantages import attempt_gae, batch_advantages, loss_mask
 from trainer.algorithms import (
     agg_loss,
@@ -401,19 +401,14 @@ class Actor:
         when the norm is not finite). Returns ``totals`` read back to the host, in the step's one CPU-GPU
         sync, with ``actor/grad_norm``: the norm before clipping."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        clip = self.config.actor_rollout_ref.actor.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        if isinstance(norm, DTensor):  # FSDP2: the global norm, replicated on every rank
-            norm = norm.full_tensor()
-        values = torch.stack([*(v.float() for v in totals.values()), norm.float()]).tolist()  # the sync
-        grad_norm = values.pop()
+        read, grad_norm = clip_and_read_back(params, self.config.actor_rollout_ref.actor.grad_clip, totals)
         if math.isfinite(grad_norm):
             self._apply_warmup()
             self.optimizer.step()
         else:
             log.warning("actor.skip_step_nonfinite_grad", grad_norm=grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return {**dict(zip(totals, values, strict=True)), "actor/grad_norm": grad_norm}
+        return {**read, "actor/grad_norm": grad_norm}
 
     def _apply_warmup(self) -> None:
         optim = self.config.actor_rollout_ref.actor.optim

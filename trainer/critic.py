@@ -25,10 +25,13 @@ import torch
 from torch import nn
 
 from trainer import compiled
+from trainer._read_back import clip_and_read_back
 from trainer.algorithms import explained_variance, loss_denominator, masked_mean, value_loss
 from trainer.batch import Batch, micro_batches_with_rows, split_by_groups
 from trainer.config import TrainerConfig
 from trainer.hidden import shared_prompt_hidden
+
+_LOSS_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
 
 log = structlog.get_logger("trainer.critic")
 
@@ -204,12 +207,12 @@ class Critic:
             from trainer.algorithms import attempt_row_weights
 
             mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
-        total_tokens = max(float(mask_all.sum()), 1.0)
-        totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         if not bool(mask_all.any()):
-            totals["critic/grad_norm"] = 0.0
-            return totals
+            return {**dict.fromkeys(_LOSS_METRICS, 0.0), "critic/grad_norm": 0.0}
+        # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
+        totals = {k: torch.zeros((), device=self.device) for k in _LOSS_METRICS}
+        total_tokens = mask_all.sum().clamp(min=1)
         micro = self._split_micro_batches(mini)
         try:
             for i, (mb, _rows) in enumerate(micro):
@@ -228,24 +231,23 @@ class Critic:
                 )
                 self._sync_gradients(i == len(micro) - 1)  # padded: the same count on every rank
                 out.loss.backward()
-                share = float(m.sum()) / total_tokens
-                totals["critic/vf_loss"] += float(out.loss.detach())
-                totals["critic/vf_clipfrac"] += float(out.clip_frac) * share
-                totals["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), m)) * share
+                share = m.sum() / total_tokens
+                totals["critic/vf_loss"] += out.loss.detach()
+                totals["critic/vf_clipfrac"] += out.clip_frac * share
+                totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), m) * share
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), cc.grad_clip)
-        if math.isfinite(float(grad_norm)):
+        read, grad_norm = clip_and_read_back(self.model.parameters(), cc.grad_clip, totals)
+        if math.isfinite(grad_norm):
             optim = cc.optim
             if optim.lr_warmup_steps > 0:
                 for group in self.optimizer.param_groups:
                     group["lr"] = optim.lr * min(1.0, (self.step + 1) / optim.lr_warmup_steps)
             self.optimizer.step()
         else:
-            log.warning("critic.skip_step_nonfinite_grad", grad_norm=float(grad_norm))
+            log.warning("critic.skip_step_nonfinite_grad", grad_norm=grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        totals["critic/grad_norm"] = float(grad_norm)
-        return totals
+        return {**read, "critic/grad_norm": grad_norm}
 
     # ------------------------------------------------------------ checkpoints
 

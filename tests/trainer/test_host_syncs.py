@@ -120,8 +120,9 @@ def test_every_rank_counts_the_same_padded_micro_batches_without_a_collective(wo
             assert len(rows) == 0 and int(mb.response_mask.sum()) == 0
 
 
-def _loop_read_backs(model_dir: Path, budget: int) -> tuple[collections.Counter[str], int]:
-    actor = Actor(actor_config(model_dir, ppo_max_token_len_per_gpu=budget), model_dir, "cpu")
+def _loop_read_backs(model_dir: Path, budget: int, estimator: str) -> tuple[collections.Counter[str], int]:
+    config = actor_config(model_dir, ppo_max_token_len_per_gpu=budget)
+    actor = Actor(config.with_overrides([f"algorithm.adv_estimator={estimator}"]), model_dir, "cpu")
     batch = _batch(16, seed=5)
     forwards = 0
     forward = actor._forward
@@ -138,10 +139,13 @@ def _loop_read_backs(model_dir: Path, budget: int) -> tuple[collections.Counter[
     return counter.sites, forwards
 
 
-def test_the_update_reads_back_the_same_whatever_its_micro_batches(tiny_model_dir: Path) -> None:
-    """The read-backs of an update do not grow with its micro-batches: none inside the loop. (Before:
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])  # gae: the critic's update too
+def test_the_update_reads_back_the_same_whatever_its_micro_batches(
+    tiny_model_dir: Path, estimator: str
+) -> None:
+    """The read-backs of an update do not grow with its micro-batches: none inside the loops. (Before:
     six a micro-batch, each making the GPU wait for the host between forward and backward.)"""
-    few, few_forwards = _loop_read_backs(tiny_model_dir, budget=10_000)
-    many, many_forwards = _loop_read_backs(tiny_model_dir, budget=16)
+    few, few_forwards = _loop_read_backs(tiny_model_dir, 10_000, estimator)
+    many, many_forwards = _loop_read_backs(tiny_model_dir, 16, estimator)
     assert many_forwards > few_forwards + 8  # the small budget really made more micro-batches
     assert many == few, f"read-backs by site: {dict(few)} vs {dict(many)}"
