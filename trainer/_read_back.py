@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def clip_and_read_back(
@@ -16,8 +15,10 @@ def clip_and_read_back(
     """Clip the gradients of ``params`` to ``max_norm``; returns ``totals`` (device scalars) as floats and
     the gradient norm before clipping, read back together in one CPU-GPU sync."""
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
-    if isinstance(norm, DTensor):  # FSDP2: the global norm, replicated on every rank
+    if hasattr(norm, "full_tensor"):  # FSDP2's DTensor: the global norm, replicated on every rank
         norm = norm.full_tensor()
-    values = torch.stack([*(v.detach().float() for v in totals.values()), norm.float()]).tolist()
+    device = next(iter(totals.values())).device if totals else norm.device
+    scalars = [v.detach().double() for v in totals.values()]  # float64: counts stay exact
+    values = torch.stack([*scalars, norm.to(device, torch.float64)]).tolist()
     grad_norm = values.pop()
     return dict(zip(totals, values, strict=True)), grad_norm

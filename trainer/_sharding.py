@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
-from trainer.batch import Batch, index_on, micro_batches_with_rows, token_budget_rows
+from trainer.batch import Batch, index_on
+from trainer.splits import micro_batches_with_rows, token_budget_rows
 
 
 def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -121,12 +122,12 @@ def sync_gradients(model: nn.Module, on: bool) -> None:
     model.set_requires_gradient_sync(on)  # recurse=True: the root and every layer
 
 
-def sum_over_ranks(totals: dict[str, float], keys: tuple[str, ...], device: torch.device) -> dict[str, float]:
-    present = [k for k in keys if k in totals]
-    summed = torch.tensor([totals[k] for k in present], dtype=torch.float64, device=device)
-    dist.all_reduce(summed)  # each rank's share of the global loss terms
-    totals.update(zip(present, summed.tolist(), strict=True))
-    return totals
+def sum_over_ranks(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each rank's share of the loss terms summed over the ranks, on the device (an all-reduce the GPU
+    runs in order; nothing is read back)."""
+    summed = torch.stack([v.double() for v in totals.values()])
+    dist.all_reduce(summed)
+    return dict(zip(totals, summed.unbind(), strict=True))
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

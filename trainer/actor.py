@@ -42,13 +42,14 @@ from trainer.algorithms import (
     loss_denominator,
     masked_mean,
 )
-from trainer.batch import Batch, micro_batches_with_rows, split_by_groups
+from trainer.batch import Batch
 from trainer.compiled import compile_layers, enabled, model_inputs, warm_up
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
 from trainer.head import head_logprobs
 from trainer.hidden import head_shortcut_is_exact, response_hidden, shared_prompt_is_exact
 from trainer.rollout_correction import rollout_correction
+from trainer.splits import micro_batches_with_rows, split_by_groups
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -285,7 +286,7 @@ class Actor:
                 n_steps += 1
         metrics.update({k: v / max(n_steps, 1) for k, v in sums.items()})
         if on_device:
-            read = torch.stack([v.float() for v in on_device.values()]).tolist()
+            read = torch.stack([v.double() for v in on_device.values()]).tolist()
             metrics.update(zip(on_device, read, strict=True))
         self.step += 1
         tokens = sum(batch.rows_on_host().sequence_tokens())
@@ -388,9 +389,14 @@ class Actor:
                 totals["actor/approx_kl"] += pl.approx_kl * share
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
-        metrics = self._apply_gradients(totals)
+        metrics = self._apply_gradients(self._summed_over_ranks(totals))
         metrics["actor/active_samples"] = float(len(active))
         return metrics
+
+    def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss metrics of the whole mini-batch from this process's share (trainer/dp.py sums the
+        ranks'); one process holds it all."""
+        return totals
 
     def _loss_metric_names(self) -> list[str]:
         names = ["actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl"]

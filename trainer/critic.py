@@ -27,9 +27,10 @@ from torch import nn
 from trainer import compiled
 from trainer._read_back import clip_and_read_back
 from trainer.algorithms import explained_variance, loss_denominator, masked_mean, value_loss
-from trainer.batch import Batch, micro_batches_with_rows, split_by_groups
+from trainer.batch import Batch
 from trainer.config import TrainerConfig
 from trainer.hidden import shared_prompt_hidden
+from trainer.splits import micro_batches_with_rows, split_by_groups
 
 _LOSS_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
 
@@ -198,6 +199,11 @@ class Critic:
         metrics["timing/critic_update_s"] = time.perf_counter() - t0
         return metrics
 
+    def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss metrics of the whole mini-batch from this process's share (trainer/dp.py sums the
+        ranks'); one process holds it all."""
+        return totals
+
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         cc = self.config.critic
         agg = cc.loss_agg_mode
@@ -237,6 +243,7 @@ class Critic:
                 totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), m) * share
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
+        totals = self._summed_over_ranks(totals)
         read, grad_norm = clip_and_read_back(self.model.parameters(), cc.grad_clip, totals)
         if math.isfinite(grad_norm):
             optim = cc.optim

@@ -68,9 +68,6 @@ from trainer.critic import Critic
 
 log = structlog.get_logger("agentloop.trainer.dp")
 
-_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl", "actor/kl_loss")
-_CRITIC_SUMMED = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
-
 
 class ShardedCritic(Critic):
     """The Critic's update, sharded like ``ShardedActor`` (FSDP2 over the same ranks)."""
@@ -105,9 +102,8 @@ class ShardedCritic(Critic):
         if not self.grad_sync_per_micro_batch:
             sync_gradients(self.model, on)
 
-    def _optimizer_step(self, mini: Batch) -> dict[str, float]:
-        totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
-        return sum_over_ranks(totals, _CRITIC_SUMMED, self.device)
+    def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm)
 
     def state(self) -> dict[str, Any]:
         return {**full_state(self.model, self.optimizer), "step": self.step}
@@ -191,9 +187,8 @@ class ShardedActor(Actor):
         if not self.grad_sync_per_micro_batch:  # one reduce-scatter per mini-batch (FSDPConfig)
             sync_gradients(self.model, on)
 
-    def _optimizer_step(self, mini: Batch) -> dict[str, float]:
-        totals = super()._optimizer_step(mini)  # grad_norm is already global (DTensor norm)
-        return sum_over_ranks(totals, _SUMMED_METRICS, self.device)
+    def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm)
 
     # ------------------------------------------------------------ weights and checkpoints
 

@@ -7,7 +7,8 @@ import torch
 
 from agentloop.errors import AgentLoopError, EmptyBatchError
 from agentloop.types import Triplet
-from trainer.batch import Batch, build_batch, split_by_token_budget
+from trainer.batch import Batch, build_batch
+from trainer.splits import split_by_token_budget
 
 PAD = 0
 

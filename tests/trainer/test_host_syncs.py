@@ -18,12 +18,17 @@ from agentloop.types import Triplet
 from tests.trainer.samples import actor_config
 from trainer._sharding import balance_by_tokens, rank_micro_batches
 from trainer.actor import Actor
-from trainer.batch import Batch, HostRows, build_batch, split_by_groups, split_by_token_budget
+from trainer.batch import Batch, HostRows, build_batch
+from trainer.splits import split_by_groups, split_by_token_budget
 
 _T = torch.Tensor
 # the calls that copy a GPU tensor's values to the host, so wait for every kernel queued before them
-_READS_BACK = {_T.item, _T.__float__, _T.__int__, _T.__bool__, _T.tolist, _T.nonzero, torch.nonzero}
+_READS_BACK = {
+    *(_T.item, _T.__float__, _T.__int__, _T.__bool__, _T.__index__, _T.tolist, _T.numpy, _T.cpu),
+    *(_T.nonzero, torch.nonzero, _T.unique, torch.unique, torch.equal, _T.masked_select, torch.masked_select),
+}
 _TRAINER = str(Path(__file__).resolve().parents[2] / "trainer")
+_TORCH = str(Path(torch.__file__).parent)
 
 
 class _ReadBacks(TorchFunctionMode):
@@ -34,11 +39,21 @@ class _ReadBacks(TorchFunctionMode):
         self.sites: collections.Counter[str] = collections.Counter()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _READS_BACK:
-            caller = traceback.extract_stack(limit=2)[0]
+        if func in _READS_BACK or (func is _T.__getitem__ and _bool_index(args)):
+            # the first frame outside torch (torch.unique runs through torch/functional.py)
+            caller = next(
+                f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(_TORCH)
+            )
             if caller.filename.startswith(_TRAINER):
                 self.sites[f"{Path(caller.filename).name}:{caller.lineno}"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _bool_index(args: Any) -> bool:
+    """A boolean-mask index: its result's size depends on the mask's values."""
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
 
 
 def _triplets(n: int, seed: int = 0) -> list[Triplet]:
@@ -121,7 +136,9 @@ def test_every_rank_counts_the_same_padded_micro_batches_without_a_collective(wo
 
 
 def _loop_read_backs(model_dir: Path, budget: int, estimator: str) -> tuple[collections.Counter[str], int]:
-    config = actor_config(model_dir, ppo_max_token_len_per_gpu=budget)
+    # the shared-prompt forward (on when not compiled) finds a micro-batch's distinct prompts with
+    # torch.unique, a read-back a micro-batch; a compiled GPU actor, the default, does not use it
+    config = actor_config(model_dir, ppo_max_token_len_per_gpu=budget, shared_prompt_forward=False)
     actor = Actor(config.with_overrides([f"algorithm.adv_estimator={estimator}"]), model_dir, "cpu")
     batch = _batch(16, seed=5)
     forwards = 0
