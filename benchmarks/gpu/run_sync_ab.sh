@@ -3,9 +3,11 @@
 # one call. benchmarks/gpu/dp_phases.py under torchrun with scale_bench's trainer options (replicated,
 # no reshard, one gradient sync a mini-batch, bf16 all-reduce, compiled), 128 rows of 256-512 + 256-512
 # tokens, 16k-token micro-batches; legs in this order while time is left: new 4 ranks, old 4 ranks, new 1
-# rank, old 1 rank, then new 4 and old 4 again (AB_BUDGET_S, default 500 s: a leg needs 70 s left to start). "old" is this tree with trainer/ from .ab_old/trainer
-# (put there with: mkdir -p .ab_old && git archive BASE trainer | tar x -C .ab_old). Each leg also
-# reports its phases (dp_phases' timed update).
+# rank, old 1 rank, then new 4 and old 4 again (AB_BUDGET_S, default 500 s: a leg needs 70 s left to
+# start). On 4 x H200 the first leg took 184 s (compiles), the next two 129 s and 111 s: the first four
+# legs need ~560 s, so give the call AB_BUDGET_S=560 and its whole 600 s. "old" is this tree with
+# trainer/ from .ab_old/trainer (put there with: mkdir -p .ab_old && git archive BASE trainer | tar x -C
+# .ab_old). Each leg also reports its phases (dp_phases' timed update).
 #   carry .gg/whl, .gpucache and .ab_old; results under $OUT: ab.jsonl (every rank's dp_phases JSON and its leg),
 #   summary.txt (a row a leg), legs.log.
 set -u
