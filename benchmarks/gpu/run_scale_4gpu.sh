@@ -1,6 +1,9 @@
-# GPU call 2 of 2 on a warm 4-GPU machine (call 1 copied .raykit/r1 to /tmp/raykit); carry .raykit/r2, .gg
-# and .gpucache. Extra arguments go to scale_bench.py (e.g. --fsdp-size 1 --reduce-dtype bf16 --no-split-sync).
-# A later call on the same warm machine finds Ray installed in /tmp/rsite and needs only .gg and .gpucache.
+# GPU call 2 of 2 on a warm 4-GPU machine (call 1 copied .raykit/r1 to /tmp/raykit); carry .raykit/r2,
+# .gg/whl and .gpucache (not all of .gg: with the SmolLM2 wheel's parts it passes the 64 MiB carry limit;
+# if r2 + .gg/whl + .gpucache do too, install Ray in a call of its own first, as the 2026-11-28 session did:
+# cp .raykit/r2/* /tmp/raykit/, cat the parts, untar, pip install --target /tmp/rsite w/*.whl). Extra
+# arguments go to scale_bench.py (e.g. --fsdp-size 1 --reduce-dtype bf16 --no-split-sync). A later call on
+# the same warm machine finds Ray installed in /tmp/rsite and needs only .gg/whl and .gpucache.
 set -o pipefail
 if [ ! -d /tmp/rsite/ray ]; then
   cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
