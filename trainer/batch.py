@@ -82,15 +82,19 @@ class HostRows:
     prompt_tokens: tuple[int, ...]  # real prompt tokens of each row
     response_tokens: tuple[int, ...]  # real response tokens (tool tokens included) of each row
     group_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # rows with the same prompt tokens share an id: 0, 1, ... as they come
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor, prompt_length: int, group_ids: torch.Tensor) -> HostRows:
-        """Read from a batch's tensors (a CPU-GPU sync when they are on a GPU)."""
-        p = prompt_length
+    def of(cls, batch: Batch) -> HostRows:
+        """Read from ``batch``'s tensors (a CPU-GPU sync when they are on a GPU)."""
+        p = batch.prompt_length
+        prompt_tokens = batch.attention_mask[:, :p].sum(-1).tolist()
+        ids = batch.input_ids[:, :p].tolist()
         return cls(
-            tuple(attention_mask[:, :p].sum(-1).tolist()),
-            tuple(attention_mask[:, p:].sum(-1).tolist()),
-            tuple(group_ids.tolist()),
+            tuple(prompt_tokens),
+            tuple(batch.attention_mask[:, p:].sum(-1).tolist()),
+            tuple(batch.group_ids.tolist()),
+            prompt_numbers([tuple(row[p - n :]) for row, n in zip(ids, prompt_tokens, strict=True)]),
         )
 
     def take(self, rows: Sequence[int]) -> HostRows:
@@ -98,10 +102,17 @@ class HostRows:
             tuple(self.prompt_tokens[i] for i in rows),
             tuple(self.response_tokens[i] for i in rows),
             tuple(self.group_ids[i] for i in rows),
+            prompt_numbers([(self.prompt_ids[i],) for i in rows]),  # numbered again: 0, 1, ... as they come
         )
 
     def sequence_tokens(self) -> list[int]:
         return [p + r for p, r in zip(self.prompt_tokens, self.response_tokens, strict=True)]
+
+
+def prompt_numbers(prompts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """An id per prompt, the same for equal prompts: distinct prompts numbered in order of appearance."""
+    numbers: dict[tuple[int, ...], int] = {}
+    return tuple(numbers.setdefault(prompt, len(numbers)) for prompt in prompts)
 
 
 @dataclass
@@ -151,7 +162,7 @@ class Batch:
             or max(host.prompt_tokens, default=0) > self.prompt_length
             or max(host.response_tokens, default=0) > self.response_length
         ):
-            host = self.host_rows = HostRows.of(self.attention_mask, self.prompt_length, self.group_ids)
+            host = self.host_rows = HostRows.of(self)
         return host
 
     def fully_real(self) -> bool:
@@ -502,6 +513,11 @@ def build_batch(
         temperatures=temperatures,
         truncated=truncated,
         calls=calls,
-        host_rows=HostRows(tuple(prompt_tokens), tuple(response_tokens), tuple(group_ids.tolist())),
+        host_rows=HostRows(
+            tuple(prompt_tokens),
+            tuple(response_tokens),
+            tuple(group_ids.tolist()),
+            prompt_numbers([tuple(r.sample.prompt_ids) for _, r in rows]),
+        ),
     )
     return batch, stats

@@ -164,5 +164,5 @@ def _probe_batch(rows: int, p: int, r: int, vocab_size: int, device: torch.devic
         rewards=torch.zeros(rows, device=device),
         group_ids=torch.arange(rows, device=device),
         prompt_length=p,
-        host_rows=HostRows((p,) * rows, (r,) * rows, tuple(range(rows))),
+        host_rows=HostRows((p,) * rows, (r,) * rows, tuple(range(rows)), tuple(range(rows))),
     )

@@ -55,7 +55,13 @@ class ValueModel(nn.Module):
         hidden = None
         if shared_prompts:
             hidden = shared_prompt_hidden(
-                self.decoder, mb.input_ids, mb.attention_mask, mb.position_ids, p, r
+                self.decoder,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.position_ids,
+                p,
+                r,
+                mb.rows_on_host().prompt_ids,
             )
         if hidden is None:
             hidden = self.decoder(

@@ -9,6 +9,7 @@ Two shortcuts of the trainer's forward, each used only where a probe finds it ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import structlog
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from agentloop.engine.models import cache_argument
-from trainer.batch import Batch
+from trainer.batch import Batch, index_on
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -47,7 +48,9 @@ def response_hidden(
     if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
         return None
     if shared_prompts:
-        shared = shared_prompt_hidden(decoder, mb.input_ids, mb.attention_mask, mb.position_ids, p, r)
+        shared = shared_prompt_hidden(
+            decoder, mb.input_ids, mb.attention_mask, mb.position_ids, p, r, mb.rows_on_host().prompt_ids
+        )
         if shared is not None:
             return shared, head
     hidden = decoder(  # use_cache=False: a KV cache in training only copies keys and values
@@ -66,6 +69,7 @@ def shared_prompt_hidden(
     position_ids: torch.Tensor,
     p: int,
     r: int,
+    prompt_ids: Sequence[int] | None = None,
 ) -> torch.Tensor | None:
     """The decoder's final hidden states (b, R, d) at the positions that score the response tokens
     (columns p-1 .. p+r-2 of the (b, P+R) rows), with each distinct prompt run once.
@@ -76,14 +80,27 @@ def shared_prompt_hidden(
     shared keys and values into the prompt's single forward, so the loss and its gradient are those of
     the full forward (``shared_prompt_is_exact`` checks the model once). None when no two rows share
     a prompt or the model returned no cache: the caller runs the plain forward.
+
+    ``prompt_ids`` (rows with equal prompts share an id, ``HostRows.prompt_ids``) find the distinct
+    prompts on the host; without them they are found on the device (``torch.unique``: a CPU-GPU sync).
     """
-    key = torch.cat([input_ids[:, :p], attention_mask[:, :p]], dim=1)  # (b, 2P): the same pads too
-    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)  # note: CPU-GPU sync
-    if distinct.shape[0] == key.shape[0] or p == 0:
-        return None
-    rows = torch.arange(key.shape[0], device=key.device)
-    first = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
-    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (u,) a row holding each prompt
+    if prompt_ids is not None:
+        firsts: dict[int, int] = {}
+        for row, prompt in enumerate(prompt_ids):
+            firsts.setdefault(prompt, row)
+        if len(firsts) == len(prompt_ids) or p == 0:
+            return None
+        slot = {prompt: k for k, prompt in enumerate(firsts)}
+        first = index_on(input_ids.device, list(firsts.values()))  # (u,) a row holding each prompt
+        inverse = index_on(input_ids.device, [slot[prompt] for prompt in prompt_ids])  # (b,)
+    else:
+        key = torch.cat([input_ids[:, :p], attention_mask[:, :p]], dim=1)  # (b, 2P): the same pads too
+        distinct, inverse = torch.unique(key, dim=0, return_inverse=True)  # note: CPU-GPU sync
+        if distinct.shape[0] == key.shape[0] or p == 0:
+            return None
+        rows = torch.arange(key.shape[0], device=key.device)
+        first = torch.full((distinct.shape[0],), key.shape[0], dtype=torch.long, device=key.device)
+        first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (u,) a row holding each prompt
     prompt = decoder(
         input_ids=input_ids[first, :p],
         attention_mask=attention_mask[first, :p],

@@ -22,15 +22,11 @@ def split_by_token_budget(
     each distinct prompt once) counts each distinct prompt once and keeps the rows that share a prompt
     next to each other, longest prompt group first.
     """
-    p = batch.prompt_length
     host = batch.rows_on_host()
     prompt_of = None
-    if shared_prompts:
-        plen = host.prompt_tokens
-        ids = batch.input_ids[:, :p].tolist()  # note: a CPU-GPU sync on a GPU batch
-        keys = [tuple(ids[i][p - plen[i] :]) for i in range(len(batch))]
-        first: dict[tuple[int, ...], int] = {}
-        prompt_of = [first.setdefault(k, i) for i, k in enumerate(keys)]  # first row with these tokens
+    if shared_prompts:  # each prompt named by the first row holding it
+        first: dict[int, int] = {}
+        prompt_of = [first.setdefault(prompt, i) for i, prompt in enumerate(host.prompt_ids)]
     return [batch.select(g) for g in token_budget_rows(host, max_tokens, padded=padded, prompt_of=prompt_of)]
 
 

@@ -58,9 +58,10 @@ def _bool_index(args: Any) -> bool:
 
 def _triplets(n: int, seed: int = 0) -> list[Triplet]:
     rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 12))] for _ in range((n + 3) // 4)]
     return [
         Triplet(
-            prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(2, 12))],
+            prompt_ids=prompts[i // 4],  # a group's attempts share their prompt
             response_ids=[rng.randrange(3, 500) for _ in range(rng.randint(1, 10))],
             reward=float(rng.random() < 0.5),
             metadata={"group_id": i // 4},
@@ -75,7 +76,7 @@ def _batch(n: int, seed: int = 0) -> Batch:
 
 
 def _from_tensors(batch: Batch) -> HostRows:
-    return HostRows.of(batch.attention_mask, batch.prompt_length, batch.group_ids)
+    return HostRows.of(batch)
 
 
 def test_build_batch_records_what_the_tensors_hold() -> None:
@@ -136,9 +137,7 @@ def test_every_rank_counts_the_same_padded_micro_batches_without_a_collective(wo
 
 
 def _loop_read_backs(model_dir: Path, budget: int, estimator: str) -> tuple[collections.Counter[str], int]:
-    # the shared-prompt forward (on when not compiled) finds a micro-batch's distinct prompts with
-    # torch.unique, a read-back a micro-batch; a compiled GPU actor, the default, does not use it
-    config = actor_config(model_dir, ppo_max_token_len_per_gpu=budget, shared_prompt_forward=False)
+    config = actor_config(model_dir, ppo_max_token_len_per_gpu=budget)  # the shared-prompt forward on
     actor = Actor(config.with_overrides([f"algorithm.adv_estimator={estimator}"]), model_dir, "cpu")
     batch = _batch(16, seed=5)
     forwards = 0
@@ -166,3 +165,21 @@ def test_the_update_reads_back_the_same_whatever_its_micro_batches(
     many, many_forwards = _loop_read_backs(tiny_model_dir, 16, estimator)
     assert many_forwards > few_forwards + 8  # the small budget really made more micro-batches
     assert many == few, f"read-backs by site: {dict(few)} vs {dict(many)}"
+
+
+def test_host_prompt_ids_find_the_same_shared_prompts_as_the_device(tiny_model_dir: Path) -> None:
+    """shared_prompt_hidden with the host's prompt ids (no read-back) gives the hidden states the
+    device's torch.unique path gives."""
+    from trainer.actor import load_policy
+    from trainer.hidden import shared_prompt_hidden
+
+    decoder = load_policy(tiny_model_dir, torch.device("cpu")).get_decoder()
+    batch = _batch(12, seed=2).select([0, 4, 1, 8, 5, 2, 9])  # groups 0, 1, 2 interleaved
+    ids = batch.rows_on_host().prompt_ids
+    assert len(set(ids)) == 3 and ids == _from_tensors(batch).prompt_ids
+    p, r = batch.prompt_length, batch.response_length
+    with torch.no_grad():
+        args = (decoder, batch.input_ids, batch.attention_mask, batch.position_ids, p, r)
+        on_host, on_device = shared_prompt_hidden(*args, ids), shared_prompt_hidden(*args)
+    assert on_host is not None and on_device is not None
+    torch.testing.assert_close(on_host, on_device)
