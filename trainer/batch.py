@@ -168,9 +168,9 @@ class Batch:
     def fully_real(self) -> bool:
         """Whether no token of the batch is padding (every row fills both the prompt and the response
         columns), read on the host."""
-        rows = self.rows_on_host()
         if self.input_ids.shape[1] != self.prompt_length + self.response_length:  # columns appended
             return False
+        rows = self.rows_on_host()
         return all(p == self.prompt_length for p in rows.prompt_tokens) and all(
             r == self.response_length for r in rows.response_tokens
         )

@@ -23,10 +23,8 @@ def split_by_token_budget(
     next to each other, longest prompt group first.
     """
     host = batch.rows_on_host()
-    prompt_of = None
-    if shared_prompts:  # each prompt named by the first row holding it
-        first: dict[int, int] = {}
-        prompt_of = [first.setdefault(prompt, i) for i, prompt in enumerate(host.prompt_ids)]
+    # prompt ids count up as the prompts first appear, so they order the prompts as their first rows do
+    prompt_of = host.prompt_ids if shared_prompts else None
     return [batch.select(g) for g in token_budget_rows(host, max_tokens, padded=padded, prompt_of=prompt_of)]
 
 
