@@ -4,9 +4,13 @@ idles while the host prepares the next ones."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
+import structlog
 import torch
+
+log = structlog.get_logger("agentloop.trainer")
 
 
 def clip_and_read_back(
@@ -22,3 +26,29 @@ def clip_and_read_back(
     values = torch.stack([*scalars, norm.to(device, torch.float64)]).tolist()
     grad_norm = values.pop()
     return dict(zip(totals, values, strict=True)), grad_norm
+
+
+def clipped_step(
+    optimizer: torch.optim.Optimizer,
+    params: Iterable[torch.Tensor],
+    *,
+    max_norm: float,
+    lr: float,
+    lr_warmup_steps: int,
+    step: int,
+    totals: dict[str, torch.Tensor],
+    role: str,
+) -> tuple[dict[str, float], float]:
+    """Clip, read back (:func:`clip_and_read_back`) and step ``optimizer`` with its learning rate warmed
+    up linearly over ``lr_warmup_steps`` (``step`` counts the updates done before this one); a step whose
+    gradient norm is not finite is skipped and logged under ``role``. The gradients are zeroed either way."""
+    read, grad_norm = clip_and_read_back(params, max_norm, totals)
+    if math.isfinite(grad_norm):
+        if lr_warmup_steps > 0:
+            for group in optimizer.param_groups:
+                group["lr"] = lr * min(1.0, (step + 1) / lr_warmup_steps)
+        optimizer.step()
+    else:
+        log.warning(f"{role}.skip_step_nonfinite_grad", grad_norm=grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return read, grad_norm

@@ -19,7 +19,6 @@ One update on a Batch:
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 from trainer._lora import merged_lora_weights, wrap_lora
-from trainer._read_back import clip_and_read_back
+from trainer._read_back import clipped_step
 from trainer.advantages import attempt_gae, batch_advantages, loss_mask
 from trainer.algorithms import (
     agg_loss,
@@ -406,22 +405,18 @@ class Actor:
         """Clip the accumulated gradients to ``actor.grad_clip`` and take the optimizer step (skipped
         when the norm is not finite). Returns ``totals`` read back to the host, in the step's one CPU-GPU
         sync, with ``actor/grad_norm``: the norm before clipping."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        read, grad_norm = clip_and_read_back(params, self.config.actor_rollout_ref.actor.grad_clip, totals)
-        if math.isfinite(grad_norm):
-            self._apply_warmup()
-            self.optimizer.step()
-        else:
-            log.warning("actor.skip_step_nonfinite_grad", grad_norm=grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        actor = self.config.actor_rollout_ref.actor
+        read, grad_norm = clipped_step(
+            self.optimizer,
+            [p for p in self.model.parameters() if p.requires_grad],
+            max_norm=actor.grad_clip,
+            lr=actor.optim.lr,
+            lr_warmup_steps=actor.optim.lr_warmup_steps,
+            step=self.step,
+            totals=totals,
+            role="actor",
+        )
         return {**read, "actor/grad_norm": grad_norm}
-
-    def _apply_warmup(self) -> None:
-        optim = self.config.actor_rollout_ref.actor.optim
-        if optim.lr_warmup_steps > 0:
-            scale = min(1.0, (self.step + 1) / optim.lr_warmup_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = optim.lr * scale
 
     # ------------------------------------------------------------ weights and checkpoints
 

@@ -14,18 +14,16 @@ actor's micro-batching; the actor's update follows (after ``trainer.critic_warmu
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-import structlog
 import torch
 from torch import nn
 
 from trainer import compiled
-from trainer._read_back import clip_and_read_back
+from trainer._read_back import clipped_step
 from trainer.algorithms import explained_variance, loss_denominator, masked_mean, value_loss
 from trainer.batch import Batch
 from trainer.config import TrainerConfig
@@ -33,8 +31,6 @@ from trainer.hidden import shared_prompt_hidden
 from trainer.splits import micro_batches_with_rows, split_by_groups
 
 _LOSS_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
-
-log = structlog.get_logger("trainer.critic")
 
 
 class ValueModel(nn.Module):
@@ -250,16 +246,16 @@ class Critic:
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
         totals = self._summed_over_ranks(totals)
-        read, grad_norm = clip_and_read_back(self.model.parameters(), cc.grad_clip, totals)
-        if math.isfinite(grad_norm):
-            optim = cc.optim
-            if optim.lr_warmup_steps > 0:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = optim.lr * min(1.0, (self.step + 1) / optim.lr_warmup_steps)
-            self.optimizer.step()
-        else:
-            log.warning("critic.skip_step_nonfinite_grad", grad_norm=grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        read, grad_norm = clipped_step(
+            self.optimizer,
+            self.model.parameters(),
+            max_norm=cc.grad_clip,
+            lr=cc.optim.lr,
+            lr_warmup_steps=cc.optim.lr_warmup_steps,
+            step=self.step,
+            totals=totals,
+            role="critic",
+        )
         return {**read, "critic/grad_norm": grad_norm}
 
     # ------------------------------------------------------------ checkpoints
