@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer._masked import _check_mask, attempt_row_weights, masked_whiten
+from trainer._masked import _check_mask, attempt_row_weights, dense_ids, masked_whiten
 from trainer._registry import AdvantageOutput, register_adv_estimator
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need several samples per group
@@ -29,9 +29,9 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
     positions = torch.arange(m.shape[1], device=m.device).expand_as(m)  # (B, T)
     last = torch.where(m, positions, -1).max(-1).values  # (B,), -1 when no valid token
     out = torch.zeros(m.shape, dtype=torch.float32, device=scores.device)
-    rows = (last >= 0).nonzero().squeeze(-1)
-    out[rows, last[rows]] = scores[rows].float()
-    return out
+    # a row without a valid token puts a 0 on its column 0, which stays 0
+    value = torch.where(last >= 0, scores.float(), 0.0)[:, None]  # (B, 1)
+    return out.scatter_(1, last.clamp(min=0)[:, None], value)
 
 
 def _as_scores(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -73,8 +73,7 @@ def _attempt_votes(
     votes = scores if attempt_scores is None else attempt_scores.float()
     if votes.shape != scores.shape:
         raise ValueError(f"attempt_scores must be (B,)={tuple(scores.shape)}, got {tuple(votes.shape)}")
-    # note: torch.unique is a CPU-GPU sync point (its output size depends on the data)
-    _, att = torch.unique(attempt_index, return_inverse=True)  # (B,)
+    att = dense_ids(attempt_index)  # (B,)
     rows = torch.arange(b, device=scores.device)
     first_row = torch.full((b,), b, device=scores.device, dtype=torch.long).scatter_reduce_(
         0, att, rows, reduce="amin"
@@ -97,8 +96,7 @@ def _group_stats(
     if index.shape != scores.shape:
         raise ValueError(f"index must be (B,)={tuple(scores.shape)}, got shape {tuple(index.shape)}")
     _att, first, votes = _attempt_votes(scores, attempt_index, attempt_scores)
-    # note: torch.unique is a CPU-GPU sync point (its output size depends on the data)
-    _, inv = torch.unique(index, return_inverse=True)  # (B,) group number of each sample
+    inv = dense_ids(index)  # (B,) group number of each sample
     g = scores.shape[0]  # an upper bound on the number of groups (no CPU-GPU sync)
     one = first.float()  # (B,) 1 on the row that casts its attempt's vote
     count = torch.zeros(g, device=scores.device).index_add_(0, inv, one)[inv]  # (B,)
@@ -120,8 +118,10 @@ def _attempt_weighted_whiten(
     w = attempt_row_weights(m, attempt_index)[:, None] * m  # (B, T), sums to 1
     x = x.masked_fill(~m, 0.0)
     mean = (x * w).sum()
-    attempts = torch.unique(attempt_index[m.any(-1)]).numel()  # note: CPU-GPU sync
-    var = ((x - mean) ** 2 * w).sum() * attempts / max(attempts - 1, 1)  # Bessel over attempts
+    att = dense_ids(attempt_index)  # (B,)
+    valid = torch.zeros(att.shape[0], device=x.device).index_add_(0, att, m.any(-1).float())  # per attempt
+    attempts = (valid > 0).sum()  # attempts with a valid token
+    var = ((x - mean) ** 2 * w).sum() * attempts / (attempts - 1).clamp(min=1)  # Bessel over attempts
     return ((x - mean) * torch.rsqrt(var + eps)).masked_fill(~m, 0.0)
 
 

@@ -93,6 +93,19 @@ def agg_loss(
     return seq.sum() / count
 
 
+def dense_ids(ids: torch.Tensor) -> torch.Tensor:
+    """(B,) ids renumbered 0, 1, ... in ascending order of their values: ``torch.unique(ids,
+    return_inverse=True)[1]`` without reading the ids back (unique's output size depends on them, a
+    CPU-GPU sync); a sort and a running count of value changes instead."""
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be (B,), got shape {tuple(ids.shape)}")
+    order = ids.argsort(stable=True)  # (B,)
+    ordered = ids[order]
+    starts = torch.ones_like(ordered, dtype=torch.long)  # (B,) 1 where a new value starts
+    starts[1:] = (ordered[1:] != ordered[:-1]).long()
+    return torch.empty_like(starts).scatter_(0, order, starts.cumsum(0) - 1)
+
+
 def attempt_row_weights(mask: torch.Tensor, attempt_index: torch.Tensor) -> torch.Tensor:
     """(B,) weights for attempt-mean-token-mean: 1 / (number of attempts with a valid token x the valid
     tokens of the row's attempt). Computed once on a whole mini-batch, they make micro-batch losses add
@@ -100,7 +113,7 @@ def attempt_row_weights(mask: torch.Tensor, attempt_index: torch.Tensor) -> torc
     m = mask.bool()
     if attempt_index.shape != m.shape[:1]:
         raise ValueError(f"attempt_index must be (B,)={tuple(m.shape[:1])}, got {tuple(attempt_index.shape)}")
-    _, inv = torch.unique(attempt_index, return_inverse=True)  # (B,)  note: CPU-GPU sync
+    inv = dense_ids(attempt_index)  # (B,)
     tokens = torch.zeros(m.shape[0], device=m.device).index_add_(0, inv, m.sum(-1).float())  # per attempt
     attempts = (tokens > 0).sum().clamp(min=1)
     return torch.where(tokens[inv] > 0, 1.0 / (tokens[inv].clamp(min=1) * attempts), 0.0)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from trainer import compiled
+from trainer._attention_mask import attention_inputs
 from trainer._read_back import clipped_step
 from trainer.algorithms import explained_variance, loss_denominator, masked_mean, value_loss
 from trainer.batch import Batch
@@ -62,8 +63,7 @@ class ValueModel(nn.Module):
         if hidden is None:
             hidden = self.decoder(
                 input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
-                position_ids=mb.position_ids,
+                **attention_inputs(self.decoder, mb.attention_mask, mb.position_ids, mb.fully_real()),
                 use_cache=False,
             ).last_hidden_state[:, p - 1 : p + r - 1]  # (b, R, d)
         return (

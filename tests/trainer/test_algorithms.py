@@ -328,3 +328,22 @@ def test_agg_and_kl_ignore_masked_values(mode: str) -> None:
         r2, mean2 = A.apply_kl_in_reward(_scramble(c["rewards"], m, 12), kl2, 0.1, m)
         assert torch.allclose(r1, r2) and torch.allclose(mean1, mean2)
         assert A.agg_loss(kl1, m, mode).item() == approx(A.agg_loss(kl2, m, mode).item())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dense_ids_number_as_torch_unique_does(seed: int) -> None:
+    """The advantages group rows without reading their ids back; the numbering is unique's."""
+    from trainer._masked import dense_ids
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-(2**40), 2**40, (6,), generator=g)[torch.randint(0, 6, (33,), generator=g)]
+    assert torch.equal(dense_ids(ids), torch.unique(ids, return_inverse=True)[1])
+    assert dense_ids(torch.tensor([7])).tolist() == [0]
+    assert dense_ids(torch.tensor([5, 5, 2, 9, 2])).tolist() == [1, 1, 0, 2, 0]
+
+
+def test_dense_ids_take_one_dimension() -> None:
+    from trainer._masked import dense_ids
+
+    with pytest.raises(ValueError, match=r"ids must be \(B,\)"):
+        dense_ids(torch.zeros(2, 2, dtype=torch.long))

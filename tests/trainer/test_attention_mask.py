@@ -1,0 +1,147 @@
+"""The decoder's attention mask built on the device: the mask transformers would build, and a forward
+over padded rows that reads nothing back (transformers' own check reads the padding mask back)."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
+from transformers.masking_utils import sdpa_mask
+
+from tests.trainer.samples import actor_config
+from tests.trainer.test_compiled import eager_dynamo  # noqa: F401  (a fixture)
+from tests.trainer.test_host_syncs import _READS_BACK, _T, _batch, _bool_index
+from trainer._attention_mask import attention_inputs
+from trainer.actor import Actor
+
+_TORCH = str(Path(torch.__file__).parent)
+
+
+class _AnyReadBack(TorchFunctionMode):
+    """Counts read-backs by call site outside torch itself: trainer/ and transformers alike. Not the
+    graphs dynamo generates: they read the layers' float attributes (an RMSNorm's epsilon) from the CPU
+    scalars dynamo lifted them into, which on a GPU stay on the host too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _READS_BACK or (func is _T.__getitem__ and _bool_index(args)):
+            caller = next(
+                f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(_TORCH)
+            )
+            if not caller.filename.startswith("<eval_with_key>"):
+                self.sites[f"{caller.filename.rsplit('/', 2)[-1]}:{caller.lineno} {caller.line}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _padding_mask() -> torch.Tensor:
+    return torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 1, 0],  # a left-padded prompt and a short response
+            [1, 1, 1, 1, 1, 1, 1],
+            [0, 1, 1, 1, 0, 0, 0],
+        ]
+    )
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(1) - 1).clamp(min=0)  # as build_batch numbers them
+
+
+def _llama(attn: str = "sdpa") -> PreTrainedModel:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.5,
+    )
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def test_the_mask_is_the_one_transformers_builds() -> None:
+    mask = _padding_mask()
+    ours = attention_inputs(_llama(), mask, _positions(mask), fully_real=False)["attention_mask"]
+    assert ours is not None
+    theirs = sdpa_mask(
+        batch_size=3, q_length=7, kv_length=7, attention_mask=mask.bool(), allow_is_causal_skip=False
+    )
+    assert ours.shape == (3, 1, 7, 7) and ours.dtype == torch.bool
+    assert torch.equal(ours, theirs)
+
+
+def test_the_forward_is_the_same_bit_for_bit() -> None:
+    model = _llama()
+    mask = _padding_mask()
+    ids = torch.randint(3, 128, mask.shape) * mask
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        ours = model(
+            input_ids=ids, **attention_inputs(model, mask, _positions(mask), fully_real=False)
+        ).logits
+    real = mask.bool()
+    assert torch.equal(ours[real], plain[real])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda: _llama("eager"), id="eager-attention"),
+        pytest.param(
+            lambda: AutoModelForCausalLM.from_config(
+                Qwen2Config(
+                    vocab_size=64,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    use_sliding_window=True,
+                    sliding_window=4,
+                    max_window_layers=1,
+                ),
+                attn_implementation="sdpa",
+            ),
+            id="sliding-window",
+        ),
+    ],
+)
+def test_models_with_other_masks_get_the_padding_mask(model: Any) -> None:
+    """A prepared 4D mask would replace a sliding window's own mask, and eager attention adds its mask."""
+    mask = _padding_mask()
+    inputs = attention_inputs(model(), mask, _positions(mask), fully_real=False)
+    assert inputs["attention_mask"] is mask
+
+
+def test_a_batch_without_padding_keeps_the_causal_path() -> None:
+    mask = torch.ones(2, 5, dtype=torch.long)
+    inputs = attention_inputs(_llama(), mask, _positions(mask), fully_real=True)
+    assert inputs["attention_mask"] is mask  # transformers finds no padding: SDPA's is_causal path
+
+
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
+def test_a_forward_over_padded_rows_reads_nothing_back(
+    tiny_model_dir: Path, compile_layers: bool, request: pytest.FixtureRequest
+) -> None:
+    if compile_layers:
+        request.getfixturevalue("eager_dynamo")  # compiles as on a GPU, without inductor
+    actor = Actor(actor_config(tiny_model_dir, ppo_max_token_len_per_gpu=256), tiny_model_dir, "cpu")
+    assert actor.compiled == compile_layers
+    batch = _batch(8, seed=2)
+    assert not batch.fully_real()
+    counter = _AnyReadBack()
+    with counter:
+        logprobs, _ = actor._forward(actor.model, batch, entropy=True)
+    assert counter.sites == {}, f"read-backs by site: {dict(counter.sites)}"
+    assert torch.isfinite(logprobs[batch.response_mask.bool()]).all()
