@@ -240,12 +240,15 @@ class Actor:
         metrics: dict[str, float] = {}
         on_device: dict[str, torch.Tensor] = {}  # metrics read back after the update, not before it
 
-        old = self._old_logprobs(batch, metrics)  # (B, R)
-        batch.extras["old_logprobs"] = old
+        old = None if self._old_from_the_loss(batch) else self._old_logprobs(batch, metrics)  # (B, R)
+        metrics["actor/old_logprobs_from_the_loss"] = float(old is None)
+        if old is not None:
+            batch.extras["old_logprobs"] = old
         keep = loss_mask(batch, cfg)  # (B, R) bool: overlong-filtered samples out of the loss
         is_level = cfg.rollout_is_level()
         corr_cfg = cfg.algorithm.rollout_correction
         if batch.engine_logprobs is not None and (is_level is not None or corr_cfg.rollout_rs is not None):
+            assert old is not None  # _old_from_the_loss: not with rollout correction
             corr = rollout_correction(old, batch.engine_logprobs, mask, corr_cfg, is_level)
             metrics.update(corr.metrics)
             keep = keep & corr.keep
@@ -257,6 +260,7 @@ class Actor:
             ref = self.compute_logprobs(batch, self.ref)
             batch.extras["ref_logprobs"] = ref
             if cfg.algorithm.use_kl_in_reward:
+                assert old is not None  # _old_from_the_loss: not with the KL in the reward
                 kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
                 on_device["actor/kl_in_reward"] = masked_mean(kl, mask.bool(), dim=-1).mean()
         if self.critic is not None:  # PPO: values, GAE over each attempt, the critic fitted to the returns
@@ -300,6 +304,20 @@ class Actor:
         )
         return metrics
 
+    def _old_from_the_loss(self, batch: Batch) -> bool:
+        """Whether the update takes its old log-probs from the loss's own forward: one epoch of one
+        mini-batch, so the policy has not stepped when the loss runs (``actor.on_policy_old_logprobs``),
+        and nothing needs them before the loss (rollout correction, the KL in the reward)."""
+        cfg = self.config
+        actor = cfg.actor_rollout_ref.actor
+        if not actor.on_policy_old_logprobs or actor.use_engine_logprobs or actor.ppo_epochs != 1:
+            return False
+        if cfg.rollout_is_level() is not None or cfg.algorithm.rollout_correction.rollout_rs is not None:
+            return False
+        if self.ref is not None and cfg.algorithm.use_kl_in_reward:
+            return False
+        return len(set(batch.rows_on_host().group_ids)) <= actor.ppo_mini_batch_size  # one mini-batch
+
     def _old_logprobs(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
         """Old logprobs (B, R): recomputed, or the engine's with ``use_engine_logprobs``. The engine's
         are first checked on a probe of the batch's first rows (one micro-batch's worth); when their mean
@@ -335,11 +353,14 @@ class Actor:
             mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
         self.optimizer.zero_grad(set_to_none=True)
         active = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
+        # on-policy, the loss's forward gives the old log-probs, and the train/engine gap with them
+        gap_in_loss = "old_logprobs" not in mini.extras and mini.engine_logprobs is not None
+        names = [*self._loss_metric_names(), *(["actor/engine_logprob_gap_mean"] if gap_in_loss else [])]
         if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
-            zeros = dict.fromkeys(self._loss_metric_names(), 0.0)
+            zeros = dict.fromkeys(names, 0.0)
             return {**zeros, "actor/active_samples": 0.0, "actor/grad_norm": 0.0}
         # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
-        totals = {k: torch.zeros((), device=self.device) for k in self._loss_metric_names()}
+        totals = {k: torch.zeros((), device=self.device) for k in names}
         active_tokens = active.response_mask.sum().clamp(min=1)  # the rows the metrics average over
         micro = self._split_micro_batches(active)
         try:
@@ -347,7 +368,8 @@ class Actor:
                 m = mb.response_mask.bool()  # (b, r)
                 r = mb.response_length
                 logprobs, ent = self._forward(self.model, mb, entropy=True)
-                old = mb.extras["old_logprobs"][:, :r]
+                recorded = mb.extras.get("old_logprobs")  # None: on-policy, the policy has not stepped
+                old = logprobs.detach() if recorded is None else recorded[:, :r]
                 adv = mb.extras["advantages"][:, :r]
                 is_weights = mb.extras.get("rollout_is_weights")
                 row_weights = mb.extras.get("row_weights")
@@ -386,6 +408,10 @@ class Actor:
                 totals["actor/entropy"] += entropy.detach()
                 totals["actor/clip_frac"] += pl.clip_frac * share
                 totals["actor/approx_kl"] += pl.approx_kl * share
+                if gap_in_loss:
+                    assert mb.engine_logprobs is not None
+                    gap = (old - mb.engine_logprobs[:, :r]).abs()  # (b, r)
+                    totals["actor/engine_logprob_gap_mean"] += masked_mean(gap, m) * share
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
         metrics = self._apply_gradients(self._summed_over_ranks(totals))

@@ -1,7 +1,7 @@
 """Where a data-parallel (FSDP2) trainer update spends its time, per rank (a diagnostic, not a target).
 
     torchrun --nproc_per_node N benchmarks/gpu/dp_phases.py --rows 128 [--no-compile] [--bf16-params]
-        [--bf16-reduce] [--no-reshard] [--grad-sync-per-mini-batch] [--fsdp-size K]
+        [--bf16-reduce] [--no-reshard] [--grad-sync-per-mini-batch] [--fsdp-size K] [--override KEY=VALUE]
 
 Every rank builds scale_bench's batch (``--rows`` samples in all, prompts and responses of 50-100% of
 ``--prompt-len`` / ``--response-len``), a ``ShardedActor`` over the N ranks, and times its update with
@@ -135,6 +135,9 @@ def main() -> None:
     )
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=false")
     ap.add_argument(
+        "--override", action="append", default=[], help="a config override KEY=VALUE (repeatable)"
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         help="one update under torch.profiler; rank r writes its kernel table to PROFILE.rankr",
@@ -150,7 +153,7 @@ def main() -> None:
     holder = [model]
     dist.broadcast_object_list(holder)
     args.batch, args.device = args.rows, "cuda"
-    overrides = _overrides(args)
+    overrides = [*_overrides(args), *args.override]
     config = _config(holder[0], args.rows, args).with_overrides(overrides)
     actor = ShardedActor(config, holder[0], "cuda", rank, world)
     batch = _batch(args.rows, args.prompt_len, args.response_len)

@@ -6,7 +6,8 @@
 # 500 s; a leg needs 70 s left to start): TREE_wN[SUFFIX] runs tree TREE on N ranks; tree "new" is this
 # one, any other tree X is this tree with trainer/ from .ab_X/trainer (put there with: mkdir -p .ab_X &&
 # git archive BASE trainer | tar x -C .ab_X; "old" reads .ab_old). Default legs (4 GPUs): new_w4 old_w4
-# new_w1 old_w1 new_w4b old_w4b. On 4 x H200 the first leg took 184 s (compiles), the next two 129 s and
+# new_w1 old_w1 new_w4b old_w4b. AB_FLAGS_<leg> adds arguments to that leg's dp_phases.py (e.g.
+# AB_FLAGS_new_w1p="--override actor_rollout_ref.actor.on_policy_old_logprobs=false"). On 4 x H200 the first leg took 184 s (compiles), the next two 129 s and
 # 111 s: the first four legs need ~560 s, so give the call AB_BUDGET_S=560 and its whole 600 s. Each leg
 # also reports its phases (dp_phases' timed update).
 #   carry .gg/whl, .gpucache and each .ab_X; results under $OUT: ab.jsonl (every rank's dp_phases JSON and
@@ -32,9 +33,10 @@ FLAGS=(--rows 128 --reps 3 --fsdp-size 1 --no-reshard --grad-sync-per-mini-batch
 leg() {  # name tree nproc
   local name=$1 tree=$2 n=$3 left=$((BUDGET - (SECONDS - T0)))
   if [ "$left" -lt 70 ]; then echo "== $name skipped at $((SECONDS - T0)) s" | tee -a "$OUT/legs.log"; return; fi
-  local t=$SECONDS
+  local t=$SECONDS flags_var="AB_FLAGS_$1"
+  local -a extra=(${!flags_var:-})
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "$left" python3 -m torch.distributed.run --standalone \
-    --nproc_per_node "$n" benchmarks/gpu/dp_phases.py "${FLAGS[@]}") \
+    --nproc_per_node "$n" benchmarks/gpu/dp_phases.py "${FLAGS[@]}" "${extra[@]}") \
     > /tmp/$name.out 2> /tmp/$name.err
   echo "== $name: exit $? after $((SECONDS - t)) s" | tee -a "$OUT/legs.log"
   grep -E "^\[rank[0-9]+\]:|Error" /tmp/$name.err | grep -v "NCCL INFO" | tail -20 >> "$OUT/legs.log"

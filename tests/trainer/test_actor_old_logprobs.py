@@ -1,0 +1,98 @@
+"""Where an update's old log-probs come from: a pass of their own, or on-policy (one epoch of one
+mini-batch) the loss's own forward, detached, as verl does; the same step up to float rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.trainer.samples import actor_config, small_batch, small_triplets
+from trainer.actor import Actor
+from trainer.batch import Batch, build_batch
+
+
+def _updated(model_dir: Path, batch: Batch, **actor: Any) -> tuple[Actor, dict[str, float], int]:
+    """An actor on ``model_dir`` after one update on ``batch``, its metrics, and its old-logprob passes."""
+    overrides = actor.pop("overrides", [])
+    config = actor_config(model_dir, **actor).with_overrides(overrides)
+    torch.manual_seed(0)
+    trained = Actor(config, model_dir, "cpu")
+    passes = 0
+    compute = trained.compute_logprobs
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal passes
+        passes += 1
+        return compute(*args, **kwargs)
+
+    trained.compute_logprobs = counted  # type: ignore[method-assign]
+    metrics = trained.update(batch)
+    return trained, metrics, passes
+
+
+def _assert_same_weights(a: Actor, b: Actor) -> None:
+    for (name, x), y in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_one_mini_batch_takes_its_old_logprobs_from_the_loss(tiny_model_dir: Path) -> None:
+    batch = small_batch()  # 2 groups, ppo_mini_batch_size 2: one mini-batch
+    fused, fused_metrics, fused_passes = _updated(tiny_model_dir, batch)
+    plain, plain_metrics, plain_passes = _updated(tiny_model_dir, batch, on_policy_old_logprobs=False)
+    assert (fused_passes, plain_passes) == (0, 1)
+    assert fused_metrics["actor/old_logprobs_from_the_loss"] == 1.0
+    assert plain_metrics["actor/old_logprobs_from_the_loss"] == 0.0
+    assert fused_metrics["actor/approx_kl"] == 0.0 and fused_metrics["actor/clip_frac"] == 0.0  # ratio 1
+    assert fused_metrics["actor/pg_loss"] == pytest.approx(plain_metrics["actor/pg_loss"], abs=1e-6)
+    assert fused_metrics["actor/grad_norm"] == pytest.approx(plain_metrics["actor/grad_norm"], rel=1e-5)
+    _assert_same_weights(fused, plain)
+
+
+def test_several_mini_batches_recompute_the_old_logprobs(tiny_model_dir: Path) -> None:
+    """The second mini-batch runs after a step: its old log-probs must be the policy's before it."""
+    batch = small_batch()
+    on, on_metrics, on_passes = _updated(tiny_model_dir, batch, ppo_mini_batch_size=1)  # 2 mini-batches
+    off, _, off_passes = _updated(tiny_model_dir, batch, ppo_mini_batch_size=1, on_policy_old_logprobs=False)
+    assert (on_passes, off_passes) == (1, 1)
+    assert on_metrics["actor/old_logprobs_from_the_loss"] == 0.0
+    assert on_metrics["actor/optimizer_steps"] == 2.0
+    _assert_same_weights(on, off)
+    _, _, epochs_passes = _updated(tiny_model_dir, batch, ppo_epochs=2)  # a second epoch: the same
+    assert epochs_passes == 1
+
+
+def _with_engine_logprobs(actor: Actor, shift: float) -> Batch:
+    """small_batch with engine log-probs ``shift`` above the policy's own."""
+    policy = actor.compute_logprobs(small_batch())
+    triplets = [
+        t.model_copy(update={"response_logprobs": (policy[i, : len(t.response_ids)] + shift).tolist()})
+        for i, t in enumerate(small_triplets())
+    ]
+    return build_batch(triplets, max_prompt_length=32, max_response_length=16)[0]
+
+
+def test_the_loss_forward_reports_the_engine_gap(tiny_model_dir: Path) -> None:
+    torch.manual_seed(0)
+    batch = _with_engine_logprobs(Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu"), 0.25)
+    _, metrics, passes = _updated(tiny_model_dir, batch)
+    assert passes == 0
+    assert metrics["actor/engine_logprob_gap_mean"] == pytest.approx(0.25, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.rollout_correction.rollout_is=token"],  # IS weights from old vs engine, before the loss
+        ["actor_rollout_ref.rollout.max_staleness=1"],  # auto: token-level IS for batches that may lag
+    ],
+    ids=["rollout-is", "stale-batches"],
+)
+def test_rollout_correction_recomputes_the_old_logprobs(tiny_model_dir: Path, overrides: list[str]) -> None:
+    torch.manual_seed(0)
+    batch = _with_engine_logprobs(Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu"), 0.0)
+    _, metrics, passes = _updated(tiny_model_dir, batch, overrides=overrides)
+    assert passes == 1
+    assert metrics["actor/old_logprobs_from_the_loss"] == 0.0
