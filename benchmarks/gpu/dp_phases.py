@@ -216,6 +216,7 @@ def main() -> None:
         "phase_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         "phase_calls": timer.calls,
         "optimizer_steps": int(metrics["actor/optimizer_steps"]),
+        "loss_metrics": {k: metrics.get(k) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy")},
         "profiled_update": profiled,
         "collective_calls": collectives,  # in the timed update, by torch.distributed function
         "forward_shapes_rows_width_tokens": timer.shapes,
