@@ -37,11 +37,22 @@ def attention_inputs(
     return {"attention_mask": mask, "position_ids": position_ids}
 
 
+# decoders whose SDPA layers take a prepared 4D mask as the one they would build from a 2D mask,
+# checked bit for bit (tests/trainer/test_attention_mask.py); others (composite models such as Gemma 3,
+# ALiBi, sliding windows) keep the 2D mask
+EXACT_4D_MASK_MODELS = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "phi3", "olmo2", "smollm3", "granite"}
+)
+
+
 def _plain_causal_sdpa(model: nn.Module) -> bool:
-    """Whether every layer of ``model`` runs SDPA over a plain causal mask: no sliding window, no chunked
-    attention (those layers take masks of their own, which a prepared 4D mask would replace)."""
+    """Whether ``model`` is a decoder of ``EXACT_4D_MASK_MODELS`` whose every layer runs SDPA over a plain
+    causal mask: no sliding window, no chunked attention (those layers build masks of their own, which a
+    prepared 4D mask would replace)."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
+    if cfg is None or getattr(cfg, "model_type", None) not in EXACT_4D_MASK_MODELS:
+        return False
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
         return False
     if getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None):
         return False

@@ -217,10 +217,7 @@ class ActorConfig(_Section):
     use_engine_logprobs: bool = Field(default=False, description="Use the engine's logprobs as old logprobs.")
     on_policy_old_logprobs: bool = Field(
         default=True,
-        description="When an update is one epoch of one mini-batch, take the old log-probs from the "
-        "loss's own forward (detached: the policy has not stepped yet) instead of a pass of their own, as "
-        "verl does on-policy: ratio 1, the same gradient up to float rounding, one forward less a sample. "
-        "Not with rollout correction or the KL in the reward, which need them before the loss.",
+        description="One epoch of one mini-batch: old logprobs from the loss's own forward, no pass of their own.",
     )
     engine_logprob_gap_limit: float = Field(
         default=0.05,

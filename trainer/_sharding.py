@@ -130,6 +130,13 @@ def sum_over_ranks(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return dict(zip(totals, summed.unbind(), strict=True))
 
 
+def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """A device scalar's maximum over the ranks (an all-reduce; nothing is read back)."""
+    out = value.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

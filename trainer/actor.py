@@ -1,9 +1,12 @@
 """The policy (+ a frozen reference only when KL is used), its optimizer and one PPO/GRPO update.
 
 One update on a Batch:
-  1. old logprobs: recomputed with the current weights (default), or the engine's own logprobs
-     (``actor.use_engine_logprobs``), checked on a probe micro-batch and recomputed for the whole
-     batch when the gap exceeds ``actor.engine_logprob_gap_limit``; the gap is reported either way.
+  1. old logprobs: on-policy (one epoch of one mini-batch, nothing needing them before the loss) the
+     loss's own forward, detached (``actor.on_policy_old_logprobs``); else recomputed with the current
+     weights, or the engine's own logprobs (``actor.use_engine_logprobs``), checked on a probe
+     micro-batch and recomputed for the whole batch when the gap exceeds
+     ``actor.engine_logprob_gap_limit``; the train/engine gap is reported in every case (on-policy,
+     over the tokens the loss trains on).
      Every log-prob (old, new, reference, and the entropy) is that of the policy that sampled: the
      logits of each token are divided by its call's recorded sampling temperature, as the engines do.
   2. rollout correction (trainer/rollout_correction.py) against the engine's log-probs: truncated IS
@@ -353,14 +356,16 @@ class Actor:
             mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
         self.optimizer.zero_grad(set_to_none=True)
         active = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
-        # on-policy, the loss's forward gives the old log-probs, and the train/engine gap with them
-        gap_in_loss = "old_logprobs" not in mini.extras and mini.engine_logprobs is not None
-        names = [*self._loss_metric_names(), *(["actor/engine_logprob_gap_mean"] if gap_in_loss else [])]
         if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
-            zeros = dict.fromkeys(names, 0.0)
+            zeros = dict.fromkeys(self._loss_metric_names(), 0.0)
             return {**zeros, "actor/active_samples": 0.0, "actor/grad_norm": 0.0}
         # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
-        totals = {k: torch.zeros((), device=self.device) for k in names}
+        totals = {k: torch.zeros((), device=self.device) for k in self._loss_metric_names()}
+        # on-policy the loss's forward gives the old log-probs, and the train/engine gap over its tokens
+        gap_max = None
+        if "old_logprobs" not in mini.extras and mini.engine_logprobs is not None:
+            totals["actor/engine_logprob_gap_mean"] = torch.zeros((), device=self.device)
+            gap_max = torch.zeros((), device=self.device)
         active_tokens = active.response_mask.sum().clamp(min=1)  # the rows the metrics average over
         micro = self._split_micro_batches(active)
         try:
@@ -408,13 +413,17 @@ class Actor:
                 totals["actor/entropy"] += entropy.detach()
                 totals["actor/clip_frac"] += pl.clip_frac * share
                 totals["actor/approx_kl"] += pl.approx_kl * share
-                if gap_in_loss:
+                if gap_max is not None:
                     assert mb.engine_logprobs is not None
-                    gap = (old - mb.engine_logprobs[:, :r]).abs()  # (b, r)
-                    totals["actor/engine_logprob_gap_mean"] += masked_mean(gap, m) * share
+                    gap = (old - mb.engine_logprobs[:, :r]).abs().masked_fill(~m, 0.0)  # (b, r)
+                    totals["actor/engine_logprob_gap_mean"] += gap.sum() / active_tokens
+                    gap_max = torch.maximum(gap_max, gap.max())
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
-        metrics = self._apply_gradients(self._summed_over_ranks(totals))
+        totals = self._summed_over_ranks(totals)
+        if gap_max is not None:
+            totals["actor/engine_logprob_gap_max"] = self._max_over_ranks(gap_max)
+        metrics = self._apply_gradients(totals)
         metrics["actor/active_samples"] = float(len(active))
         return metrics
 
@@ -422,6 +431,10 @@ class Actor:
         """The loss metrics of the whole mini-batch from this process's share (trainer/dp.py sums the
         ranks'); one process holds it all."""
         return totals
+
+    def _max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """A device scalar's maximum over the processes (trainer/dp.py); one process holds it all."""
+        return value
 
     def _loss_metric_names(self) -> list[str]:
         names = ["actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl"]

@@ -175,6 +175,10 @@ class Batch:
             r == self.response_length for r in rows.response_tokens
         )
 
+    def prompts_unpadded(self) -> bool:
+        """Whether every row fills the prompt columns (no left padding), read on the host."""
+        return all(p == self.prompt_length for p in self.rows_on_host().prompt_tokens)
+
     def row_attempts(self) -> torch.Tensor:
         """(B,) attempt id of each row (each row its own attempt when the batch does not say)."""
         if self.attempt_ids is not None:

@@ -59,6 +59,7 @@ class ValueModel(nn.Module):
                 p,
                 r,
                 mb.rows_on_host().prompt_ids,
+                mb.prompts_unpadded(),
             )
         if hidden is None:
             hidden = self.decoder(

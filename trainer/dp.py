@@ -55,6 +55,7 @@ from trainer._sharding import (
     data_parallel_mesh,
     full_state,
     load_full_state,
+    max_over_ranks,
     rank_micro_batches,
     shard,
     sum_over_ranks,
@@ -189,6 +190,9 @@ class ShardedActor(Actor):
 
     def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm)
+
+    def _max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return max_over_ranks(value)
 
     # ------------------------------------------------------------ weights and checkpoints
 

@@ -50,7 +50,14 @@ def response_hidden(
         return None
     if shared_prompts:
         shared = shared_prompt_hidden(
-            decoder, mb.input_ids, mb.attention_mask, mb.position_ids, p, r, mb.rows_on_host().prompt_ids
+            decoder,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.position_ids,
+            p,
+            r,
+            mb.rows_on_host().prompt_ids,
+            mb.prompts_unpadded(),
         )
         if shared is not None:
             return shared, head
@@ -70,6 +77,7 @@ def shared_prompt_hidden(
     p: int,
     r: int,
     prompt_ids: Sequence[int] | None = None,
+    prompts_unpadded: bool = False,
 ) -> torch.Tensor | None:
     """The decoder's final hidden states (b, R, d) at the positions that score the response tokens
     (columns p-1 .. p+r-2 of the (b, P+R) rows), with each distinct prompt run once.
@@ -83,6 +91,7 @@ def shared_prompt_hidden(
 
     ``prompt_ids`` (rows with equal prompts share an id, ``HostRows.prompt_ids``) find the distinct
     prompts on the host; without them they are found on the device (``torch.unique``: a CPU-GPU sync).
+    ``prompts_unpadded`` (no row's prompt is left-padded) lets the prompts' pass take SDPA's causal path.
     """
     if prompt_ids is not None:
         firsts: dict[int, int] = {}
@@ -103,7 +112,7 @@ def shared_prompt_hidden(
         first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (u,) a row holding each prompt
     prompt = decoder(
         input_ids=input_ids[first, :p],
-        **attention_inputs(decoder, attention_mask[first, :p], position_ids[first, :p], fully_real=False),
+        **attention_inputs(decoder, attention_mask[first, :p], position_ids[first, :p], prompts_unpadded),
         use_cache=True,
     )
     cache = getattr(prompt, "cache", None)  # transformers >= 5.x; earlier: past_key_values

@@ -220,7 +220,8 @@ def main() -> None:
         "profiled_update": profiled,
         "collective_calls": collectives,  # in the timed update, by torch.distributed function
         "forward_shapes_rows_width_tokens": timer.shapes,
-        "note": "forward includes the old-logprob forwards (also inside old_logprobs)",
+        "note": "forward includes the old-logprob forwards (also inside old_logprobs) when the update "
+        "runs that pass (not on-policy: actor.on_policy_old_logprobs)",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }

@@ -6,10 +6,11 @@
 # 500 s; a leg needs 70 s left to start): TREE_wN[SUFFIX] runs tree TREE on N ranks; tree "new" is this
 # one, any other tree X is this tree with trainer/ from .ab_X/trainer (put there with: mkdir -p .ab_X &&
 # git archive BASE trainer | tar x -C .ab_X; "old" reads .ab_old). Default legs (4 GPUs): new_w4 old_w4
-# new_w1 old_w1 new_w4b old_w4b. AB_FLAGS_<leg> adds arguments to that leg's dp_phases.py (e.g.
-# AB_FLAGS_new_w1p="--override actor_rollout_ref.actor.on_policy_old_logprobs=false"). On 4 x H200 the first leg took 184 s (compiles), the next two 129 s and
-# 111 s: the first four legs need ~560 s, so give the call AB_BUDGET_S=560 and its whole 600 s. Each leg
-# also reports its phases (dp_phases' timed update).
+# new_w1 old_w1 new_w4b old_w4b. AB_FLAGS_<leg> adds arguments to that leg's dp_phases.py, e.g.
+#   AB_FLAGS_new_w1p="--override actor_rollout_ref.actor.on_policy_old_logprobs=false"
+# On 4 x H200 the first leg took 184 s (compiles), the next two 129 s and 111 s: the first four legs
+# need ~560 s, so give the call AB_BUDGET_S=560 and its whole 600 s. Each leg also reports its phases
+# (dp_phases' timed update).
 #   carry .gg/whl, .gpucache and each .ab_X; results under $OUT: ab.jsonl (every rank's dp_phases JSON and
 #   its leg), summary.txt (a row a leg), legs.log.
 set -u

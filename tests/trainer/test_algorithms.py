@@ -9,6 +9,7 @@ import torch
 
 from agentloop.errors import ConfigError
 from trainer import algorithms as A
+from trainer._masked import dense_ids
 
 # Hand-computed expectations (given to 6 decimals: +-5e-7) of fp32 formulas over <= 8 values of size <= 3:
 # a few ulps, < 4 * eps * 3 = 1.4e-6; the larger values (30, 450 in the kl test) are exact in fp32
@@ -333,17 +334,14 @@ def test_agg_and_kl_ignore_masked_values(mode: str) -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_dense_ids_number_as_torch_unique_does(seed: int) -> None:
     """The advantages group rows without reading their ids back; the numbering is unique's."""
-    from trainer._masked import dense_ids
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-(2**40), 2**40, (6,), generator=g)[torch.randint(0, 6, (33,), generator=g)]
     assert torch.equal(dense_ids(ids), torch.unique(ids, return_inverse=True)[1])
     assert dense_ids(torch.tensor([7])).tolist() == [0]
     assert dense_ids(torch.tensor([5, 5, 2, 9, 2])).tolist() == [1, 1, 0, 2, 0]
+    assert dense_ids(torch.zeros(0, dtype=torch.long)).tolist() == []
 
 
 def test_dense_ids_take_one_dimension() -> None:
-    from trainer._masked import dense_ids
-
     with pytest.raises(ValueError, match=r"ids must be \(B,\)"):
         dense_ids(torch.zeros(2, 2, dtype=torch.long))

@@ -10,14 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import sdpa_mask
 
 from tests.trainer.samples import actor_config
 from tests.trainer.test_compiled import eager_dynamo  # noqa: F401  (a fixture)
 from tests.trainer.test_host_syncs import _READS_BACK, _T, _batch, _bool_index
-from trainer._attention_mask import attention_inputs
+from trainer._attention_mask import EXACT_4D_MASK_MODELS, attention_inputs
 from trainer.actor import Actor
 
 _TORCH = str(Path(torch.__file__).parent)
@@ -56,24 +57,22 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(1) - 1).clamp(min=0)  # as build_batch numbers them
 
 
-def _llama(attn: str = "sdpa") -> PreTrainedModel:
+def _tiny(model_type: str, attn: str = "sdpa", **config: Any) -> PreTrainedModel:
+    """A randomly initialised causal LM of ``model_type``, 2 small layers."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.5,
-    )
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8)
+    ids = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = AutoConfig.for_model(model_type, **sizes, **ids, num_key_value_heads=2, **config)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def _llama(attn: str = "sdpa") -> PreTrainedModel:
+    return _tiny("llama", attn, initializer_range=0.5)
 
 
 def test_the_mask_is_the_one_transformers_builds() -> None:
     mask = _padding_mask()
     ours = attention_inputs(_llama(), mask, _positions(mask), fully_real=False)["attention_mask"]
-    assert ours is not None
     theirs = sdpa_mask(
         batch_size=3, q_length=7, kv_length=7, attention_mask=mask.bool(), allow_is_causal_skip=False
     )
@@ -81,17 +80,26 @@ def test_the_mask_is_the_one_transformers_builds() -> None:
     assert torch.equal(ours, theirs)
 
 
-def test_the_forward_is_the_same_bit_for_bit() -> None:
-    model = _llama()
+@pytest.mark.parametrize("model_type", sorted(EXACT_4D_MASK_MODELS))
+def test_every_listed_model_computes_the_same_bit_for_bit(model_type: str) -> None:
+    model = _tiny(model_type, **({"sliding_window": None} if model_type == "mistral" else {}))
     mask = _padding_mask()
+    inputs = attention_inputs(model, mask, _positions(mask), fully_real=False)
+    assert inputs["attention_mask"].dim() == 4  # the prepared mask is what runs
     ids = torch.randint(3, 128, mask.shape) * mask
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
-        ours = model(
-            input_ids=ids, **attention_inputs(model, mask, _positions(mask), fully_real=False)
-        ).logits
+        ours = model(input_ids=ids, **inputs).logits
     real = mask.bool()
     assert torch.equal(ours[real], plain[real])
+
+
+def _config_only(config: PretrainedConfig) -> nn.Module:
+    """A module holding ``config`` (all the mask's choice reads)."""
+    config._attn_implementation = "sdpa"
+    holder = nn.Module()
+    holder.config = config  # type: ignore[assignment]
+    return holder
 
 
 @pytest.mark.parametrize(
@@ -99,22 +107,12 @@ def test_the_forward_is_the_same_bit_for_bit() -> None:
     [
         pytest.param(lambda: _llama("eager"), id="eager-attention"),
         pytest.param(
-            lambda: AutoModelForCausalLM.from_config(
-                Qwen2Config(
-                    vocab_size=64,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    use_sliding_window=True,
-                    sliding_window=4,
-                    max_window_layers=1,
-                ),
-                attn_implementation="sdpa",
-            ),
+            lambda: _tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
             id="sliding-window",
         ),
+        # Gemma 3's sliding layers are configured in its text config, not the top-level one
+        pytest.param(lambda: _config_only(Gemma3Config()), id="composite-gemma3"),
+        pytest.param(lambda: _tiny("gpt2", n_embd=32, n_layer=2, n_head=4), id="not-listed"),
     ],
 )
 def test_models_with_other_masks_get_the_padding_mask(model: Any) -> None:

@@ -65,6 +65,8 @@ def _triplets() -> list[Triplet]:
                 response_ids=response,
                 reward=float(i % 3 == 0),
                 metadata={"group_id": i // 2},
+                # the engine's log-probs: on-policy, the update reports its gap to them (max over ranks)
+                response_logprobs=[-5 * rng.random() for _ in response],
             )
         )
     return out
@@ -260,6 +262,10 @@ def test_two_ranks_take_the_same_step_as_one(
     pg_atol = int(batch.response_mask.sum()) * eps
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=pg_atol), key
+    # the train/engine gap (log-probs ~ 10 against engine values in [-5, 0]): a few ulps of 10 apart
+    assert m1["actor/old_logprobs_from_the_loss"] == m2["actor/old_logprobs_from_the_loss"] == 1.0
+    for key in ("actor/engine_logprob_gap_mean", "actor/engine_logprob_gap_max"):
+        assert m2[key] == pytest.approx(m1[key], abs=64 * eps * 10), key
 
 
 @pytest.mark.e2e

@@ -44,8 +44,9 @@ def test_a_non_finite_gradient_skips_the_step_and_says_so() -> None:
     opt = torch.optim.SGD([p], lr=0.1)
     with capture_logs() as logs:
         _, norm = clipped_step(
-            opt, [p], max_norm=1.0, lr=0.1, lr_warmup_steps=0, step=0, totals={}, role="critic"
+            opt, [p], max_norm=1.0, lr=0.1, lr_warmup_steps=4, step=0, totals={}, role="critic"
         )
+    assert opt.param_groups[0]["lr"] == 0.1  # no step, so no warm-up either
     assert not math.isfinite(norm)
     assert torch.equal(p.data, torch.zeros(2))  # no step taken
     assert p.grad is None  # the bad gradient is not carried into the next step
