@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
+
+if TYPE_CHECKING:
+    from trainer._config_actor import OptimConfig
 
 log = structlog.get_logger("agentloop.trainer")
 
@@ -33,20 +37,19 @@ def clipped_step(
     params: Iterable[torch.Tensor],
     *,
     max_norm: float,
-    lr: float,
-    lr_warmup_steps: int,
+    optim: OptimConfig,
     step: int,
     totals: dict[str, torch.Tensor],
     role: str,
 ) -> tuple[dict[str, float], float]:
     """Clip, read back (:func:`clip_and_read_back`) and step ``optimizer`` with its learning rate warmed
-    up linearly over ``lr_warmup_steps`` (``step`` counts the updates done before this one); a step whose
+    up linearly to ``optim.lr`` over ``optim.lr_warmup_steps`` (``step`` counts the updates done before this one); a step whose
     gradient norm is not finite is skipped and logged under ``role``. The gradients are zeroed either way."""
     read, grad_norm = clip_and_read_back(params, max_norm, totals)
     if math.isfinite(grad_norm):
-        if lr_warmup_steps > 0:
+        if optim.lr_warmup_steps > 0:
             for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / lr_warmup_steps)
+                group["lr"] = optim.lr * min(1.0, (step + 1) / optim.lr_warmup_steps)
         optimizer.step()
     else:
         log.warning(f"{role}.skip_step_nonfinite_grad", grad_norm=grad_norm)

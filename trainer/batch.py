@@ -170,9 +170,8 @@ class Batch:
         columns), read on the host."""
         if self.input_ids.shape[1] != self.prompt_length + self.response_length:  # columns appended
             return False
-        rows = self.rows_on_host()
-        return all(p == self.prompt_length for p in rows.prompt_tokens) and all(
-            r == self.response_length for r in rows.response_tokens
+        return self.prompts_unpadded() and all(
+            r == self.response_length for r in self.rows_on_host().response_tokens
         )
 
     def prompts_unpadded(self) -> bool:

@@ -3,44 +3,20 @@ over padded rows that reads nothing back (transformers' own check reads the padd
 
 from __future__ import annotations
 
-import collections
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import sdpa_mask
 
 from tests.trainer.samples import actor_config
 from tests.trainer.test_compiled import eager_dynamo  # noqa: F401  (a fixture)
-from tests.trainer.test_host_syncs import _READS_BACK, _T, _batch, _bool_index
+from tests.trainer.test_host_syncs import _batch, _ReadBacks
 from trainer._attention_mask import EXACT_4D_MASK_MODELS, attention_inputs
 from trainer.actor import Actor
-
-_TORCH = str(Path(torch.__file__).parent)
-
-
-class _AnyReadBack(TorchFunctionMode):
-    """Counts read-backs by call site outside torch itself: trainer/ and transformers alike. Not the
-    graphs dynamo generates: they read the layers' float attributes (an RMSNorm's epsilon) from the CPU
-    scalars dynamo lifted them into, which on a GPU stay on the host too."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: collections.Counter[str] = collections.Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _READS_BACK or (func is _T.__getitem__ and _bool_index(args)):
-            caller = next(
-                f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(_TORCH)
-            )
-            if not caller.filename.startswith("<eval_with_key>"):
-                self.sites[f"{caller.filename.rsplit('/', 2)[-1]}:{caller.lineno} {caller.line}"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _padding_mask() -> torch.Tensor:
@@ -138,7 +114,7 @@ def test_a_forward_over_padded_rows_reads_nothing_back(
     assert actor.compiled == compile_layers
     batch = _batch(8, seed=2)
     assert not batch.fully_real()
-    counter = _AnyReadBack()
+    counter = _ReadBacks(under=None)  # transformers' read-backs too
     with counter:
         logprobs, _ = actor._forward(actor.model, batch, entropy=True)
     assert counter.sites == {}, f"read-backs by site: {dict(counter.sites)}"

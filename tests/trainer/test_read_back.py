@@ -7,6 +7,7 @@ import math
 import torch
 from structlog.testing import capture_logs
 
+from trainer._config_actor import OptimConfig
 from trainer._read_back import clip_and_read_back, clipped_step
 
 
@@ -28,14 +29,16 @@ def test_clipped_step_warms_the_lr_up_and_steps() -> None:
     p = _param_with_grad([3.0, 4.0])
     opt = torch.optim.SGD([p], lr=0.1)
     read, norm = clipped_step(
-        opt, [p], max_norm=1.0, lr=0.1, lr_warmup_steps=4, step=0, totals={}, role="actor"
+        opt, [p], max_norm=1.0, optim=OptimConfig(lr=0.1, lr_warmup_steps=4), step=0, totals={}, role="actor"
     )
     assert (read, norm) == ({}, 5.0)
     assert opt.param_groups[0]["lr"] == 0.1 * 1 / 4  # first update of a 4-update warm-up
     torch.testing.assert_close(p.data, -0.025 * torch.tensor([0.6, 0.8]))  # the clipped gradient's step
     assert p.grad is None  # zeroed for the next mini-batch
     p.grad = torch.tensor([0.0, 0.0])
-    clipped_step(opt, [p], max_norm=1.0, lr=0.1, lr_warmup_steps=4, step=9, totals={}, role="actor")
+    clipped_step(
+        opt, [p], max_norm=1.0, optim=OptimConfig(lr=0.1, lr_warmup_steps=4), step=9, totals={}, role="actor"
+    )
     assert opt.param_groups[0]["lr"] == 0.1  # warm-up over: the configured lr
 
 
@@ -44,7 +47,13 @@ def test_a_non_finite_gradient_skips_the_step_and_says_so() -> None:
     opt = torch.optim.SGD([p], lr=0.1)
     with capture_logs() as logs:
         _, norm = clipped_step(
-            opt, [p], max_norm=1.0, lr=0.1, lr_warmup_steps=4, step=0, totals={}, role="critic"
+            opt,
+            [p],
+            max_norm=1.0,
+            optim=OptimConfig(lr=0.1, lr_warmup_steps=4),
+            step=0,
+            totals={},
+            role="critic",
         )
     assert opt.param_groups[0]["lr"] == 0.1  # no step, so no warm-up either
     assert not math.isfinite(norm)
