@@ -4,6 +4,7 @@ does (balance, padding micro-batches, summed gradients) is in trainer/dp.py's do
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -13,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
-from trainer.batch import Batch, index_on
-from trainer.splits import micro_batches_with_rows, token_budget_rows
+from trainer.batch import Batch, HostRows, index_on
+from trainer.splits import token_budget_rows
 
 
 def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -35,26 +36,80 @@ def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
     return [sorted(p) for p in out]
 
 
+def padded_tokens(host: HostRows, rows: Sequence[int]) -> int:
+    """What a padded forward over ``rows`` computes: rows x (longest prompt + longest response)."""
+    if not rows:
+        return 0
+    width = max(host.prompt_tokens[i] for i in rows) + max(host.response_tokens[i] for i in rows)
+    return len(rows) * width
+
+
+def deal_micro_batches(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:
+    """Each rank's token-budget micro-batches (row indices), dealt so that the slowest rank computes as
+    few padded tokens as it can: the better, by :func:`padded_tokens`, of two deals.
+
+    - By rows: rows dealt to ranks by real tokens (:func:`balance_by_tokens`), each rank splitting its
+      own. Each rank then holds lengths from the whole range, so its micro-batches mix long and short
+      rows and pad more (4 ranks of scale_bench's batch: 32,000 padded tokens on the slowest rank against
+      29,442 for a quarter of one rank's 117,768).
+    - By micro-batches: the whole batch split at once (rows of similar length together, as one rank
+      would), into ``world_size`` x k micro-batches of near-equal padded size (the smallest budget
+      that still gives no more micro-batches than k per rank), dealt k to a rank, largest first to the
+      rank with the least so far (29,568 on that batch).
+
+    Every rank computes the same deal from the rows' lengths on the host."""
+    by_rows = [
+        [[part[i] for i in mb] for mb in token_budget_rows(host.take(part), budget, padded=True)]
+        if part
+        else []
+        for part in balance_by_tokens(host.sequence_tokens(), world_size)
+    ]
+    by_micro_batches = _deal_even_micro_batches(host, budget, world_size)
+
+    def slowest(deal: list[list[list[int]]]) -> tuple[int, int]:
+        return max(sum(padded_tokens(host, mb) for mb in mbs) for mbs in deal), max(map(len, deal))
+
+    return min(by_micro_batches, by_rows, key=slowest)
+
+
+def _deal_even_micro_batches(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:
+    """The by-micro-batches deal of :func:`deal_micro_batches`."""
+    per_rank = -(-len(token_budget_rows(host, budget, padded=True)) // world_size)
+    low, high = 1, budget  # the least budget giving <= world_size x per_rank micro-batches (monotone)
+    while low < high:
+        mid = (low + high) // 2
+        if len(token_budget_rows(host, mid, padded=True)) <= world_size * per_rank:
+            high = mid
+        else:
+            low = mid + 1
+    micro = token_budget_rows(host, low, padded=True)
+    cost = [padded_tokens(host, mb) for mb in micro]
+    deal: list[list[list[int]]] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for m in sorted(range(len(micro)), key=lambda m: (-cost[m], m)):
+        rank = min((r for r in range(world_size) if len(deal[r]) < per_rank), key=lambda r: (totals[r], r))
+        deal[rank].append(micro[m])
+        totals[rank] += cost[m]
+    return deal
+
+
 def rank_micro_batches(
     batch: Batch, budget: int, rank: int, world_size: int
 ) -> list[tuple[Batch, torch.Tensor]]:
-    """This rank's token-budget micro-batches of ``batch`` (row indices into it), padded to the most any
-    rank has with zero-mask rows (empty index) so every rank runs the same forwards (a collective).
+    """This rank's token-budget micro-batches of ``batch`` (row indices into it; :func:`deal_micro_batches`),
+    padded to the most any rank has with zero-mask rows (empty index) so every rank runs the same
+    forwards (a collective).
 
     Every rank holds the whole batch and deals it the same way, so each counts every rank's
     micro-batches itself, from the rows' lengths on the host: no collective, nothing waits for the GPU."""
-    host = batch.rows_on_host()
-    parts = balance_by_tokens(host.sequence_tokens(), world_size)
-    most = max(len(token_budget_rows(host.take(part), budget, padded=True)) for part in parts)
-    rows = parts[rank]
-    mine: list[tuple[Batch, torch.Tensor]] = []
-    if rows:
-        index = index_on(batch.input_ids.device, rows)
-        mine = [(mb, index[r]) for mb, r in micro_batches_with_rows(batch.select(rows), budget)]
+    deal = deal_micro_batches(batch.rows_on_host(), budget, world_size)
+    device = batch.input_ids.device
+    mine = [(batch.select(rows), index_on(device, rows)) for rows in deal[rank]]
+    most = max(map(len, deal))
     if most > len(mine) and len(batch):
         pad = batch.select([0])
         pad = replace(pad, response_mask=torch.zeros_like(pad.response_mask))
-        empty = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
         mine += [(pad, empty)] * (most - len(mine))
     return mine
 

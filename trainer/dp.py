@@ -2,10 +2,13 @@
 
 Layout of one update on N ranks (every rank receives the whole Batch through the Ray object store)::
 
-    rank r: split_by_tokens(batch, N)[r] ─► micro-batches ─► forward/backward (FSDP2 all-gathers
-            params per layer, reduce-scatters grads: each rank keeps 1/N of params, grads, AdamW state)
+    rank r: deal_micro_batches(batch, N)[r] ─► forward/backward (FSDP2 all-gathers params per layer,
+            reduce-scatters grads: each rank keeps 1/N of params, grads, AdamW state)
 
-* Balance: rows are dealt greedily, longest first, to the rank holding the fewest tokens.
+* Balance: the ranks run in step, so the slowest sets the pace; micro-batches are dealt so that the
+  rank with the most padded tokens (rows x width) has as few as possible: either rows dealt by tokens
+  and split on each rank, or the whole batch split into micro-batches of similar lengths and near-equal
+  size that are dealt to the ranks, whichever pads less (``deal_micro_batches``).
 * Equivalence with one rank: every loss term is divided by the *whole* mini-batch's token (or
   sequence) count, which each rank reads from the full mini-batch it holds; gradients are then
   summed across ranks (FSDP's divide factor is set to 1), so N ranks take the same step as one rank

@@ -142,9 +142,9 @@ class EngineThread:
                 )  # fmt: skip
 
     def _command(self, kind: str, arg: Any) -> None:
-        if kind == "add":
-            self._waiting.append(arg)
-            self._stats["requests"] += 1
+        if kind == "add":  # a burst (generate_many) or one request, admitted together
+            self._waiting.extend(arg)
+            self._stats["requests"] += len(arg)
         elif kind == "update":
             self._updates.append(arg)
             if self._policy == "abort":
@@ -385,7 +385,7 @@ class EngineThread:
     def _shutdown(self, cmds: list[tuple[str, Any]]) -> None:
         for kind, arg in cmds:
             if kind == "add":
-                self._waiting.append(arg)
+                self._waiting.extend(arg)
             elif kind == "update":
                 self._updates.append(arg)
         for req in [*self._waiting, *self._running]:

@@ -29,6 +29,7 @@ import structlog
 import torch
 
 from agentloop.cpu_binding import CpuBinding, bind_gpu_process, check_mode
+from agentloop.engine._bursts import Answer, as_finished, labelled
 from agentloop.engine.base import SamplingParams, TokenOutput
 from agentloop.errors import EngineError
 
@@ -88,25 +89,20 @@ class EngineReplica:
 
     async def generate_many(
         self, requests: list[tuple[list[int], SamplingParams, str]]
-    ) -> AsyncIterator[tuple[str, TokenOutput | Exception]]:
+    ) -> AsyncIterator[Answer]:
         """Run ``requests`` (prompt ids, sampling, request id) at once and yield ``(request_id, output
         or error)`` as each finishes: a Ray streaming generator, so a burst of requests costs one actor
-        call instead of one each. Closing the stream aborts what is still running."""
+        call instead of one each. An engine with ``generate_many`` (TorchEngine) gets the burst whole, so
+        it admits it together. Closing the stream aborts what is still running."""
         self.requests += len(requests)
-
-        async def one(prompt: list[int], sampling: SamplingParams, rid: str) -> tuple[str, Any]:
-            try:
-                return rid, await self.engine.generate(prompt, sampling, request_id=rid)
-            except Exception as exc:
-                return rid, exc
-
-        tasks = [asyncio.ensure_future(one(*r)) for r in requests]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
-        finally:
-            for t in tasks:
-                t.cancel()
+        if hasattr(self.engine, "generate_many"):
+            stream = self.engine.generate_many(requests)
+        else:
+            stream = as_finished(
+                [labelled(rid, self.engine.generate(p, s, request_id=rid)) for p, s, rid in requests]
+            )
+        async for answer in stream:
+            yield answer
 
     async def abort(self, request_id: str) -> bool:
         return bool(await self.engine.abort(request_id))

@@ -52,7 +52,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,6 +61,7 @@ import structlog
 import torch
 
 from agentloop.engine._attention import avoid_cudnn_attention, use_grouped_sdpa
+from agentloop.engine._bursts import Answer, as_finished, labelled
 from agentloop.engine._decode import ModelRunner
 from agentloop.engine._engine_thread import EngineThread, Request
 from agentloop.engine._kv import PrefixCache, SlotKVCache
@@ -230,6 +231,44 @@ class TorchEngine(EngineThread):
         self, prompt_ids: list[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> TokenOutput:
         """Generate a response to ``prompt_ids``; cancelling the await aborts the request."""
+        req = self._new_request(prompt_ids, sampling, request_id)
+        await self.start()
+        self._inflight[req.request_id] = req
+        self._inbox.put(("add", [req]))
+        return await self._result(req)
+
+    async def generate_many(
+        self, requests: Sequence[tuple[list[int], SamplingParams | None, str]]
+    ) -> AsyncIterator[Answer]:
+        """Run ``requests`` (prompt ids, sampling, request id) as one burst and yield ``(request_id,
+        output or error)`` as each finishes. The engine thread receives the burst in one command, so it
+        admits it together (one prefill while slots and ``max_prefill_tokens`` allow) rather than
+        starting on the first few while the rest are still being queued. A request that fails
+        validation yields its error first; closing the iterator aborts what is still running."""
+        reqs: list[Request] = []
+        errors: list[Answer] = []
+        for prompt_ids, sampling, rid in requests:
+            try:
+                if any(r.request_id == rid for r in reqs):
+                    raise ValueError(f"request_id {rid!r} is already in flight; use a unique id per request")
+                reqs.append(self._new_request(prompt_ids, sampling, rid))
+            except Exception as exc:  # invalid input: this request's error, the others run
+                errors.append((rid, exc))
+        for failed in errors:
+            yield failed
+        if not reqs:
+            return
+        await self.start()
+        for req in reqs:
+            self._inflight[req.request_id] = req
+        self._inbox.put(("add", reqs))
+        async for answer in as_finished([labelled(r.request_id, self._result(r)) for r in reqs]):
+            yield answer
+
+    def _new_request(
+        self, prompt_ids: list[int], sampling: SamplingParams | None, request_id: str | None
+    ) -> Request:
+        """A validated request, not yet in flight (ValueError or TypeError on bad input)."""
         sampling = check_sampling(sampling)
         prompt = check_prompt(prompt_ids, self._vocab_size, self._max_context)
         rid = request_id if request_id is not None else uuid.uuid4().hex
@@ -240,19 +279,19 @@ class TorchEngine(EngineThread):
         loop = asyncio.get_running_loop()
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         end_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
-        req = Request(
+        return Request(
             rid, prompt, sampling, loop.create_future(), loop, seed, end_ids, added_at=self._clock()
         )
-        await self.start()
-        self._inflight[rid] = req
-        self._inbox.put(("add", req))
+
+    async def _result(self, req: Request) -> TokenOutput:
+        """Await ``req``'s answer; cancelling aborts it in the engine."""
         try:
             return await req.future
         except asyncio.CancelledError:
-            self._inbox.put(("abort", rid))
+            self._inbox.put(("abort", req.request_id))
             raise
         finally:
-            self._inflight.pop(rid, None)
+            self._inflight.pop(req.request_id, None)
 
     async def abort(self, request_id: str) -> bool:
         """End a waiting or running request with finish_reason ``"abort"``; True when it was found."""

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from agentloop.types import Triplet
 from tests.trainer.samples import actor_config
-from trainer._sharding import balance_by_tokens, rank_micro_batches
+from trainer._sharding import deal_micro_batches, rank_micro_batches
 from trainer.actor import Actor
 from trainer.batch import Batch, HostRows, build_batch
 from trainer.splits import split_by_groups, split_by_token_budget
@@ -128,19 +128,19 @@ def test_select_takes_a_tensor_of_rows_too() -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_rank_counts_the_same_padded_micro_batches_without_a_collective(world: int) -> None:
     """rank_micro_batches pads each rank to the most micro-batches any rank has, counted on the host
-    from the rows' lengths (no all-reduce): checked against each rank's own split."""
+    from the rows' lengths (no all-reduce): checked against the deal every rank computes."""
     batch = _batch(30, seed=7)
     budget = 60
-    parts = balance_by_tokens(batch.sequence_lengths().tolist(), world)
-    own = [len(split_by_token_budget(batch.select(p), budget, padded=True)) if p else 0 for p in parts]
+    deal = deal_micro_batches(batch.rows_on_host(), budget, world)
+    most = max(len(mbs) for mbs in deal)
     for rank in range(world):
         mine = rank_micro_batches(batch, budget, rank, world)
-        assert len(mine) == max(own)
-        real = [rows for _, rows in mine if len(rows)]
-        assert len(real) == own[rank]
-        held = sorted(i for rows in real for i in rows.tolist())
-        assert held == sorted(parts[rank])
-        for mb, rows in mine[own[rank] :]:  # padding: one row, nothing to train
+        assert len(mine) == most
+        own = len(deal[rank])
+        assert [rows.tolist() for _, rows in mine[:own]] == deal[rank]
+        for mb, rows in mine[:own]:
+            assert torch.equal(mb.input_ids, batch.select(rows.tolist()).input_ids)
+        for mb, rows in mine[own:]:  # padding: one row, nothing to train
             assert len(rows) == 0 and int(mb.response_mask.sum()) == 0
 
 
