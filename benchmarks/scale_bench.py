@@ -244,7 +244,7 @@ async def _rollout_tokens_per_s(
             after = await pool.replica_stats()
             engine = {  # per replica: its engine's own step time in this wave, against the wall time
                 k: [round(a.get(k, 0) - b.get(k, 0), 4) for a, b in zip(after, before, strict=True)]
-                for k in ("step_s", "prefill_s", "decode_s", "decode_steps")
+                for k in ("step_s", "prefill_s", "prefill_batches", "decode_s", "decode_steps")
             }
             return sum(counts), wall, {"replica_done_s": [round(d, 4) for d in done_at], **engine}
 

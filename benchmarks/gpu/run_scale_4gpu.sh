@@ -8,7 +8,9 @@ set -o pipefail
 if [ ! -d /tmp/rsite/ray ]; then
   cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
+if [ -d .gg/whl ]; then  # or installed by an earlier call on this warm machine (r2 + .gg/whl pass 64 MiB)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
+elif [ ! -d /tmp/site/pydantic ]; then echo "carry .gg/whl (not installed in /tmp/site yet)"; exit 1; fi
 source benchmarks/gpu/env.sh
 export PYTHONPATH=/tmp/rsite:/tmp/site:$PWD
 echo "card: $(card) x $(nvidia-smi -L | wc -l); NUMA nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l); $(date +%T)"
