@@ -170,6 +170,36 @@ def _process_cpus(_actor: Any = None) -> dict[str, Any]:
     return out
 
 
+def _update_at(worker: Any, batch: Any) -> tuple[float, float]:
+    """A DPWorker's update (through ``worker.call``), with the wall-clock times it began and ended."""
+    start = time.time()
+    worker._ready().update(batch)
+    return start, time.time()
+
+
+async def _rank_times(group: Any, batch: Any, reps: int) -> list[dict[str, Any]]:
+    """``reps`` updates as ``group.update.remote`` runs them (the batch put once, every rank called),
+    each rank timing its own: where a Ray update's time goes beyond the ranks' work (the calls reaching
+    the ranks, the ranks' spread, the answers coming back)."""
+    import ray
+
+    out = []
+    for _ in range(reps):
+        t0 = time.time()
+        ref = ray.put(batch)
+        spans = await asyncio.gather(*[w.call.remote(_update_at, ref) for w in group.workers])
+        wall = time.time() - t0
+        out.append(
+            {
+                "wall_s": round(wall, 4),
+                "rank_start_s": [round(a - t0, 4) for a, _ in spans],
+                "rank_update_s": [round(b - a, 4) for a, b in spans],
+                "answered_after_last_rank_s": round(wall - max(b - t0 for _, b in spans), 4),
+            }
+        )
+    return out
+
+
 def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
     """``profiled_update`` in a DPWorker rank (through ``worker.call``)."""
     return profiled_update(worker._ready(), batch)
@@ -194,6 +224,7 @@ async def _train_tokens_per_s(
             t0 = time.perf_counter()
             await group.update.remote(batch)
             times.append(time.perf_counter() - t0)
+        rank_times = await _rank_times(group, batch, args.reps) if args.rank_times else None
         if args.profile_trainer:  # after the timed updates: one more, profiled on every rank
             profiles = await asyncio.gather(*[w.call.remote(_profile_rank, batch) for w in group.workers])
     finally:
@@ -207,6 +238,8 @@ async def _train_tokens_per_s(
         "tokens_per_s": tokens / best,
         "rank_cpus": placement,
     }
+    if rank_times is not None:
+        out["rank_times"] = rank_times
     if profiles is not None:
         out["profiled_update_by_rank"] = profiles
     return out
@@ -455,6 +488,11 @@ async def main() -> None:
         "--profile-trainer",
         action="store_true",
         help="after the timed updates, one more under torch.profiler on every rank (GPU busy vs wall)",
+    )
+    ap.add_argument(
+        "--rank-times",
+        action="store_true",
+        help="after the timed updates, --reps more with each rank timing its own update (where Ray's time goes)",
     )
     ap.add_argument(
         "--no-settle",

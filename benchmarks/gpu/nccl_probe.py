@@ -38,16 +38,11 @@ def _timed(fn: Callable[[], object], reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=float, nargs="+", default=[64, 519, 1884], help="fp32 sizes in MiB")
-    args = ap.parse_args()
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
+def probe_rows(mibs: list[float]) -> list[dict[str, object]]:
+    """Time each collective, dtype and size on the initialised process group (every rank calls it)."""
     n = dist.get_world_size()
     rows = []
-    for mib in args.mib:
+    for mib in mibs:
         for dtype in (torch.float32, torch.bfloat16):
             numel = int(mib * 2**20 / 4) // n * n  # the fp32 size's element count, in either dtype
             full = torch.ones(numel, dtype=dtype, device="cuda")
@@ -69,7 +64,19 @@ def main() -> None:
                         "busbw_gb_s": round(nbytes / s * factor / 1e9, 1),
                     }
                 )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=float, nargs="+", default=[64, 519, 1884], help="fp32 sizes in MiB")
+    args = ap.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    rows = probe_rows(args.mib)
     if rank == 0:
+        n = dist.get_world_size()
         print(json.dumps({"ranks": n, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}))
     dist.destroy_process_group()
 
