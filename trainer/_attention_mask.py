@@ -15,11 +15,9 @@ import torch
 from torch import nn
 
 
-def attention_inputs(
-    model: nn.Module, attention_mask: torch.Tensor, position_ids: torch.Tensor, fully_real: bool
-) -> dict[str, torch.Tensor]:
-    """The ``attention_mask`` and ``position_ids`` to hand ``model``'s forward for (b, T) rows that hold
-    all T positions (no KV cache):
+def attention_mask_for(model: nn.Module, attention_mask: torch.Tensor, fully_real: bool) -> torch.Tensor:
+    """The attention mask to hand ``model``'s forward for (b, T) rows that hold all T positions (no KV
+    cache), given their (b, T) padding mask:
 
     - padding, under plain causal SDPA: the (b, 1, T, T) boolean mask, True where a query attends to a
       key (an earlier or the same position that is not padding), which transformers uses as it is and
@@ -30,11 +28,10 @@ def attention_inputs(
       transformers then checks the positions for packed sequences.
     """
     if fully_real or not _plain_causal_sdpa(model):
-        return {"attention_mask": attention_mask, "position_ids": position_ids}
+        return attention_mask
     width = attention_mask.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()  # (T, T)
-    mask = causal & attention_mask.bool()[:, None, None, :]  # (b, 1, T, T)
-    return {"attention_mask": mask, "position_ids": position_ids}
+    return causal & attention_mask.bool()[:, None, None, :]  # (b, 1, T, T)
 
 
 # decoders whose SDPA layers take a prepared 4D mask as the one they would build from a 2D mask,

@@ -31,7 +31,7 @@ import structlog
 import torch
 from torch import nn
 
-from trainer._attention_mask import attention_inputs
+from trainer._attention_mask import attention_mask_for
 from trainer._lora import merged_lora_weights, wrap_lora
 from trainer._read_back import clipped_step
 from trainer.advantages import attempt_gae, batch_advantages, loss_mask
@@ -190,7 +190,8 @@ class Actor:
                 return logprobs, (ent if entropy else None)
             out = model(
                 input_ids=inputs.input_ids,
-                **attention_inputs(model, inputs.attention_mask, inputs.position_ids, inputs.fully_real()),
+                attention_mask=attention_mask_for(model, inputs.attention_mask, inputs.fully_real()),
+                position_ids=inputs.position_ids,
                 use_cache=False,
             )
             logits = out.logits[:, p - 1 : p + r - 1]  # (b, R, V): position t scores token t+1

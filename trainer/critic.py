@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from trainer import compiled
-from trainer._attention_mask import attention_inputs
+from trainer._attention_mask import attention_mask_for
 from trainer._read_back import clipped_step
 from trainer.algorithms import explained_variance, loss_denominator, masked_mean, value_loss
 from trainer.batch import Batch
@@ -64,7 +64,8 @@ class ValueModel(nn.Module):
         if hidden is None:
             hidden = self.decoder(
                 input_ids=mb.input_ids,
-                **attention_inputs(self.decoder, mb.attention_mask, mb.position_ids, mb.fully_real()),
+                attention_mask=attention_mask_for(self.decoder, mb.attention_mask, mb.fully_real()),
+                position_ids=mb.position_ids,
                 use_cache=False,
             ).last_hidden_state[:, p - 1 : p + r - 1]  # (b, R, d)
         return (

@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from agentloop.cpu_binding import bind_gpu_process, usable_cpus
 from trainer import checkpoint as ck
-from trainer._attention_mask import attention_inputs
+from trainer._attention_mask import attention_mask_for
 from trainer._sharding import (
     balance_by_tokens,
     data_parallel_mesh,
@@ -170,7 +170,8 @@ class ShardedActor(Actor):
             # r + 1 + extra positions
             out = model(
                 input_ids=inputs.input_ids,
-                **attention_inputs(model, inputs.attention_mask, inputs.position_ids, inputs.fully_real()),
+                attention_mask=attention_mask_for(model, inputs.attention_mask, inputs.fully_real()),
+                position_ids=inputs.position_ids,
                 logits_to_keep=r + 1 + extra,
                 use_cache=False,
             )

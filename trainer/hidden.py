@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from agentloop.engine.models import cache_argument
-from trainer._attention_mask import attention_inputs
+from trainer._attention_mask import attention_mask_for
 from trainer.batch import Batch, index_on
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ def response_hidden(
             return shared, head
     hidden = decoder(  # use_cache=False: a KV cache in training only copies keys and values
         input_ids=mb.input_ids,
-        **attention_inputs(decoder, mb.attention_mask, mb.position_ids, mb.fully_real()),
+        attention_mask=attention_mask_for(decoder, mb.attention_mask, mb.fully_real()),
+        position_ids=mb.position_ids,
         use_cache=False,
     ).last_hidden_state  # (b, P+R, d)
     return hidden[:, p - 1 : p + r - 1], head
@@ -112,7 +113,8 @@ def shared_prompt_hidden(
         first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (u,) a row holding each prompt
     prompt = decoder(
         input_ids=input_ids[first, :p],
-        **attention_inputs(decoder, attention_mask[first, :p], position_ids[first, :p], prompts_unpadded),
+        attention_mask=attention_mask_for(decoder, attention_mask[first, :p], prompts_unpadded),
+        position_ids=position_ids[first, :p],
         use_cache=True,
     )
     cache = getattr(prompt, "cache", None)  # transformers >= 5.x; earlier: past_key_values

@@ -15,7 +15,7 @@ from transformers.masking_utils import sdpa_mask
 from tests.trainer.samples import actor_config
 from tests.trainer.test_compiled import eager_dynamo  # noqa: F401  (a fixture)
 from tests.trainer.test_host_syncs import _batch, _ReadBacks
-from trainer._attention_mask import EXACT_4D_MASK_MODELS, attention_inputs
+from trainer._attention_mask import EXACT_4D_MASK_MODELS, attention_mask_for
 from trainer.actor import Actor
 
 
@@ -48,7 +48,7 @@ def _llama(attn: str = "sdpa") -> PreTrainedModel:
 
 def test_the_mask_is_the_one_transformers_builds() -> None:
     mask = _padding_mask()
-    ours = attention_inputs(_llama(), mask, _positions(mask), fully_real=False)["attention_mask"]
+    ours = attention_mask_for(_llama(), mask, fully_real=False)
     theirs = sdpa_mask(
         batch_size=3, q_length=7, kv_length=7, attention_mask=mask.bool(), allow_is_causal_skip=False
     )
@@ -60,12 +60,12 @@ def test_the_mask_is_the_one_transformers_builds() -> None:
 def test_every_listed_model_computes_the_same_bit_for_bit(model_type: str) -> None:
     model = _tiny(model_type, **({"sliding_window": None} if model_type == "mistral" else {}))
     mask = _padding_mask()
-    inputs = attention_inputs(model, mask, _positions(mask), fully_real=False)
-    assert inputs["attention_mask"].dim() == 4  # the prepared mask is what runs
+    prepared = attention_mask_for(model, mask, fully_real=False)
+    assert prepared.dim() == 4  # the prepared mask is what runs
     ids = torch.randint(3, 128, mask.shape) * mask
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
-        ours = model(input_ids=ids, **inputs).logits
+        ours = model(input_ids=ids, attention_mask=prepared, position_ids=_positions(mask)).logits
     real = mask.bool()
     assert torch.equal(ours[real], plain[real])
 
@@ -94,14 +94,14 @@ def _config_only(config: PretrainedConfig) -> nn.Module:
 def test_models_with_other_masks_get_the_padding_mask(model: Any) -> None:
     """A prepared 4D mask would replace a sliding window's own mask, and eager attention adds its mask."""
     mask = _padding_mask()
-    inputs = attention_inputs(model(), mask, _positions(mask), fully_real=False)
-    assert inputs["attention_mask"] is mask
+    assert attention_mask_for(model(), mask, fully_real=False) is mask
 
 
 def test_a_batch_without_padding_keeps_the_causal_path() -> None:
     mask = torch.ones(2, 5, dtype=torch.long)
-    inputs = attention_inputs(_llama(), mask, _positions(mask), fully_real=True)
-    assert inputs["attention_mask"] is mask  # transformers finds no padding: SDPA's is_causal path
+    assert (
+        attention_mask_for(_llama(), mask, fully_real=True) is mask
+    )  # transformers finds no padding: SDPA's is_causal path
 
 
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
