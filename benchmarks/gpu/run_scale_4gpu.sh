@@ -8,9 +8,12 @@ set -o pipefail
 if [ ! -d /tmp/rsite/ray ]; then
   cp .raykit/r2/* /tmp/raykit/ && (cd /tmp/raykit && cat part* > kit.tar && tar xf kit.tar && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rsite w/*.whl) || exit 1
 fi
-if [ -d .gg/whl ]; then  # or installed by an earlier call on this warm machine (r2 + .gg/whl pass 64 MiB)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
-elif [ ! -d /tmp/site/pydantic ]; then echo "carry .gg/whl (not installed in /tmp/site yet)"; exit 1; fi
+# .gg/whl, or .gg/lite (its wheels less matplotlib, pillow, fonttools, contourpy, kiwisolver, cycler, pyparsing
+# and gguf: what scale_bench does not import; with r2 and .gpucache under 64 MiB), or an earlier call's install
+WHEELS=$(ls -d .gg/whl .gg/lite 2>/dev/null | head -1)
+if [ -n "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS/*.whl || exit 1
+elif [ ! -d /tmp/site/pydantic ]; then echo "carry .gg/whl or .gg/lite (not installed in /tmp/site yet)"; exit 1; fi
 source benchmarks/gpu/env.sh
 export PYTHONPATH=/tmp/rsite:/tmp/site:$PWD
 echo "card: $(card) x $(nvidia-smi -L | wc -l); NUMA nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l); $(date +%T)"
