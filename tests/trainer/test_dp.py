@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agentloop.types import Triplet
+from tests.trainer.tolerances import EPS32, assert_one_adam_step_agrees, gradient_noise
 from trainer.actor import Actor
 from trainer.batch import build_batch
 from trainer.config import FSDPConfig, TrainerConfig
@@ -237,25 +238,14 @@ def test_two_ranks_take_the_same_step_as_one(
     assert moved > 5e-4, "the update must move the weights for the comparison to mean something"
     # Tolerances from the computation, not from one CPU. The two runs sum the same fp32 terms in other
     # orders (also where a rank adds up its micro-batches before the ranks are summed, not after), so
-    # their clipped gradients differ by up to `noise`: typical error sqrt(n) * eps * M of the sums over
-    # the n tokens and, inside each term, over V = 49152 logits, of terms up to the clipped norm
-    # M = grad_clip = 1 (test_actor's micro-batch test has the same bound). One AdamW step
-    # from zero state moves a weight by lr * g / (|g| + adam_eps): the full lr unless |g| is tiny, so a
-    # gradient within `noise` of 0 may flip sign (steps 2 * lr apart) while a larger one barely moves it.
-    eps, lr, adam_eps = torch.finfo(torch.float32).eps, 1e-3, 1e-8  # the config's lr, AdamW's eps
-    noise = (int(batch.attention_mask.sum()) ** 0.5 + 49152**0.5) * eps * 1.0
+    # their clipped gradients differ by up to gradient_noise (clip norm 1; test_actor's micro-batch test
+    # has the same bound); assert_one_adam_step_agrees turns that into a bound on each weight.
+    eps, lr = EPS32, 1e-3  # the config's lr
+    noise = gradient_noise(int(batch.attention_mask.sum()), 49152)
     assert m1["actor/optimizer_steps"] == 1, "the bound below is for one Adam step"
     for k in expected:
-        rounding = 2 * eps * (expected[k].abs() + 8 * lr)  # w + step rounded (1 ulp), ~8 ops in the step; x2
-        r = ((expected[k] - before[k]).abs() - rounding).clamp(min=0) / lr  # <= |g| / (|g| + adam_eps)
-        g = adam_eps * r / (1 - r).clamp(min=eps)  # a lower bound on the weight's |g|
-        # |g| > noise keeps its sign: the steps differ by lr * (d/dg of g / (|g| + adam_eps)) * noise at most
-        same_sign = lr * adam_eps * noise / ((g + adam_eps) * (g - noise + adam_eps))
-        bound = torch.where(g > noise, same_sign.clamp(max=2 * lr), 2 * lr) + rounding
-        excess = (got[k] - expected[k]).abs() - bound
-        i, worst = int(excess.argmax()), float(excess.max())
-        assert worst <= 0, (
-            f"{k}: 2 ranks {got[k].flatten()[i]} vs 1 rank {expected[k].flatten()[i]} (bound {bound.flatten()[i]})"
+        assert_one_adam_step_agrees(
+            got[k], expected[k], before[k], lr=lr, noise=noise, what=f"{k}: 2 ranks vs 1"
         )
     # entropy (4.35): per-token error <= eps * M * (M + log2 V) ~ 4e-4 at logit scale M ~ 50 (see test_actor),
     # 1e-4 relative; grad_norm: relative error ~ sqrt(V) * eps = 3e-5; pg_loss ~ 0 (GRPO advantages cancel):
