@@ -1,12 +1,8 @@
 """The policy (+ a frozen reference only when KL is used), its optimizer and one PPO/GRPO update.
 
 One update on a Batch:
-  1. old logprobs: on-policy (one epoch of one mini-batch, nothing needing them before the loss) the
-     loss's own forward, detached (``actor.on_policy_old_logprobs``); else recomputed with the current
-     weights, or the engine's own logprobs (``actor.use_engine_logprobs``), checked on a probe
-     micro-batch and recomputed for the whole batch when the gap exceeds
-     ``actor.engine_logprob_gap_limit``; the train/engine gap is reported in every case (on-policy,
-     over the tokens the loss trains on).
+  1. old logprobs (trainer/old_logprobs.py): on-policy the loss's own forward's, detached; else
+     recomputed, or the engine's own when close enough; the train/engine gap is reported in every case.
      Every log-prob (old, new, reference, and the entropy) is that of the policy that sampled: the
      logits of each token are divided by its call's recorded sampling temperature, as the engines do.
   2. rollout correction (trainer/rollout_correction.py) against the engine's log-probs: truncated IS
@@ -27,7 +23,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import structlog
 import torch
 from torch import nn
 
@@ -51,13 +46,12 @@ from trainer.config import TrainerConfig
 from trainer.critic import Critic
 from trainer.head import head_logprobs
 from trainer.hidden import head_shortcut_is_exact, response_hidden, shared_prompt_is_exact
+from trainer.old_logprobs import from_the_loss, old_logprobs
 from trainer.rollout_correction import rollout_correction
 from trainer.splits import micro_batches_with_rows, split_by_groups
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-log = structlog.get_logger("agentloop.trainer.actor")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -244,7 +238,8 @@ class Actor:
         metrics: dict[str, float] = {}
         on_device: dict[str, torch.Tensor] = {}  # metrics read back after the update, not before it
 
-        old = None if self._old_from_the_loss(batch) else self._old_logprobs(batch, metrics)  # (B, R)
+        on_policy = from_the_loss(cfg, batch, has_ref=self.ref is not None)
+        old = None if on_policy else self._old_logprobs(batch, metrics)  # (B, R)
         metrics["actor/old_logprobs_from_the_loss"] = float(old is None)
         if old is not None:
             batch.extras["old_logprobs"] = old
@@ -252,7 +247,7 @@ class Actor:
         is_level = cfg.rollout_is_level()
         corr_cfg = cfg.algorithm.rollout_correction
         if batch.engine_logprobs is not None and (is_level is not None or corr_cfg.rollout_rs is not None):
-            assert old is not None  # _old_from_the_loss: not with rollout correction
+            assert old is not None  # from_the_loss: not with rollout correction
             corr = rollout_correction(old, batch.engine_logprobs, mask, corr_cfg, is_level)
             metrics.update(corr.metrics)
             keep = keep & corr.keep
@@ -264,7 +259,7 @@ class Actor:
             ref = self.compute_logprobs(batch, self.ref)
             batch.extras["ref_logprobs"] = ref
             if cfg.algorithm.use_kl_in_reward:
-                assert old is not None  # _old_from_the_loss: not with the KL in the reward
+                assert old is not None  # from_the_loss: not with the KL in the reward
                 kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
                 on_device["actor/kl_in_reward"] = masked_mean(kl, mask.bool(), dim=-1).mean()
         if self.critic is not None:  # PPO: values, GAE over each attempt, the critic fitted to the returns
@@ -308,43 +303,9 @@ class Actor:
         )
         return metrics
 
-    def _old_from_the_loss(self, batch: Batch) -> bool:
-        """Whether the update takes its old log-probs from the loss's own forward: one epoch of one
-        mini-batch, so the policy has not stepped when the loss runs (``actor.on_policy_old_logprobs``),
-        and nothing needs them before the loss (rollout correction, the KL in the reward)."""
-        cfg = self.config
-        actor = cfg.actor_rollout_ref.actor
-        if not actor.on_policy_old_logprobs or actor.use_engine_logprobs or actor.ppo_epochs != 1:
-            return False
-        if cfg.rollout_is_level() is not None or cfg.algorithm.rollout_correction.rollout_rs is not None:
-            return False
-        if self.ref is not None and cfg.algorithm.use_kl_in_reward:
-            return False
-        return len(set(batch.rows_on_host().group_ids)) <= actor.ppo_mini_batch_size  # one mini-batch
-
     def _old_logprobs(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
-        """Old logprobs (B, R): recomputed, or the engine's with ``use_engine_logprobs``. The engine's
-        are first checked on a probe of the batch's first rows (one micro-batch's worth); when their mean
-        gap to the policy's exceeds ``engine_logprob_gap_limit`` the whole batch is recomputed instead."""
-        actor = self.config.actor_rollout_ref.actor
-        engine = batch.engine_logprobs
-        if engine is None:
-            return self.compute_logprobs(batch)
-        if not actor.use_engine_logprobs:
-            old = self.compute_logprobs(batch)
-            _gap_metrics(old, engine, batch.response_mask, metrics)
-            return old
-        rows = max(1, min(len(batch), actor.ppo_max_token_len_per_gpu // max(batch.input_ids.shape[1], 1)))
-        probe = batch.select(torch.arange(rows))
-        gap = _gap_metrics(self.compute_logprobs(probe), probe.engine_logprobs, probe.response_mask, metrics)
-        recompute = gap > actor.engine_logprob_gap_limit
-        metrics["actor/old_logprobs_recomputed"] = float(recompute)
-        if recompute:
-            log.warning(
-                "actor.engine_logprob_gap_too_large", gap_mean=gap, limit=actor.engine_logprob_gap_limit
-            )
-            return self.compute_logprobs(batch)
-        return engine
+        """The update's old log-probs when not on-policy (trainer/old_logprobs.py)."""
+        return old_logprobs(self.config, batch, self.compute_logprobs, metrics)
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         actor = self.config.actor_rollout_ref.actor
@@ -485,18 +446,6 @@ class Actor:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-
-
-def _gap_metrics(
-    old: torch.Tensor, engine: torch.Tensor | None, mask: torch.Tensor, metrics: dict[str, float]
-) -> float:
-    """Record the train/engine logprob gap (mean and max over response tokens); returns the mean."""
-    assert engine is not None
-    gap = (old - engine[:, : old.shape[1]]).abs() * mask  # (b, R)
-    mean = float(masked_mean(gap, mask.bool()))
-    metrics["actor/engine_logprob_gap_mean"] = mean
-    metrics["actor/engine_logprob_gap_max"] = float(gap.max())
-    return mean
 
 
 def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
