@@ -11,8 +11,6 @@ The trainer never re-tokenizes: the ids are the ones the engine saw and produced
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,9 +18,10 @@ from typing import Any
 import structlog
 import torch
 
-from agentloop.adapter import group_by_attempt, merge_turns
+from agentloop.adapter import group_by_attempt
 from agentloop.errors import EmptyBatchError
 from agentloop.types import Triplet
+from trainer._batch_rows import Row, attempt_rows, group_key, triplet_reward, unusable
 
 log = structlog.get_logger(__name__)
 
@@ -258,109 +257,6 @@ def index_on(device: torch.device, rows: Sequence[int]) -> torch.Tensor:
     return index.pin_memory().to(device, non_blocking=True)
 
 
-def _group_key(metadata: dict[str, Any]) -> str | None:
-    if metadata.get("group_id") is not None:
-        return f"id:{metadata['group_id']}"
-    if "input" in metadata:
-        text = json.dumps(metadata["input"], sort_keys=True, default=str)
-        return "input:" + hashlib.sha1(text.encode()).hexdigest()
-    return None
-
-
-@dataclass
-class _Span:
-    start: int  # first response column of the call's own tokens in its row
-    length: int
-    reward: float  # the call's return (the adapter's credit assignment)
-    step_reward: float  # the call's own reward (``call_reward``): what GAE places on its last token
-    source: int  # index in build_batch's input
-
-
-@dataclass
-class _Row:
-    """One sample: a call, or consecutive calls of one attempt merged (``agentloop.adapter.merge_turns``)."""
-
-    sample: Triplet
-    spans: list[_Span]  # its calls, in order
-    temps: list[float]  # the sampling temperature of each response token (1 on tool tokens)
-    hit_max_tokens: bool  # a call the engine stopped at max_tokens
-    metadata: dict[str, Any]  # the call's; merged: the first call's updated by the last's, + merged_calls
-
-
-def _rows(
-    triplets: Sequence[Triplet], attempt: list[int], merge: bool, default_temperature: float
-) -> list[_Row]:
-    """The rows of one attempt's calls (positions ``attempt`` in ``triplets``, in order): one per call,
-    or consecutive extending calls merged into one."""
-    calls = [triplets[i] for i in attempt]
-    if merge:
-        samples = merge_turns(calls)
-        places = [_places(s) for s in samples]
-    else:
-        samples = calls
-        places = [[(0, len(t.response_ids))] for t in calls]
-    sources = iter(attempt)  # merge_turns keeps the calls in order, each in exactly one sample
-    rows: list[_Row] = []
-    for sample, where in zip(samples, places, strict=True):
-        temps = [1.0] * len(sample.response_ids)
-        spans: list[_Span] = []
-        for start, length in where:
-            i = next(sources)
-            temps[start : start + length] = [_temperature(triplets[i], default_temperature)] * length
-            spans.append(
-                _Span(start, length, _reward(triplets[i]), _step_reward(triplets[i], i == attempt[-1]), i)
-            )
-        first, last = triplets[spans[0].source].metadata, triplets[spans[-1].source].metadata
-        rows.append(
-            _Row(
-                sample=sample,
-                spans=spans,
-                temps=temps,
-                hit_max_tokens=any(
-                    triplets[c.source].metadata.get("finish_reason") == "length" for c in spans
-                ),
-                metadata=dict(first) if len(spans) == 1 else {**first, **last, "merged_calls": len(spans)},
-            )
-        )
-    return rows
-
-
-def _places(merged: Triplet) -> list[tuple[int, int]]:
-    """(start, length) of each call's response in a sample from merge_turns (``metadata["calls"]``)."""
-    calls: Any = merged.metadata["calls"]
-    return [(int(c["start"]), int(c["length"])) for c in calls]
-
-
-def _temperature(t: Triplet, default: float) -> float:
-    temp = t.metadata.get("temperature")
-    return float(temp) if isinstance(temp, int | float) else default
-
-
-def _reward(t: Triplet) -> float:
-    return float(t.reward) if t.reward is not None else 0.0
-
-
-def _step_reward(t: Triplet, last_call: bool) -> float:
-    """The call's own reward: the adapter's ``call_reward``; for triplets without it (built by hand),
-    the reward on the attempt's last call and 0 on the others (either strategy gives the last call
-    the attempt's return)."""
-    own = t.metadata.get("call_reward")
-    if isinstance(own, int | float):
-        return float(own)
-    return _reward(t) if last_call else 0.0
-
-
-def _unusable(t: Triplet, max_prompt_length: int) -> str | None:
-    """Why a call makes its whole attempt unusable (None when it is fine)."""
-    if not t.prompt_ids or not t.response_ids:
-        return "dropped_attempts_empty"
-    if len(t.prompt_ids) > max_prompt_length:
-        return "dropped_attempts_prompt_too_long"
-    if t.reward is None:
-        return "dropped_attempts_no_reward"
-    return None
-
-
 def build_batch(
     triplets: Sequence[Triplet],
     *,
@@ -404,11 +300,11 @@ def build_batch(
     for t in triplets:
         if not isinstance(t, Triplet):
             raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
-    rows: list[tuple[int, _Row]] = []  # (attempt number, row)
+    rows: list[tuple[int, Row]] = []  # (attempt number, row)
     attempt_rewards: list[float] = []
     group_keys: list[str] = []
     for members in group_by_attempt(triplets):
-        reasons = [r for i in members if (r := _unusable(triplets[i], max_prompt_length)) is not None]
+        reasons = [r for i in members if (r := unusable(triplets[i], max_prompt_length)) is not None]
         if reasons:
             stats[reasons[0]] += 1
             stats["dropped_calls"] += len(members)
@@ -417,14 +313,14 @@ def build_batch(
         first = triplets[members[0]].metadata
         total = first.get("attempt_reward")
         attempt_rewards.append(
-            float(total) if isinstance(total, int | float) else _reward(triplets[members[-1]])
+            float(total) if isinstance(total, int | float) else triplet_reward(triplets[members[-1]])
         )
-        key = _group_key(first)
+        key = group_key(first)
         if key is None:
             stats["ungrouped"] += 1
             key = f"attempt:{number}"
         group_keys.append(key)
-        rows.extend((number, row) for row in _rows(triplets, members, merge, default_temperature))
+        rows.extend((number, row) for row in attempt_rows(triplets, members, merge, default_temperature))
     stats["num_samples"], stats["num_attempts"] = len(rows), len(attempt_rewards)
     dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
     if dropped:
@@ -486,7 +382,7 @@ def build_batch(
             call_attempts.append(attempt)
     stats["truncated_samples"] = int(truncated.sum())
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
-    rewards = torch.tensor([_reward(r.sample) for _, r in rows], dtype=torch.float32)  # (B,)
+    rewards = torch.tensor([triplet_reward(r.sample) for _, r in rows], dtype=torch.float32)  # (B,)
     longs = {k: torch.tensor(call_cols[k], dtype=torch.long) for k in ("row", "start", "length", "source")}
     attempt_of_call = torch.tensor(call_attempts, dtype=torch.long)  # (C,)
     calls = Calls(
