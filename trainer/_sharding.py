@@ -46,16 +46,17 @@ def padded_tokens(host: HostRows, rows: Sequence[int]) -> int:
 
 def deal_micro_batches(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:
     """Each rank's token-budget micro-batches (row indices), dealt so that the slowest rank computes as
-    few padded tokens as it can: the better, by :func:`padded_tokens`, of two deals.
+    few padded tokens as it can: of two deals, the one whose ranks run fewer micro-batches, then the one
+    whose slowest rank has fewer :func:`padded_tokens`.
 
     - By rows: rows dealt to ranks by real tokens (:func:`balance_by_tokens`), each rank splitting its
       own. Each rank then holds lengths from the whole range, so its micro-batches mix long and short
-      rows and pad more (4 ranks of scale_bench's batch: 32,000 padded tokens on the slowest rank against
-      29,442 for a quarter of one rank's 117,768).
+      rows and pad more (4 ranks of scale_bench's batch: 31,904 padded tokens on the slowest rank against
+      29,340 for a quarter of one rank's 117,358).
     - By micro-batches: the whole batch split at once (rows of similar length together, as one rank
       would), into ``world_size`` x k micro-batches of near-equal padded size (the smallest budget
       that still gives no more micro-batches than k per rank), dealt k to a rank, largest first to the
-      rank with the least so far (29,568 on that batch).
+      rank with the least so far (29,410 on that batch).
 
     Every rank computes the same deal from the rows' lengths on the host."""
     by_rows = [
@@ -66,10 +67,12 @@ def deal_micro_batches(host: HostRows, budget: int, world_size: int) -> list[lis
     ]
     by_micro_batches = _deal_even_micro_batches(host, budget, world_size)
 
-    def slowest(deal: list[list[list[int]]]) -> tuple[int, int]:
-        return max(sum(padded_tokens(host, mb) for mb in mbs) for mbs in deal), max(map(len, deal))
+    def cost(deal: list[list[list[int]]]) -> tuple[int, int]:
+        """The most micro-batches a rank runs (each costs its collectives and launches), then the slowest
+        rank's padded tokens."""
+        return max(map(len, deal)), max(sum(padded_tokens(host, mb) for mb in mbs) for mbs in deal)
 
-    return min(by_micro_batches, by_rows, key=slowest)
+    return min(by_micro_batches, by_rows, key=cost)
 
 
 def _deal_even_micro_batches(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:

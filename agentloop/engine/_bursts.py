@@ -5,7 +5,7 @@ consumer stops reading."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 
 from agentloop.engine.base import TokenOutput
 
@@ -20,7 +20,7 @@ async def labelled(request_id: str, result: Awaitable[TokenOutput]) -> Answer:
         return request_id, exc
 
 
-async def as_finished(answers: list[Awaitable[Answer]]) -> AsyncIterator[Answer]:
+async def as_finished(answers: Sequence[Awaitable[Answer]]) -> AsyncGenerator[Answer, None]:
     """Yield ``answers`` in the order they finish; closing the iterator cancels the ones still running
     (a cancelled generate call aborts its request in the engine)."""
     tasks = [asyncio.ensure_future(a) for a in answers]

@@ -18,6 +18,7 @@ through ``EngineReplica.call`` and ``note_sync``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 import uuid
@@ -101,8 +102,9 @@ class EngineReplica:
             stream = as_finished(
                 [labelled(rid, self.engine.generate(p, s, request_id=rid)) for p, s, rid in requests]
             )
-        async for answer in stream:
-            yield answer
+        async with contextlib.aclosing(stream) as answers:  # closing this stream closes the engine's now
+            async for answer in answers:
+                yield answer
 
     async def abort(self, request_id: str) -> bool:
         return bool(await self.engine.abort(request_id))

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import queue
 import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -239,31 +240,42 @@ class TorchEngine(EngineThread):
 
     async def generate_many(
         self, requests: Sequence[tuple[list[int], SamplingParams | None, str]]
-    ) -> AsyncIterator[Answer]:
+    ) -> AsyncGenerator[Answer, None]:
         """Run ``requests`` (prompt ids, sampling, request id) as one burst and yield ``(request_id,
         output or error)`` as each finishes. The engine thread receives the burst in one command, so it
         admits it together (one prefill while slots and ``max_prefill_tokens`` allow) rather than
         starting on the first few while the rest are still being queued. A request that fails
-        validation yields its error first; closing the iterator aborts what is still running."""
+        validation yields its error first (the others are already running); closing the iterator aborts
+        what is still running."""
         reqs: list[Request] = []
         errors: list[Answer] = []
+        ids: set[str] = set()
         for prompt_ids, sampling, rid in requests:
             try:
-                if any(r.request_id == rid for r in reqs):
+                if rid in ids:
                     raise ValueError(f"request_id {rid!r} is already in flight; use a unique id per request")
                 reqs.append(self._new_request(prompt_ids, sampling, rid))
+                ids.add(rid)
             except Exception as exc:  # invalid input: this request's error, the others run
                 errors.append((rid, exc))
-        for failed in errors:
-            yield failed
-        if not reqs:
-            return
-        await self.start()
-        for req in reqs:
-            self._inflight[req.request_id] = req
-        self._inbox.put(("add", reqs))
-        async for answer in as_finished([labelled(r.request_id, self._result(r)) for r in reqs]):
-            yield answer
+        if reqs:  # registered and sent before anything is yielded: no other call runs in between
+            await self.start()
+            for req in reqs:
+                self._inflight[req.request_id] = req
+            self._inbox.put(("add", reqs))
+        tasks = [asyncio.ensure_future(labelled(r.request_id, self._result(r))) for r in reqs]
+        try:
+            for failed in errors:
+                yield failed
+            async with contextlib.aclosing(as_finished(tasks)) as answers:
+                async for answer in answers:
+                    yield answer
+        finally:  # closed early: abort what still runs, also a request whose task has not started yet
+            for req in reqs:
+                if not req.future.done():
+                    self._inbox.put(("abort", req.request_id))
+                if self._inflight.get(req.request_id) is req:
+                    del self._inflight[req.request_id]
 
     def _new_request(
         self, prompt_ids: list[int], sampling: SamplingParams | None, request_id: str | None

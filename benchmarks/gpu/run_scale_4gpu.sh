@@ -10,7 +10,7 @@ if [ ! -d /tmp/rsite/ray ]; then
 fi
 # .gg/whl, or .gg/lite (its wheels less matplotlib, pillow, fonttools, contourpy, kiwisolver, cycler, pyparsing
 # and gguf: what scale_bench does not import; with r2 and .gpucache under 64 MiB), or an earlier call's install
-WHEELS=$(ls -d .gg/whl .gg/lite 2>/dev/null | head -1)
+WHEELS=; for d in .gg/whl .gg/lite; do [ -z "$WHEELS" ] && [ -d "$d" ] && WHEELS=$d; done
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS/*.whl || exit 1
 elif [ ! -d /tmp/site/pydantic ]; then echo "carry .gg/whl or .gg/lite (not installed in /tmp/site yet)"; exit 1; fi

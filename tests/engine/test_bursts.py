@@ -21,6 +21,7 @@ from agentloop.errors import ContextLengthExceededError
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture
@@ -109,20 +110,46 @@ async def test_bad_requests_fail_alone(tiny_model_dir: Path) -> None:
 async def test_closing_the_stream_aborts_what_still_runs(tiny_model_dir: Path) -> None:
     engine = make_engine("torch", tiny_model_dir, max_batch_size=8)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    burst = [([5, 6, 7], short, "short"), *[([5, 6, 8 + i], long, f"long-{i}") for i in range(3)]]
+    burst = [([5, 6, 7], short, "short"), *[([5, 6, 8 + i], LONG, f"long-{i}") for i in range(3)]]
     try:
         with anyio.fail_after(60):
             stream = engine.generate_many(burst)
             first = await anext(stream)
             await stream.aclose()
-            while engine.stats()["running"] or engine._inflight:
-                await asyncio.sleep(0.005)
-            stats = engine.stats()
+            assert not engine._inflight  # at once, not when the generators are collected
+            stats = await _settled(engine)
     finally:
         await engine.stop()
     assert first[0] == "short"
-    assert stats["finished_abort"] == 3 and stats["generated_tokens"] < 3 * 400
+    assert stats["finished_abort"] == 3 and stats["generated_tokens"] < 3 * LONG.max_tokens
+
+
+async def test_closing_while_errors_are_read_aborts_the_burst(tiny_model_dir: Path) -> None:
+    """A burst is registered and sent before its first answer: while its consumer reads an error, a new
+    call with one of its ids is refused, and closing there aborts the requests, started or not."""
+    engine = make_engine("torch", tiny_model_dir, max_batch_size=8)
+    burst = [([], GREEDY, "bad"), ([5, 6, 7], LONG, "a"), ([5, 6, 8], LONG, "b")]
+    try:
+        with anyio.fail_after(60):
+            stream = engine.generate_many(burst)
+            rid, error = await anext(stream)
+            assert rid == "bad" and isinstance(error, ValueError)
+            assert set(engine._inflight) == {"a", "b"}
+            with pytest.raises(ValueError, match="already in flight"):
+                await engine.generate([5, 6, 9], GREEDY, request_id="a")
+            await stream.aclose()
+            assert not engine._inflight
+            stats = await _settled(engine)
+    finally:
+        await engine.stop()
+    assert stats["finished_abort"] == 2 and stats["requests"] == 2
+
+
+async def _settled(engine: TorchEngine) -> dict[str, Any]:
+    """The engine's stats once nothing is running or waiting (aborts are commands it reads next step)."""
+    while engine.stats()["running"] or engine.stats()["waiting"] or engine._inbox.qsize():
+        await asyncio.sleep(0.005)
+    return engine.stats()
 
 
 async def test_a_replica_hands_its_torch_engine_the_burst_whole(tiny_model_dir: Path) -> None:
@@ -131,7 +158,12 @@ async def test_a_replica_hands_its_torch_engine_the_burst_whole(tiny_model_dir: 
         with anyio.fail_after(60):
             adds = _spy_on(replica.engine)
             got = await _drain(replica.generate_many([([5, 6, 7 + i], GREEDY, f"r-{i}") for i in range(6)]))
+            stream = replica.generate_many([([5, 6, 7], GREEDY, "first"), ([5, 6, 8], LONG, "long")])
+            await anext(stream)
+            await stream.aclose()  # closing the replica's stream closes the engine's: "long" is aborted now
+            assert not replica.engine._inflight
+            stats = await _settled(replica.engine)
     finally:
         await replica.stop()
-    assert adds == [6]
-    assert replica.stats()["requests"] == 6 and len(got) == 6
+    assert adds == [6, 2]
+    assert len(got) == 6 and stats["finished_abort"] == 1

@@ -18,14 +18,18 @@ def gradient_noise(tokens: int, vocab_size: int, scale: float = 1.0) -> float:
 
 def assert_one_adam_step_agrees(
     got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, *, lr: float, noise: float, what: str
-) -> None:
+) -> int:
     """``got`` and ``expected``, weights after one AdamW step from zero state from ``before``, whose
     gradients differ by at most ``noise``, agree as far as that allows.
 
     One step moves a weight by lr * g / (|g| + adam_eps): the full lr unless |g| is tiny. So a gradient
     within ``noise`` of 0 may flip sign (steps 2 * lr apart), while a larger one barely moves its step:
     by lr * (d/dg of g / (|g| + adam_eps)) * noise at most. |g| is bounded below from ``expected``'s step.
-    Each run also rounds the weight (1 ulp) after ~8 operations of the step; x2 for the two runs."""
+    Each run also rounds the weight (1 ulp) after ~8 operations of the step; x2 for the two runs.
+
+    Returns how many weights the bound constrains (below 2 * lr): the test's power; the others' gradients
+    are within the noise of 0. A gradient wrong by a uniform scale passes (clipping and Adam's first step
+    cancel it): compare the gradient norms too. ``noise`` is a typical error, used as a hard bound."""
     rounding = 2 * EPS32 * (expected.abs() + 8 * lr)
     r = ((expected - before).abs() - rounding).clamp(min=0) / lr  # <= |g| / (|g| + adam_eps)
     g = ADAM_EPS * r / (1 - r).clamp(min=EPS32)  # a lower bound on the weight's |g|
@@ -34,3 +38,4 @@ def assert_one_adam_step_agrees(
     excess = (got - expected).abs() - bound
     i, worst = int(excess.argmax()), float(excess.max())
     assert worst <= 0, f"{what}: {got.flatten()[i]} vs {expected.flatten()[i]} (bound {bound.flatten()[i]})"
+    return int((bound < 2 * lr).sum())
