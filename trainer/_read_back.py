@@ -43,8 +43,9 @@ def clipped_step(
     role: str,
 ) -> tuple[dict[str, float], float]:
     """Clip, read back (:func:`clip_and_read_back`) and step ``optimizer`` with its learning rate warmed
-    up linearly to ``optim.lr`` over ``optim.lr_warmup_steps`` (``step`` counts the updates done before this one); a step whose
-    gradient norm is not finite is skipped and logged under ``role``. The gradients are zeroed either way."""
+    up linearly to ``optim.lr`` over ``optim.lr_warmup_steps`` (``step`` counts the updates done before
+    this one); a step whose gradient norm is not finite is skipped and logged under ``role``. The
+    gradients are zeroed either way."""
     read, grad_norm = clip_and_read_back(params, max_norm, totals)
     if math.isfinite(grad_norm):
         if optim.lr_warmup_steps > 0:

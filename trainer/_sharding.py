@@ -59,33 +59,38 @@ def deal_micro_batches(host: HostRows, budget: int, world_size: int) -> list[lis
       rank with the least so far (29,410 on that batch).
 
     Every rank computes the same deal from the rows' lengths on the host."""
-    by_rows = [
-        [[part[i] for i in mb] for mb in token_budget_rows(host.take(part), budget, padded=True)]
-        if part
-        else []
-        for part in balance_by_tokens(host.sequence_tokens(), world_size)
-    ]
-    by_micro_batches = _deal_even_micro_batches(host, budget, world_size)
 
     def cost(deal: list[list[list[int]]]) -> tuple[int, int]:
         """The most micro-batches a rank runs (each costs its collectives and launches), then the slowest
         rank's padded tokens."""
         return max(map(len, deal)), max(sum(padded_tokens(host, mb) for mb in mbs) for mbs in deal)
 
-    return min(by_micro_batches, by_rows, key=cost)
+    by_micro_batches = _deal_even_micro_batches(host, budget, world_size)
+    return min(by_micro_batches, _deal_rows_by_tokens(host, budget, world_size), key=cost)
+
+
+def _deal_rows_by_tokens(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:
+    """The by-rows deal of :func:`deal_micro_batches`."""
+    return [
+        [[part[i] for i in mb] for mb in token_budget_rows(host.take(part), budget, padded=True)]
+        for part in balance_by_tokens(host.sequence_tokens(), world_size)
+    ]
 
 
 def _deal_even_micro_batches(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:
     """The by-micro-batches deal of :func:`deal_micro_batches`."""
-    per_rank = -(-len(token_budget_rows(host, budget, padded=True)) // world_size)
-    low, high = 1, budget  # the least budget giving <= world_size x per_rank micro-batches (monotone)
-    while low < high:
+    micro = token_budget_rows(host, budget, padded=True)
+    per_rank = -(-len(micro) // world_size)
+    # the split at the least budget giving <= world_size x per_rank micro-batches (the count never
+    # rises with the budget): a binary search below ``budget``, keeping the last split that fits
+    low, high = 1, budget - 1
+    while low <= high:
         mid = (low + high) // 2
-        if len(token_budget_rows(host, mid, padded=True)) <= world_size * per_rank:
-            high = mid
+        split = token_budget_rows(host, mid, padded=True)
+        if len(split) <= world_size * per_rank:
+            micro, high = split, mid - 1
         else:
             low = mid + 1
-    micro = token_budget_rows(host, low, padded=True)
     cost = [padded_tokens(host, mb) for mb in micro]
     deal: list[list[list[int]]] = [[] for _ in range(world_size)]
     totals = [0] * world_size

@@ -233,9 +233,7 @@ class TorchEngine(EngineThread):
     ) -> TokenOutput:
         """Generate a response to ``prompt_ids``; cancelling the await aborts the request."""
         req = self._new_request(prompt_ids, sampling, request_id)
-        await self.start()
-        self._inflight[req.request_id] = req
-        self._inbox.put(("add", [req]))
+        await self._submit([req])
         return await self._result(req)
 
     async def generate_many(
@@ -259,10 +257,7 @@ class TorchEngine(EngineThread):
             except Exception as exc:  # invalid input: this request's error, the others run
                 errors.append((rid, exc))
         if reqs:  # registered and sent before anything is yielded: no other call runs in between
-            await self.start()
-            for req in reqs:
-                self._inflight[req.request_id] = req
-            self._inbox.put(("add", reqs))
+            await self._submit(reqs)
         tasks = [asyncio.ensure_future(labelled(r.request_id, self._result(r))) for r in reqs]
         try:
             for failed in errors:
@@ -294,6 +289,13 @@ class TorchEngine(EngineThread):
         return Request(
             rid, prompt, sampling, loop.create_future(), loop, seed, end_ids, added_at=self._clock()
         )
+
+    async def _submit(self, reqs: list[Request]) -> None:
+        """Put validated ``reqs`` in flight: the engine thread gets them in one command."""
+        await self.start()
+        for req in reqs:
+            self._inflight[req.request_id] = req
+        self._inbox.put(("add", reqs))
 
     async def _result(self, req: Request) -> TokenOutput:
         """Await ``req``'s answer; cancelling aborts it in the engine."""

@@ -99,9 +99,8 @@ def test_models_with_other_masks_get_the_padding_mask(model: Any) -> None:
 
 def test_a_batch_without_padding_keeps_the_causal_path() -> None:
     mask = torch.ones(2, 5, dtype=torch.long)
-    assert (
-        attention_mask_for(_llama(), mask, fully_real=True) is mask
-    )  # transformers finds no padding: SDPA's is_causal path
+    # transformers finds no padding: SDPA's is_causal path
+    assert attention_mask_for(_llama(), mask, fully_real=True) is mask
 
 
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])

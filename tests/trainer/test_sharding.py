@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from trainer._sharding import _deal_even_micro_batches, balance_by_tokens, deal_micro_batches, padded_tokens
+from trainer._sharding import (
+    _deal_even_micro_batches,
+    _deal_rows_by_tokens,
+    deal_micro_batches,
+    padded_tokens,
+)
 from trainer.batch import HostRows
 from trainer.splits import token_budget_rows
 
@@ -23,14 +28,6 @@ def _rows(n: int, prompt_len: int, response_len: int, seed: int) -> HostRows:
 
 def _slowest(host: HostRows, deal: list[list[list[int]]]) -> int:
     return max(sum(padded_tokens(host, mb) for mb in mbs) for mbs in deal)
-
-
-def _dealt_by_rows(host: HostRows, budget: int, world: int) -> list[list[list[int]]]:
-    """The deal before micro-batches were dealt whole: rows by tokens, each rank splitting its own."""
-    out = []
-    for part in balance_by_tokens(host.sequence_tokens(), world):
-        out.append([[part[i] for i in mb] for mb in token_budget_rows(host.take(part), budget, padded=True)])
-    return out
 
 
 def test_padded_tokens_is_rows_times_the_longest_prompt_and_response() -> None:
@@ -91,7 +88,7 @@ def test_fewer_micro_batches_a_rank_come_before_fewer_padded_tokens(
     padding. In these batches (found by a search) the even split pads the slowest rank less than dealing
     rows, but with one more micro-batch on some rank, so dealing rows wins."""
     host = _rows(n, prompt_len, response_len, seed)
-    even, by_rows = _deal_even_micro_batches(host, budget, world), _dealt_by_rows(host, budget, world)
+    even, by_rows = _deal_even_micro_batches(host, budget, world), _deal_rows_by_tokens(host, budget, world)
     assert _slowest(host, even) < _slowest(host, by_rows)
     assert max(map(len, even)) > max(map(len, by_rows))
     assert deal_micro_batches(host, budget, world) == by_rows
@@ -105,7 +102,7 @@ def test_four_ranks_pad_about_as_little_as_one(seed: int) -> None:
     micro-batches of similar lengths 1.4-2% (seeds 0-2; 0-2.5% over seeds 0-7)."""
     host = _rows(128, 512, 512, seed)
     one_rank = sum(padded_tokens(host, mb) for mb in token_budget_rows(host, 16384, padded=True))
-    by_rows = _slowest(host, _dealt_by_rows(host, 16384, 4))
+    by_rows = _slowest(host, _deal_rows_by_tokens(host, 16384, 4))
     slowest = _slowest(host, deal_micro_batches(host, 16384, 4))
     assert by_rows > 1.04 * one_rank / 4  # what the test guards against
     assert slowest < 1.025 * one_rank / 4, (slowest, one_rank / 4, by_rows)
