@@ -200,6 +200,107 @@ async def _rank_times(group: Any, batch: Any, reps: int) -> list[dict[str, Any]]
     return out
 
 
+def _set_threads(worker: Any, threads: int) -> int:
+    """Set a rank's torch intra-op threads (0: leave them as ``DPWorker.setup`` set them); the count."""
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _freeze_gc(worker: Any) -> int:
+    """Collect, then move every object the rank holds into the garbage collector's permanent
+    generation (later collections skip them); how many were frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class _GcClock:
+    """Wall time the garbage collector spends, and its collections by generation, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self.by_generation, self._t0 = 0.0, [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.by_generation[info["generation"]] += 1
+
+
+def _update_loop(worker: Any, batch: Any, reps: int) -> list[dict[str, Any]]:
+    """``reps`` updates timed inside a rank, as dp_phases times them under torchrun (synchronized,
+    ranks lined up by a barrier): the rank's own update time, without Ray's call or answer, and the
+    garbage collector's share of it."""
+    import gc
+
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    actor, out = worker._ready(), []
+    for _ in range(reps):
+        sync()
+        dist.barrier()
+        clock = _GcClock()
+        gc.callbacks.append(clock)
+        t0 = time.perf_counter()
+        try:
+            actor.update(batch)
+            sync()
+        finally:
+            gc.callbacks.remove(clock)
+        out.append(
+            {
+                "s": round(time.perf_counter() - t0, 4),
+                "gc_s": round(clock.seconds, 4),
+                "gc_collections": clock.by_generation,
+            }
+        )
+    return out
+
+
+async def _thread_sweep(
+    group: Any, batch: Any, sweep: list[int], reps: int, freeze_gc: bool
+) -> list[dict[str, Any]]:
+    """For each intra-op thread count in ``sweep`` (0: as setup set it), ``reps`` updates through
+    ``group.update.remote`` and ``reps`` more looped inside every rank: whether a rank's threads, its
+    garbage collector, or Ray's calls make a Ray update slower than the same update under torchrun.
+    ``freeze_gc`` adds a last leg, at the last thread count, with every rank's objects frozen."""
+    import ray
+
+    ref = ray.put(batch)
+    legs: list[tuple[int, bool]] = [(t, False) for t in sweep] + ([(sweep[-1], True)] if freeze_gc else [])
+    out = []
+    for threads, frozen in legs:
+        counts = await asyncio.gather(*[w.call.remote(_set_threads, threads) for w in group.workers])
+        if frozen:
+            await asyncio.gather(*[w.call.remote(_freeze_gc) for w in group.workers])
+        await group.update.remote(batch)  # a first update at this setting, untimed
+        through_ray = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await group.update.remote(batch)
+            through_ray.append(round(time.perf_counter() - t0, 4))
+        loops = await asyncio.gather(*[w.call.remote(_update_loop, ref, reps) for w in group.workers])
+        slowest = [max(rank[i]["s"] for rank in loops) for i in range(reps)]
+        out.append(
+            {
+                "threads": counts,
+                "gc_frozen": frozen,
+                "ray_update_s": through_ray,
+                "ray_update_s_median": statistics.median(through_ray),
+                "in_rank_update_s": [[rep["s"] for rep in rank] for rank in loops],
+                "in_rank_gc_s": [[rep["gc_s"] for rep in rank] for rank in loops],
+                "in_rank_gc_collections": [[rep["gc_collections"] for rep in rank] for rank in loops],
+                "in_rank_slowest_s_median": statistics.median(slowest),
+            }
+        )
+    return out
+
+
 def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
     """``profiled_update`` in a DPWorker rank (through ``worker.call``)."""
     return profiled_update(worker._ready(), batch)
@@ -225,6 +326,11 @@ async def _train_tokens_per_s(
             await group.update.remote(batch)
             times.append(time.perf_counter() - t0)
         rank_times = await _rank_times(group, batch, args.reps) if args.rank_times else None
+        sweep = (
+            await _thread_sweep(group, batch, args.rank_threads, args.reps, args.rank_gc_freeze)
+            if args.rank_threads
+            else None
+        )
         if args.profile_trainer:  # after the timed updates: one more, profiled on every rank
             profiles = await asyncio.gather(*[w.call.remote(_profile_rank, batch) for w in group.workers])
     finally:
@@ -240,6 +346,8 @@ async def _train_tokens_per_s(
     }
     if rank_times is not None:
         out["rank_times"] = rank_times
+    if sweep is not None:
+        out["thread_sweep"] = sweep
     if profiles is not None:
         out["profiled_update_by_rank"] = profiles
     return out
@@ -493,6 +601,18 @@ async def main() -> None:
         "--rank-times",
         action="store_true",
         help="after the timed updates, --reps more with each rank timing its own update (where Ray's time goes)",
+    )
+    ap.add_argument(
+        "--rank-threads",
+        type=lambda text: [int(t) for t in text.split(",")],
+        default=None,
+        help="after the timed updates, for each of these intra-op thread counts a rank (comma-separated; "
+        "0: as DPWorker.setup sets them), --reps updates through Ray and --reps looped inside the ranks",
+    )
+    ap.add_argument(
+        "--rank-gc-freeze",
+        action="store_true",
+        help="with --rank-threads: a last leg with every rank's objects frozen out of the garbage collector",
     )
     ap.add_argument(
         "--no-settle",

@@ -22,6 +22,7 @@ from agentloop.adapter import group_by_attempt
 from agentloop.errors import EmptyBatchError
 from agentloop.types import Triplet
 from trainer._batch_rows import Row, attempt_rows, group_key, triplet_reward, unusable
+from trainer._wire import reduce_fields
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +49,8 @@ class Calls:
 
     def __len__(self) -> int:
         return int(self.row.shape[0])
+
+    __reduce__ = reduce_fields  # across processes, tensors as NumPy arrays (trainer/_wire.py)
 
     def to(self, device: torch.device | str) -> Calls:
         return Calls(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
@@ -137,6 +140,8 @@ class Batch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    __reduce__ = reduce_fields  # across processes, tensors as NumPy arrays (trainer/_wire.py)
 
     @property
     def response_length(self) -> int:

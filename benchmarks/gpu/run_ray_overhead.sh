@@ -4,7 +4,7 @@
 #   1. nccl_probe.py under torchrun (every GPU visible to every rank) and ray_nccl_probe.py (Ray actors shown
 #      one GPU each, then all), with NCCL_DEBUG=INFO: bandwidth and NCCL's transports;
 #   2. scale_bench --only-trainer --rank-times with scale_bench's trainer options: each rank times its own
-#      update inside the Ray update.
+#      update inside the Ray update. Arguments go to scale_bench.py (e.g. --rank-threads 0,1 --reps 6).
 # Results under $OUT: probe_torchrun.json, probe_ray.jsonl, trainer.json, and the logs. SKIP_PROBE=1 skips 1.
 # On 2 x H200 part 1 took ~150 s (installs included) and part 2 needs ~260 s (each group compiles first).
 set -o pipefail
@@ -30,13 +30,16 @@ for line in open(sys.argv[1] + "/probe_ray.jsonl"):
 PY
 fi
 export RAY_AUTH_MODE=disabled
-timeout 400 python3 benchmarks/scale_bench.py --device cuda --gpus "$RANKS" --only-trainer --rank-times --no-reshard \
-  --grad-sync-per-mini-batch --fsdp-size 1 --reduce-dtype bf16 --out $OUT/trainer.json > $OUT/trainer.log 2>&1
+timeout ${TRAINER_TIMEOUT_S:-400} python3 benchmarks/scale_bench.py --device cuda --gpus "$RANKS" --only-trainer --rank-times \
+  --no-reshard --grad-sync-per-mini-batch --fsdp-size 1 --reduce-dtype bf16 "$@" --out $OUT/trainer.json > $OUT/trainer.log 2>&1
 python3 - "$OUT" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1] + "/trainer.json"))["trainer"]
 for k in [k for k in d if isinstance(d[k], dict)]:
     print(k, "update_s", round(d[k]["update_s"], 4), "rank_times", json.dumps(d[k].get("rank_times")))
+    for leg in d[k].get("thread_sweep", []):
+        print(k, "threads", leg["threads"], "gc frozen", leg["gc_frozen"], "ray", leg["ray_update_s"],
+              "in rank (slowest)", leg["in_rank_slowest_s_median"], "gc_s", leg["in_rank_gc_s"], "gen2", [[c[2] for c in r] for r in leg["in_rank_gc_collections"]])
 print("speedup", d.get("speedup"))
 PY
 echo "done $(date +%T)"
