@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -58,7 +59,15 @@ def deal_micro_batches(host: HostRows, budget: int, world_size: int) -> list[lis
       that still gives no more micro-batches than k per rank), dealt k to a rank, largest first to the
       rank with the least so far (29,410 on that batch).
 
-    Every rank computes the same deal from the rows' lengths on the host."""
+    Every rank computes the same deal from the rows' lengths on the host, once for each distinct rows,
+    budget and ranks (a pass over a batch and PPO's later epochs over its mini-batches deal the same
+    rows again: ~2 ms for 128 rows, ~0.3 s for 16k on a 2-core CPU)."""
+    return [[list(mb) for mb in mbs] for mbs in _remembered_deal(host, budget, world_size)]
+
+
+@lru_cache(maxsize=32)
+def _remembered_deal(host: HostRows, budget: int, world_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`deal_micro_batches`'s deal, kept (immutable) for the next pass over the same rows."""
 
     def cost(deal: list[list[list[int]]]) -> tuple[int, int]:
         """The most micro-batches a rank runs (each costs its collectives and launches), then the slowest
@@ -66,7 +75,8 @@ def deal_micro_batches(host: HostRows, budget: int, world_size: int) -> list[lis
         return max(map(len, deal)), max(sum(padded_tokens(host, mb) for mb in mbs) for mbs in deal)
 
     by_micro_batches = _deal_even_micro_batches(host, budget, world_size)
-    return min(by_micro_batches, _deal_rows_by_tokens(host, budget, world_size), key=cost)
+    deal = min(by_micro_batches, _deal_rows_by_tokens(host, budget, world_size), key=cost)
+    return tuple(tuple(tuple(mb) for mb in mbs) for mbs in deal)
 
 
 def _deal_rows_by_tokens(host: HostRows, budget: int, world_size: int) -> list[list[list[int]]]:

@@ -10,6 +10,7 @@ import pytest
 from trainer._sharding import (
     _deal_even_micro_batches,
     _deal_rows_by_tokens,
+    _remembered_deal,
     deal_micro_batches,
     padded_tokens,
 )
@@ -47,7 +48,22 @@ def test_every_row_once_within_the_budget_and_the_same_on_every_call(world: int,
     assert sorted(i for mbs in deal for mb in mbs for i in mb) == list(range(n))
     assert all(mb for mbs in deal for mb in mbs)  # no empty micro-batch (padding is rank_micro_batches')
     assert all(padded_tokens(host, mb) <= budget or len(mb) == 1 for mbs in deal for mb in mbs)
+    _remembered_deal.cache_clear()
     assert deal == deal_micro_batches(host, budget, world)  # every rank computes the same deal
+
+
+def test_a_deal_is_computed_once_for_the_same_rows_and_callers_cannot_change_it() -> None:
+    host = _rows(40, 300, 300, seed=7)
+    _remembered_deal.cache_clear()
+    first = deal_micro_batches(host, 2000, 4)
+    expected = [[list(mb) for mb in mbs] for mbs in first]
+    first[0][0].append(999)  # a caller's change to its copy
+    first[1].clear()
+    again = deal_micro_batches(HostRows(*(tuple(f) for f in vars(host).values())), 2000, 4)  # equal rows
+    assert again == expected
+    info = _remembered_deal.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    assert deal_micro_batches(host, 2001, 4) != [] and _remembered_deal.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("seed", range(20))
