@@ -43,21 +43,29 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-async def _measure(actor: Any, payload: Any, reps: int) -> dict[str, Any]:
+async def _measure(actor: Any, payloads: dict[str, Any], reps: int) -> dict[str, dict[str, Any]]:
+    """Each payload put and sent ``reps`` times, the payloads taking turns (after one warm-up each), so
+    that drift over the run falls on both alike."""
     import ray
 
-    put, reached = [], []
-    for _ in range(reps + 1):  # the first is a warm-up
-        t0 = time.time()
-        ref = ray.put(payload)
-        t1 = time.time()
-        arrived = await actor.arrived.remote(ref)
-        put.append(t1 - t0)
-        reached.append(arrived - t0)
+    put: dict[str, list[float]] = {name: [] for name in payloads}
+    reached: dict[str, list[float]] = {name: [] for name in payloads}
+    for rep in range(reps + 1):
+        for name, payload in payloads.items():
+            t0 = time.time()
+            ref = ray.put(payload)
+            t1 = time.time()
+            arrived = await actor.arrived.remote(ref)
+            if rep:  # the first round is a warm-up
+                put[name].append(t1 - t0)
+                reached[name].append(arrived - t0)
     return {
-        "put_ms_median": round(1e3 * statistics.median(put[1:]), 2),
-        "reached_actor_ms_median": round(1e3 * statistics.median(reached[1:]), 2),
-        "reached_actor_ms_all": [round(1e3 * r, 2) for r in reached[1:]],
+        name: {
+            "put_ms_median": round(1e3 * statistics.median(put[name]), 2),
+            "reached_actor_ms_median": round(1e3 * statistics.median(reached[name]), 2),
+            "reached_actor_ms_all": [round(1e3 * r, 2) for r in reached[name]],
+        }
+        for name in payloads
     }
 
 
@@ -97,8 +105,11 @@ async def main() -> None:
         "rows": len(batch),
         "tensor_mb": round(tensor_bytes / 1e6, 2),
         "reps": args.reps,
-        "batch_as_numpy_arrays": await _measure(actor, batch, args.reps),
-        "tensors_pickled_by_torch": await _measure(actor, _as_torch_pickles(batch), args.reps),
+        **await _measure(
+            actor,
+            {"batch_as_numpy_arrays": batch, "tensors_pickled_by_torch": _as_torch_pickles(batch)},
+            args.reps,
+        ),
     }
     ray.shutdown()
     new, old = result["batch_as_numpy_arrays"], result["tensors_pickled_by_torch"]

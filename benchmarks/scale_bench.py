@@ -201,10 +201,16 @@ async def _rank_times(group: Any, batch: Any, reps: int) -> list[dict[str, Any]]
 
 
 def _set_threads(worker: Any, threads: int) -> int:
-    """Set a rank's torch intra-op threads (0: leave them as ``DPWorker.setup`` set them); the count."""
-    if threads:
-        torch.set_num_threads(threads)
+    """Set a rank's torch intra-op threads (0: as ``DPWorker.setup`` set them); the count."""
+    setup = worker.extensions.setdefault("setup_threads", torch.get_num_threads())
+    torch.set_num_threads(threads or setup)
     return torch.get_num_threads()
+
+
+def _unfreeze_gc(worker: Any) -> None:
+    import gc
+
+    gc.unfreeze()
 
 
 def _freeze_gc(worker: Any) -> int:
@@ -268,37 +274,44 @@ async def _thread_sweep(
     """For each intra-op thread count in ``sweep`` (0: as setup set it), ``reps`` updates through
     ``group.update.remote`` and ``reps`` more looped inside every rank: whether a rank's threads, its
     garbage collector, or Ray's calls make a Ray update slower than the same update under torchrun.
-    ``freeze_gc`` adds a last leg, at the last thread count, with every rank's objects frozen."""
+    ``freeze_gc`` adds a last leg, at the last thread count, with every rank's objects frozen. The
+    ranks are left as they were (threads as setup set them, nothing frozen)."""
     import ray
 
     ref = ray.put(batch)
     legs: list[tuple[int, bool]] = [(t, False) for t in sweep] + ([(sweep[-1], True)] if freeze_gc else [])
-    out = []
-    for threads, frozen in legs:
-        counts = await asyncio.gather(*[w.call.remote(_set_threads, threads) for w in group.workers])
-        if frozen:
-            await asyncio.gather(*[w.call.remote(_freeze_gc) for w in group.workers])
-        await group.update.remote(batch)  # a first update at this setting, untimed
-        through_ray = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            await group.update.remote(batch)
-            through_ray.append(round(time.perf_counter() - t0, 4))
-        loops = await asyncio.gather(*[w.call.remote(_update_loop, ref, reps) for w in group.workers])
-        slowest = [max(rank[i]["s"] for rank in loops) for i in range(reps)]
-        out.append(
-            {
-                "threads": counts,
-                "gc_frozen": frozen,
-                "ray_update_s": through_ray,
-                "ray_update_s_median": statistics.median(through_ray),
-                "in_rank_update_s": [[rep["s"] for rep in rank] for rank in loops],
-                "in_rank_gc_s": [[rep["gc_s"] for rep in rank] for rank in loops],
-                "in_rank_gc_collections": [[rep["gc_collections"] for rep in rank] for rank in loops],
-                "in_rank_slowest_s_median": statistics.median(slowest),
-            }
-        )
-    return out
+    try:
+        return [await _sweep_leg(group, batch, ref, threads, frozen, reps) for threads, frozen in legs]
+    finally:
+        await asyncio.gather(*[w.call.remote(_set_threads, 0) for w in group.workers])
+        await asyncio.gather(*[w.call.remote(_unfreeze_gc) for w in group.workers])
+
+
+async def _sweep_leg(
+    group: Any, batch: Any, ref: Any, threads: int, frozen: bool, reps: int
+) -> dict[str, Any]:
+    """One leg of :func:`_thread_sweep`."""
+    counts = await asyncio.gather(*[w.call.remote(_set_threads, threads) for w in group.workers])
+    if frozen:
+        await asyncio.gather(*[w.call.remote(_freeze_gc) for w in group.workers])
+    await group.update.remote(batch)  # a first update at this setting, untimed
+    through_ray = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await group.update.remote(batch)
+        through_ray.append(round(time.perf_counter() - t0, 4))
+    loops = await asyncio.gather(*[w.call.remote(_update_loop, ref, reps) for w in group.workers])
+    slowest = [max(rank[i]["s"] for rank in loops) for i in range(reps)]
+    return {
+        "threads": counts,
+        "gc_frozen": frozen,
+        "ray_update_s": through_ray,
+        "ray_update_s_median": statistics.median(through_ray),
+        "in_rank_update_s": [[rep["s"] for rep in rank] for rank in loops],
+        "in_rank_gc_s": [[rep["gc_s"] for rep in rank] for rank in loops],
+        "in_rank_gc_collections": [[rep["gc_collections"] for rep in rank] for rank in loops],
+        "in_rank_slowest_s_median": statistics.median(slowest),
+    }
 
 
 def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
@@ -633,6 +646,8 @@ async def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.rank_gc_freeze and not args.rank_threads:
+        raise SystemExit("--rank-gc-freeze adds a leg to --rank-threads' sweep: give --rank-threads too")
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     args.gpus = args.gpus or (n_gpus if gpu else 2)

@@ -50,7 +50,7 @@ class Calls:
     def __len__(self) -> int:
         return int(self.row.shape[0])
 
-    __reduce__ = reduce_fields  # across processes, tensors as NumPy arrays (trainer/_wire.py)
+    __reduce_ex__ = reduce_fields  # across processes, tensors as NumPy arrays (trainer/_wire.py)
 
     def to(self, device: torch.device | str) -> Calls:
         return Calls(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
@@ -141,7 +141,7 @@ class Batch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
-    __reduce__ = reduce_fields  # across processes, tensors as NumPy arrays (trainer/_wire.py)
+    __reduce_ex__ = reduce_fields  # across processes, tensors as NumPy arrays (trainer/_wire.py)
 
     @property
     def response_length(self) -> int:

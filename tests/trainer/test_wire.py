@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import random
 from typing import Any
@@ -63,7 +64,7 @@ def test_every_field_comes_back_equal() -> None:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert back.prompt_length == batch.prompt_length
     assert back.metadata == batch.metadata and back.host_rows == batch.host_rows
-    assert back.engine_logprobs is not None and batch.attempt_ids is not None
+    assert back.engine_logprobs is not None and back.attempt_ids is not None and back.truncated is not None
 
 
 def test_tensor_bytes_travel_out_of_band() -> None:
@@ -89,10 +90,40 @@ def test_tensors_numpy_cannot_hold_are_pickled_by_torch() -> None:
     batch = _batch()
     batch.engine_logprobs = batch.engine_logprobs.to(torch.bfloat16)  # type: ignore[union-attr]
     batch.extras["graded"] = torch.ones(len(batch), requires_grad=True)
+    batch.extras["sparse"] = torch.eye(3).to_sparse()
+    batch.extras["negated"] = torch._neg_view(torch.arange(4.0))
     back, _, _ = _crossed(batch)
     assert back.engine_logprobs.dtype == torch.bfloat16
     assert torch.equal(back.engine_logprobs, batch.engine_logprobs)
     assert back.extras["graded"].requires_grad and torch.equal(back.extras["graded"], batch.extras["graded"])
+    assert back.extras["sparse"].is_sparse and torch.equal(back.extras["sparse"].to_dense(), torch.eye(3))
+    assert torch.equal(back.extras["negated"], -torch.arange(4.0))
+
+
+def test_every_integer_width_and_odd_layouts_come_back_equal() -> None:
+    batch = _batch()
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16):
+        batch.extras[str(dtype)] = torch.arange(6).to(dtype)
+    batch.extras["transposed"] = torch.arange(12.0).view(3, 4).t()
+    batch.extras["slice"] = torch.arange(100.0)[10:20]
+    batch.extras["empty"] = torch.zeros(0, 5)
+    back, _, _ = _crossed(batch)
+    for name, tensor in batch.extras.items():
+        assert back.extras[name].dtype == tensor.dtype and torch.equal(back.extras[name], tensor), name
+
+
+def test_copies_keep_their_meaning() -> None:
+    """``copy.copy`` shares the tensors, ``copy.deepcopy`` copies them and keeps shared ones shared:
+    neither takes the out-of-band path."""
+    batch = _batch()
+    batch.extras["alias"] = batch.input_ids
+    shallow = copy.copy(batch)
+    assert shallow.input_ids is batch.input_ids and shallow.calls is batch.calls
+    deep = copy.deepcopy(batch)
+    assert deep.input_ids is not batch.input_ids and torch.equal(deep.input_ids, batch.input_ids)
+    deep.input_ids.add_(1)
+    assert torch.equal(deep.extras["alias"], deep.input_ids)
+    assert isinstance(copy.copy(batch.calls).row, torch.Tensor)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
