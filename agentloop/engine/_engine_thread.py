@@ -383,11 +383,8 @@ class EngineThread:
         self._updates.clear()
 
     def _shutdown(self, cmds: list[tuple[str, Any]]) -> None:
-        for kind, arg in cmds:
-            if kind == "add":
-                self._waiting.extend(arg)
-            elif kind == "update":
-                self._updates.append(arg)
+        for kind, arg in cmds:  # taken as usual, then everything is aborted and every update failed
+            self._command(kind, arg)
         for req in [*self._waiting, *self._running]:
             self._finish(req, "abort")
         for _, fut, loop in self._updates:
