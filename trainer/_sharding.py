@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
 from trainer.batch import Batch, HostRows, index_on
+from trainer.hidden import response_logprobs
 from trainer.splits import token_budget_rows
 
 
@@ -180,6 +181,55 @@ def shard(model: nn.Module, layers: Any, fsdp: FSDPConfig, mesh: DeviceMesh | No
             module.set_gradient_divide_factor(1.0)  # sum, not mean: losses use global denominators
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+HEAD_FORWARD = "agentloop_response_logprobs"  # the sharded model's second forward (register_head_forward)
+
+
+class HeadJob:
+    """What the sharded model's head forward computes (``trainer.hidden.response_logprobs``'s inputs).
+    A plain object, so FSDP's pre-forward, which walks dataclasses and moves their tensors, passes it
+    through as it is."""
+
+    __slots__ = ("compile", "compute_dtype", "mb", "responses", "temperatures")
+
+    def __init__(
+        self,
+        mb: Batch,
+        responses: torch.Tensor,
+        temperatures: torch.Tensor,
+        compute_dtype: torch.dtype,
+        compile: bool,
+    ) -> None:
+        self.mb, self.responses, self.temperatures = mb, responses, temperatures
+        self.compute_dtype, self.compile = compute_dtype, compile
+
+
+def _run_head_job(model: nn.Module, job: HeadJob) -> tuple[torch.Tensor, torch.Tensor] | None:
+    out = response_logprobs(
+        model,
+        job.mb,
+        job.responses,
+        job.temperatures,
+        compute_dtype=job.compute_dtype,
+        compile=job.compile,
+    )
+    if out is None:
+        return None
+    # (b, R) tensors of their own, not views: FSDP's pre-backward hook sits on what a forward returns,
+    # and an in-place op on a view of it would drop the hook
+    return out[0].clone(), out[1].clone()
+
+
+def register_head_forward(model: nn.Module) -> None:
+    """Give a sharded model ``HEAD_FORWARD(job)``: the response tokens' log-probs and entropies from the
+    decoder's hidden states and the LM head run chunked (what the single-device actor computes),
+    wrapped in FSDP's forward hooks as ``forward`` is. Calling the decoder and the head outside them
+    would skip the root unit's all-gather (embeddings, final norm, head) and its gradient reduce."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(model, HEAD_FORWARD, partial(_run_head_job, model))
+    register_fsdp_forward_method(model, HEAD_FORWARD)
 
 
 def sync_gradients(model: nn.Module, on: bool) -> None:

@@ -44,8 +44,7 @@ from trainer.batch import Batch
 from trainer.compiled import compile_layers, enabled, model_inputs, warm_up
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
-from trainer.head import head_logprobs
-from trainer.hidden import head_shortcut_is_exact, response_hidden, shared_prompt_is_exact
+from trainer.hidden import head_shortcut_is_exact, response_logprobs, shared_prompt_is_exact
 from trainer.old_logprobs import from_the_loss, old_logprobs
 from trainer.rollout_correction import rollout_correction
 from trainer.splits import micro_batches_with_rows, split_by_groups
@@ -171,16 +170,21 @@ class Actor:
         temps = mb.logit_temperatures()[:, :r, None]  # (b, R, 1)
         inputs = model_inputs(mb) if self.compiled else mb  # compiled layers always get a mask
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            fused = response_hidden(model, inputs, p, r, self.shared_prompts) if self.fused_head else None
-            if fused is not None:
-                hidden, head = fused
-                logprobs, ent = head_logprobs(
-                    hidden / temps.to(hidden.dtype),  # (h / T) @ W.T = logits / T: the head has no bias
-                    head.weight,
+            fused = (
+                response_logprobs(
+                    model,
+                    inputs,
                     mb.responses,
+                    temps,
+                    shared_prompts=self.shared_prompts,
                     compute_dtype=torch.bfloat16 if cuda else torch.float32,
                     compile=self.compiled,
                 )
+                if self.fused_head
+                else None
+            )
+            if fused is not None:
+                logprobs, ent = fused
                 return logprobs, (ent if entropy else None)
             out = model(
                 input_ids=inputs.input_ids,

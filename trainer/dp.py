@@ -25,6 +25,9 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   and replicates across the groups (HSDP: a 2D mesh, gradients reduce-scattered within a group, then
   all-reduced across groups); 1 is plain data parallelism, where FSDP2 issues no all-gather at all
   (a shard group of one rank) and the gradients cross the ranks in one all-reduce per layer.
+* The ranks score response tokens as one device does: the LM head run chunked on the response
+  positions only (trainer/head.py), through a second forward of the model that FSDP's hooks wrap
+  (``register_head_forward``), and the optimizer is the fused AdamW on CUDA.
 * CPU: FSDP2 (``fully_shard``) runs over gloo in torch 2.13 (checked: forward, backward,
   reduce-scatter, ``clip_grad_norm_`` over DTensors and ``full_tensor()`` all work), so CI runs the
   same code path as the GPUs.
@@ -54,12 +57,15 @@ from agentloop.cpu_binding import bind_gpu_process, usable_cpus
 from trainer import checkpoint as ck
 from trainer._attention_mask import attention_mask_for
 from trainer._sharding import (
+    HEAD_FORWARD,
+    HeadJob,
     balance_by_tokens,
     data_parallel_mesh,
     full_state,
     load_full_state,
     max_over_ranks,
     rank_micro_batches,
+    register_head_forward,
     shard,
     sum_over_ranks,
     sync_gradients,
@@ -92,8 +98,12 @@ class ShardedCritic(Critic):
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
         shard(self.model, getattr(self.model.decoder, "layers", None), fsdp, mesh)
         optim = config.critic.optim
-        self.optimizer = torch.optim.AdamW(  # over the DTensor shards now
-            self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        self.optimizer = torch.optim.AdamW(  # over the DTensor shards now; fused as the Critic's
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            fused=device.type == "cuda",
         )
 
     def _split_micro_batches(self, batch: Batch) -> list[tuple[Batch, torch.Tensor]]:
@@ -145,9 +155,15 @@ class ShardedActor(Actor):
         shard(self.model, layers, fsdp, self.mesh)
         optim = config.actor_rollout_ref.actor.optim
         params = [p for p in self.model.parameters() if p.requires_grad]  # DTensor shards now
-        self.optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        self.optimizer = torch.optim.AdamW(  # fused as the Actor's: DTensor has the fused AdamW op
+            params,
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            fused=self.device.type == "cuda",
         )
+        if self.fused_head:  # the LM head run chunked on the response positions, inside FSDP's hooks
+            register_head_forward(self.model)
         if self.compiled:  # every rank runs the same passes, so their collectives pair up
             self.warm_up_compiled()
 
@@ -165,7 +181,20 @@ class ShardedActor(Actor):
         assert mb.input_ids.shape[1] == p + r, "a micro-batch is cut to its own P + R columns"
         inputs = model_inputs(mb) if self.compiled else mb  # compiled layers: a mask, a width of 8k
         extra = inputs.input_ids.shape[1] - (p + r)  # padding columns after the response
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+        cuda = self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+            if self.fused_head:
+                job = HeadJob(
+                    inputs,
+                    mb.responses,
+                    mb.logit_temperatures()[:, :r, None],
+                    torch.bfloat16 if cuda else torch.float32,
+                    self.compiled,
+                )
+                fused = getattr(model, HEAD_FORWARD)(job)
+                if fused is not None:
+                    logprobs, ent = fused
+                    return logprobs, (ent if entropy else None)
             # the root forward (FSDP's hooks all-gather the root unit); the head runs on the last
             # r + 1 + extra positions
             out = model(

@@ -19,6 +19,7 @@ from torch import nn
 from agentloop.engine.models import cache_argument
 from trainer._attention_mask import attention_mask_for
 from trainer.batch import Batch, index_on
+from trainer.head import head_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -68,6 +69,34 @@ def response_hidden(
         use_cache=False,
     ).last_hidden_state  # (b, P+R, d)
     return hidden[:, p - 1 : p + r - 1], head
+
+
+def response_logprobs(
+    model: nn.Module,
+    mb: Batch,
+    responses: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    shared_prompts: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    compile: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Log-probs and entropies (b, R) of ``responses`` under logits / ``temperatures`` (b, R, 1): the
+    decoder's hidden states at the response positions (:func:`response_hidden`, ``mb`` being the
+    decoder's input, padding columns after the response allowed) and the LM head run chunked
+    (trainer/head.py); None for models where that shortcut does not apply."""
+    p, r = mb.prompt_length, responses.shape[1]
+    fused = response_hidden(model, mb, p, r, shared_prompts)
+    if fused is None:
+        return None
+    hidden, head = fused
+    return head_logprobs(
+        hidden / temperatures.to(hidden.dtype),  # (h / T) @ W.T = logits / T: the head has no bias
+        head.weight,
+        responses,
+        compute_dtype=compute_dtype,
+        compile=compile,
+    )
 
 
 def shared_prompt_hidden(

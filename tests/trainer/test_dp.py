@@ -136,7 +136,18 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
         def forward_hook(*_: Any) -> None:
             counts["train_forward"] += torch.is_grad_enabled()
 
-        worker.actor.model.register_forward_hook(forward_hook)
+        # the decoder runs in both of the policy's forwards: the model's own and its head forward
+        worker.actor.model.get_decoder().register_forward_hook(forward_hook)
+        model, name = worker.actor.model, "agentloop_response_logprobs"  # trainer._sharding.HEAD_FORWARD
+        counts["head_forward"] = 0
+        if hasattr(model, name):
+            head_forward = getattr(model, name)
+
+            def counted_head_forward(*args: Any) -> Any:
+                counts["head_forward"] += 1
+                return head_forward(*args)
+
+            setattr(model, name, counted_head_forward)
 
     def read(worker: Any) -> dict[str, Any]:
         from torch.distributed.fsdp import FSDPModule
@@ -218,6 +229,8 @@ def test_two_ranks_take_the_same_step_as_one(
     assert all(c == counts[0] for c in counts), counts
     steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
     assert micro > steps, f"the batch must give several micro-batches per mini-batch: {micro} for {steps}"
+    # the ranks score tokens as the single actor does: the LM head run chunked on the response positions
+    assert counts[0]["head_forward"] >= micro, counts[0]
     per = micro if grad_sync_per_micro_batch else steps  # reduce-scatters per FSDP unit
     if fsdp_size == 1:  # a shard group of one rank: the parameters are whole, the gradients all-reduced
         per = 0
