@@ -149,7 +149,7 @@ class ShardedActor(Actor):
         device_type = torch.device(device).type
         self.mesh = data_parallel_mesh(device_type, world_size, fsdp.fsdp_size)  # before the critic's
         super().__init__(config, model_path, device)
-        self.shared_prompts = False  # the sharded forward runs the root module: no shared prompts yet
+        self.shared_prompts = False  # not measured sharded yet (HeadJob could carry it to the head forward)
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         shard(self.model, layers, fsdp, self.mesh)
@@ -180,7 +180,6 @@ class ShardedActor(Actor):
         p, r = mb.prompt_length, mb.response_length
         assert mb.input_ids.shape[1] == p + r, "a micro-batch is cut to its own P + R columns"
         inputs = model_inputs(mb) if self.compiled else mb  # compiled layers: a mask, a width of 8k
-        extra = inputs.input_ids.shape[1] - (p + r)  # padding columns after the response
         cuda = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
             if self.fused_head:
@@ -196,7 +195,8 @@ class ShardedActor(Actor):
                     logprobs, ent = fused
                     return logprobs, (ent if entropy else None)
             # the root forward (FSDP's hooks all-gather the root unit); the head runs on the last
-            # r + 1 + extra positions
+            # r + 1 + extra positions, extra being the padding columns after the response
+            extra = inputs.input_ids.shape[1] - (p + r)
             out = model(
                 input_ids=inputs.input_ids,
                 attention_mask=attention_mask_for(model, inputs.attention_mask, inputs.fully_real()),

@@ -91,7 +91,9 @@ def response_logprobs(
         return None
     hidden, head = fused
     return head_logprobs(
-        hidden / temperatures.to(hidden.dtype),  # (h / T) @ W.T = logits / T: the head has no bias
+        # (h / T) @ W.T = logits / T (the head has no bias); divided in fp32, so T is not rounded to
+        # bf16 first where the hidden states are bf16 (autocast, bf16 parameters)
+        hidden.float() / temperatures,
         head.weight,
         responses,
         compute_dtype=compute_dtype,

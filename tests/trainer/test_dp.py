@@ -144,8 +144,9 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
             head_forward = getattr(model, name)
 
             def counted_head_forward(*args: Any) -> Any:
-                counts["head_forward"] += 1
-                return head_forward(*args)
+                out = head_forward(*args)
+                counts["head_forward"] += out is not None  # None: it fell back to the full logits
+                return out
 
             setattr(model, name, counted_head_forward)
 
