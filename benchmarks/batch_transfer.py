@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,22 +24,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_machine import cpu_model
+
 
 def _as_torch_pickles(batch: Any) -> dict[str, Any]:
     """The batch's fields in a dict, its calls' too: the tensors pickle as torch pickles them."""
     fields = dict(vars(batch))
     fields["calls"] = dict(vars(batch.calls))
     return fields
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 async def _measure(actor: Any, payloads: dict[str, Any], reps: int) -> dict[str, dict[str, Any]]:
@@ -99,7 +90,7 @@ async def main() -> None:
         if isinstance(t, torch.Tensor)
     )
     result = {
-        "machine": f"{_cpu_name()}, {os.cpu_count()} CPUs",
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
         "ray": ray.__version__,
         "torch": torch.__version__,
         "rows": len(batch),

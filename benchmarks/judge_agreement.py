@@ -33,22 +33,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import anyio  # noqa: E402
+from bench_machine import cpu_model  # noqa: E402
 
 from agentloop.engine.factory import load_engine  # noqa: E402
 from agentloop.resources import LLM  # noqa: E402
 from examples.sql_agent.judge import agreement, judged_run, make_judge  # noqa: E402
 from examples.sql_agent.make_db import build_database  # noqa: E402
 from examples.sql_agent.questions import QUESTIONS  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

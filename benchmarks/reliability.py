@@ -26,15 +26,10 @@ import anyio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_machine import cpu_model  # noqa: E402
+
 from tests.reliability.load import run_load  # noqa: E402
 from tests.reliability.report import ENV  # noqa: E402
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def run_tests(report: Path) -> tuple[int, list[dict[str, Any]]]:

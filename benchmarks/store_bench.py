@@ -22,22 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from bench_machine import cpu_model
 
 from agentloop.store import MemoryStore, SQLiteStore, StoreClient, StoreServer
 from agentloop.store.base import Store
 from agentloop.types import Reward, Span
 
 LIFECYCLES = {"memory": 4000, "sqlite": 2000, "http-memory": 600, "http-sqlite": 600}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
