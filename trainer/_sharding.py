@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainer._config_actor import FSDPConfig, MixedPrecisionConfig, shard_group_size
 from trainer.batch import Batch, HostRows, index_on
-from trainer.hidden import response_logprobs
+from trainer.hidden import HeadJob, response_logprobs
 from trainer.splits import token_budget_rows
 
 
@@ -186,34 +186,8 @@ def shard(model: nn.Module, layers: Any, fsdp: FSDPConfig, mesh: DeviceMesh | No
 HEAD_FORWARD = "agentloop_response_logprobs"  # the sharded model's second forward (register_head_forward)
 
 
-class HeadJob:
-    """What the sharded model's head forward computes (``trainer.hidden.response_logprobs``'s inputs).
-    A plain object, so FSDP's pre-forward, which walks dataclasses and moves their tensors, passes it
-    through as it is."""
-
-    __slots__ = ("compile", "compute_dtype", "mb", "responses", "temperatures")
-
-    def __init__(
-        self,
-        mb: Batch,
-        responses: torch.Tensor,
-        temperatures: torch.Tensor,
-        compute_dtype: torch.dtype,
-        compile: bool,
-    ) -> None:
-        self.mb, self.responses, self.temperatures = mb, responses, temperatures
-        self.compute_dtype, self.compile = compute_dtype, compile
-
-
 def _run_head_job(model: nn.Module, job: HeadJob) -> tuple[torch.Tensor, torch.Tensor] | None:
-    out = response_logprobs(
-        model,
-        job.mb,
-        job.responses,
-        job.temperatures,
-        compute_dtype=job.compute_dtype,
-        compile=job.compile,
-    )
+    out = response_logprobs(model, job)
     if out is None:
         return None
     # (b, R) tensors of their own, not views: FSDP's pre-backward hook sits on what a forward returns,

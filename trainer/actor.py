@@ -44,7 +44,7 @@ from trainer.batch import Batch
 from trainer.compiled import compile_layers, enabled, model_inputs, warm_up
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
-from trainer.hidden import head_shortcut_is_exact, response_logprobs, shared_prompt_is_exact
+from trainer.hidden import HeadJob, head_shortcut_is_exact, response_logprobs, shared_prompt_is_exact
 from trainer.old_logprobs import from_the_loss, old_logprobs
 from trainer.rollout_correction import rollout_correction
 from trainer.splits import micro_batches_with_rows, split_by_groups
@@ -166,23 +166,9 @@ class Actor:
         """Logprobs (b, R) of the response tokens and, if asked, their entropy (b, R), under each
         token's sampling temperature (logits / T; T = 0, greedy, takes the raw logits)."""
         p, r = mb.prompt_length, mb.response_length
-        cuda = self.device.type == "cuda"
-        temps = mb.logit_temperatures()[:, :r, None]  # (b, R, 1)
         inputs = model_inputs(mb) if self.compiled else mb  # compiled layers always get a mask
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            fused = (
-                response_logprobs(
-                    model,
-                    inputs,
-                    mb.responses,
-                    temps,
-                    shared_prompts=self.shared_prompts,
-                    compute_dtype=torch.bfloat16 if cuda else torch.float32,
-                    compile=self.compiled,
-                )
-                if self.fused_head
-                else None
-            )
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            fused = response_logprobs(model, self._head_job(mb, inputs)) if self.fused_head else None
             if fused is not None:
                 logprobs, ent = fused
                 return logprobs, (ent if entropy else None)
@@ -193,9 +179,20 @@ class Actor:
                 use_cache=False,
             )
             logits = out.logits[:, p - 1 : p + r - 1]  # (b, R, V): position t scores token t+1
-        logits = logits.float() / temps  # (b, R, V) the sampling policy's logits
+        logits = logits.float() / mb.logit_temperatures()[:, :r, None]  # (b, R, V): the policy's logits
         logprobs = logprobs_from_logits(logits, mb.responses)  # (b, R) float32
         return logprobs, (entropy_from_logits(logits) if entropy else None)
+
+    def _head_job(self, mb: Batch, inputs: Batch) -> HeadJob:
+        """The fused head's work for micro-batch ``mb``, whose decoder input is ``inputs``."""
+        return HeadJob(
+            inputs,
+            mb.responses,
+            mb.logit_temperatures()[:, : mb.response_length, None],  # (b, R, 1)
+            shared_prompts=self.shared_prompts,
+            compute_dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+            compile=self.compiled,
+        )
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:

@@ -58,7 +58,6 @@ from trainer import checkpoint as ck
 from trainer._attention_mask import attention_mask_for
 from trainer._sharding import (
     HEAD_FORWARD,
-    HeadJob,
     balance_by_tokens,
     data_parallel_mesh,
     full_state,
@@ -149,7 +148,7 @@ class ShardedActor(Actor):
         device_type = torch.device(device).type
         self.mesh = data_parallel_mesh(device_type, world_size, fsdp.fsdp_size)  # before the critic's
         super().__init__(config, model_path, device)
-        self.shared_prompts = False  # not measured sharded yet (HeadJob could carry it to the head forward)
+        self.shared_prompts = False  # not measured sharded yet (the head forward's job would carry it)
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         shard(self.model, layers, fsdp, self.mesh)
@@ -180,17 +179,9 @@ class ShardedActor(Actor):
         p, r = mb.prompt_length, mb.response_length
         assert mb.input_ids.shape[1] == p + r, "a micro-batch is cut to its own P + R columns"
         inputs = model_inputs(mb) if self.compiled else mb  # compiled layers: a mask, a width of 8k
-        cuda = self.device.type == "cuda"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             if self.fused_head:
-                job = HeadJob(
-                    inputs,
-                    mb.responses,
-                    mb.logit_temperatures()[:, :r, None],
-                    torch.bfloat16 if cuda else torch.float32,
-                    self.compiled,
-                )
-                fused = getattr(model, HEAD_FORWARD)(job)
+                fused = getattr(model, HEAD_FORWARD)(self._head_job(mb, inputs))
                 if fused is not None:
                     logprobs, ent = fused
                     return logprobs, (ent if entropy else None)

@@ -71,33 +71,45 @@ def response_hidden(
     return hidden[:, p - 1 : p + r - 1], head
 
 
-def response_logprobs(
-    model: nn.Module,
-    mb: Batch,
-    responses: torch.Tensor,
-    temperatures: torch.Tensor,
-    *,
-    shared_prompts: bool = False,
-    compute_dtype: torch.dtype = torch.float32,
-    compile: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Log-probs and entropies (b, R) of ``responses`` under logits / ``temperatures`` (b, R, 1): the
-    decoder's hidden states at the response positions (:func:`response_hidden`, ``mb`` being the
-    decoder's input, padding columns after the response allowed) and the LM head run chunked
-    (trainer/head.py); None for models where that shortcut does not apply."""
-    p, r = mb.prompt_length, responses.shape[1]
-    fused = response_hidden(model, mb, p, r, shared_prompts)
+class HeadJob:
+    """What :func:`response_logprobs` computes: ``mb`` is the decoder's input (padding columns after the
+    response allowed), ``responses`` (b, R) the tokens to score, ``temperatures`` (b, R, 1) what their
+    logits are divided by. A plain object, not a dataclass: FSDP's pre-forward, which walks dataclasses
+    and moves their tensors, passes it through the sharded model's head forward as it is
+    (trainer/_sharding.py)."""
+
+    __slots__ = ("compile", "compute_dtype", "mb", "responses", "shared_prompts", "temperatures")
+
+    def __init__(
+        self,
+        mb: Batch,
+        responses: torch.Tensor,
+        temperatures: torch.Tensor,
+        *,
+        shared_prompts: bool,
+        compute_dtype: torch.dtype,
+        compile: bool,
+    ) -> None:
+        self.mb, self.responses, self.temperatures = mb, responses, temperatures
+        self.shared_prompts, self.compute_dtype, self.compile = shared_prompts, compute_dtype, compile
+
+
+def response_logprobs(model: nn.Module, job: HeadJob) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Log-probs and entropies (b, R) of ``job.responses`` under logits / ``job.temperatures``: the
+    decoder's hidden states at the response positions (:func:`response_hidden`) and the LM head run
+    chunked (trainer/head.py); None for models where that shortcut does not apply."""
+    fused = response_hidden(model, job.mb, job.mb.prompt_length, job.responses.shape[1], job.shared_prompts)
     if fused is None:
         return None
     hidden, head = fused
     return head_logprobs(
         # (h / T) @ W.T = logits / T (the head has no bias); divided in fp32, so T is not rounded to
         # bf16 first where the hidden states are bf16 (autocast, bf16 parameters)
-        hidden.float() / temperatures,
+        hidden.float() / job.temperatures,
         head.weight,
-        responses,
-        compute_dtype=compute_dtype,
-        compile=compile,
+        job.responses,
+        compute_dtype=job.compute_dtype,
+        compile=job.compile,
     )
 
 
