@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -223,6 +224,51 @@ def _freeze_gc(worker: Any) -> int:
     return gc.get_freeze_count()
 
 
+def thread_counters() -> dict[str, float]:
+    """The calling thread's CPU seconds, its context switches (voluntary: it waited, e.g. on the GPU
+    or a collective; involuntary: the scheduler gave its CPU to another thread) and its niceness (Ray
+    starts workers at 15, torchrun's ranks inherit the shell's). Zeros where Linux's /proc is absent."""
+    import threading
+
+    out = {"cpu_s": time.thread_time(), "voluntary": 0.0, "involuntary": 0.0, "nice": 0.0}
+    try:
+        status = Path("/proc/thread-self/status").read_text().splitlines()
+    except OSError:
+        return out
+    fields = dict(line.split(":", 1) for line in status if ":" in line)
+    out["voluntary"] = float(fields.get("voluntary_ctxt_switches", 0))
+    out["involuntary"] = float(fields.get("nonvoluntary_ctxt_switches", 0))
+    out["nice"] = float(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """``thread_counters`` between two readings: CPU seconds and switches spent, the niceness after."""
+    return {
+        "main_cpu_s": round(after["cpu_s"] - before["cpu_s"], 4),
+        "voluntary_switches": int(after["voluntary"] - before["voluntary"]),
+        "involuntary_switches": int(after["involuntary"] - before["involuntary"]),
+        "nice": int(after["nice"]),
+    }
+
+
+def _set_nice(worker: Any, nice: int | None) -> dict[str, Any]:
+    """Every thread of a rank to niceness ``nice`` (None: back to what each had before the first
+    call); lowering it needs CAP_SYS_NICE, so ``set`` says whether every thread took it."""
+    saved: dict[int, int] = worker.extensions.setdefault("saved_nice", {})
+    if not os.path.isdir("/proc/self/task"):
+        return {"nice": nice, "set": False}
+    ok = True
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            saved.setdefault(tid, os.getpriority(os.PRIO_PROCESS, tid))
+            os.setpriority(os.PRIO_PROCESS, tid, saved[tid] if nice is None else nice)
+        except (PermissionError, ProcessLookupError):
+            ok = False
+    return {"nice": nice, "set": ok}
+
+
 class _GcClock:
     """Wall time the garbage collector spends, and its collections by generation, while installed."""
 
@@ -252,6 +298,7 @@ def _update_loop(worker: Any, batch: Any, reps: int) -> list[dict[str, Any]]:
         dist.barrier()
         clock = _GcClock()
         gc.callbacks.append(clock)
+        before = thread_counters()
         t0 = time.perf_counter()
         try:
             actor.update(batch)
@@ -263,37 +310,50 @@ def _update_loop(worker: Any, batch: Any, reps: int) -> list[dict[str, Any]]:
                 "s": round(time.perf_counter() - t0, 4),
                 "gc_s": round(clock.seconds, 4),
                 "gc_collections": clock.by_generation,
+                **counter_deltas(before, thread_counters()),
             }
         )
     return out
 
 
+@dataclass(frozen=True)
+class _Leg:
+    """One setting of :func:`_thread_sweep`: intra-op threads (0: as setup set them), whether the
+    rank's objects are frozen out of the garbage collector, the niceness of its threads (None: Ray's)."""
+
+    threads: int
+    frozen: bool = False
+    nice: int | None = None
+
+
 async def _thread_sweep(
-    group: Any, batch: Any, sweep: list[int], reps: int, freeze_gc: bool
+    group: Any, batch: Any, sweep: list[int], reps: int, freeze_gc: bool, nice: int | None = None
 ) -> list[dict[str, Any]]:
     """For each intra-op thread count in ``sweep`` (0: as setup set it), ``reps`` updates through
     ``group.update.remote`` and ``reps`` more looped inside every rank: whether a rank's threads, its
-    garbage collector, or Ray's calls make a Ray update slower than the same update under torchrun.
-    ``freeze_gc`` adds a last leg, at the last thread count, with every rank's objects frozen. The
-    ranks are left as they were (threads as setup set them, nothing frozen)."""
+    garbage collector, its niceness or Ray's calls make a Ray update slower than the same update under
+    torchrun. ``freeze_gc`` adds a leg, at the last thread count, with every rank's objects frozen;
+    ``nice`` one with every rank thread at that niceness. The ranks are left as they were (threads
+    as setup set them, nothing frozen, Ray's niceness)."""
     import ray
 
     ref = ray.put(batch)
-    legs: list[tuple[int, bool]] = [(t, False) for t in sweep] + ([(sweep[-1], True)] if freeze_gc else [])
+    legs = [_Leg(t) for t in sweep] + ([_Leg(sweep[-1], frozen=True)] if freeze_gc else [])
+    legs += [_Leg(sweep[-1], nice=nice)] if nice is not None else []
     try:
-        return [await _sweep_leg(group, batch, ref, threads, frozen, reps) for threads, frozen in legs]
+        return [await _sweep_leg(group, batch, ref, leg, reps) for leg in legs]
     finally:
         await asyncio.gather(*[w.call.remote(_set_threads, 0) for w in group.workers])
         await asyncio.gather(*[w.call.remote(_unfreeze_gc) for w in group.workers])
+        await asyncio.gather(*[w.call.remote(_set_nice, None) for w in group.workers])
 
 
-async def _sweep_leg(
-    group: Any, batch: Any, ref: Any, threads: int, frozen: bool, reps: int
-) -> dict[str, Any]:
+async def _sweep_leg(group: Any, batch: Any, ref: Any, leg: _Leg, reps: int) -> dict[str, Any]:
     """One leg of :func:`_thread_sweep`."""
-    counts = await asyncio.gather(*[w.call.remote(_set_threads, threads) for w in group.workers])
-    if frozen:
+    counts = await asyncio.gather(*[w.call.remote(_set_threads, leg.threads) for w in group.workers])
+    if leg.frozen:
         await asyncio.gather(*[w.call.remote(_freeze_gc) for w in group.workers])
+    nice = await asyncio.gather(*[w.call.remote(_set_nice, leg.nice) for w in group.workers])
     await group.update.remote(batch)  # a first update at this setting, untimed
     through_ray = []
     for _ in range(reps):
@@ -302,14 +362,21 @@ async def _sweep_leg(
         through_ray.append(round(time.perf_counter() - t0, 4))
     loops = await asyncio.gather(*[w.call.remote(_update_loop, ref, reps) for w in group.workers])
     slowest = [max(rank[i]["s"] for rank in loops) for i in range(reps)]
+    by_rank = {  # each rank's figure, a list over the reps
+        f"in_rank_{key}": [[rep[key] for rep in rank] for rank in loops]
+        for key in ("main_cpu_s", "voluntary_switches", "involuntary_switches")
+    }
     return {
         "threads": counts,
-        "gc_frozen": frozen,
+        "gc_frozen": leg.frozen,
+        "nice": [rank[0]["nice"] for rank in loops],
+        "nice_set": all(n["set"] for n in nice) if leg.nice is not None else None,
         "ray_update_s": through_ray,
         "ray_update_s_median": statistics.median(through_ray),
         "in_rank_update_s": [[rep["s"] for rep in rank] for rank in loops],
         "in_rank_gc_s": [[rep["gc_s"] for rep in rank] for rank in loops],
         "in_rank_gc_collections": [[rep["gc_collections"] for rep in rank] for rank in loops],
+        **by_rank,
         "in_rank_slowest_s_median": statistics.median(slowest),
     }
 
@@ -340,7 +407,9 @@ async def _train_tokens_per_s(
             times.append(time.perf_counter() - t0)
         rank_times = await _rank_times(group, batch, args.reps) if args.rank_times else None
         sweep = (
-            await _thread_sweep(group, batch, args.rank_threads, args.reps, args.rank_gc_freeze)
+            await _thread_sweep(
+                group, batch, args.rank_threads, args.reps, args.rank_gc_freeze, args.rank_nice
+            )
             if args.rank_threads
             else None
         )
@@ -628,6 +697,13 @@ async def main() -> None:
         help="with --rank-threads: a last leg with every rank's objects frozen out of the garbage collector",
     )
     ap.add_argument(
+        "--rank-nice",
+        type=int,
+        default=None,
+        help="with --rank-threads: a last leg with every rank thread at this niceness (Ray starts workers "
+        "at 15; lowering it needs CAP_SYS_NICE, the leg reports nice_set)",
+    )
+    ap.add_argument(
         "--no-settle",
         action="store_true",
         help="time the rollout waves right after the warm-up wave, without waiting for the replicas' idle "
@@ -646,8 +722,12 @@ async def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.rank_gc_freeze and not args.rank_threads:
-        raise SystemExit("--rank-gc-freeze adds a leg to --rank-threads' sweep: give --rank-threads too")
+    for flag, given in (
+        ("--rank-gc-freeze", args.rank_gc_freeze),
+        ("--rank-nice", args.rank_nice is not None),
+    ):
+        if given and not args.rank_threads:
+            raise SystemExit(f"{flag} adds a leg to --rank-threads' sweep: give --rank-threads too")
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     args.gpus = args.gpus or (n_gpus if gpu else 2)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from scale_bench import _batch, _config, profiled_update  # noqa: E402
+from scale_bench import _batch, _config, counter_deltas, profiled_update, thread_counters  # noqa: E402
 
 from benchmarks.gpu.random_model import build_random_model  # noqa: E402
 from trainer.dp import ShardedActor  # noqa: E402
@@ -159,14 +159,16 @@ def main() -> None:
     batch = _batch(args.rows, args.prompt_len, args.response_len)
 
     actor.update(batch)  # warm-up
-    plain = []
+    plain, counters = [], []
     for _ in range(args.reps):
         torch.cuda.synchronize()
         dist.barrier()
+        before = thread_counters()
         t0 = time.perf_counter()
         actor.update(batch)
         torch.cuda.synchronize()
         plain.append(time.perf_counter() - t0)
+        counters.append(counter_deltas(before, thread_counters()))
 
     profiled = None
     if args.profile:
@@ -212,6 +214,7 @@ def main() -> None:
         },
         "update_s_median": round(statistics.median(plain), 4),
         "update_s_all": [round(x, 4) for x in plain],
+        "main_thread_by_update": counters,  # CPU seconds, context switches, niceness (as scale_bench's in-rank loop)
         "timed_update_s": round(timed_total, 4),
         "phase_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         "phase_calls": timer.calls,

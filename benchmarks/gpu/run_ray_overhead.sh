@@ -39,7 +39,9 @@ for k in [k for k in d if isinstance(d[k], dict)]:
     print(k, "update_s", round(d[k]["update_s"], 4), "rank_times", json.dumps(d[k].get("rank_times")))
     for leg in d[k].get("thread_sweep", []):
         print(k, "threads", leg["threads"], "gc frozen", leg["gc_frozen"], "ray", leg["ray_update_s"],
-              "in rank (slowest)", leg["in_rank_slowest_s_median"], "gc_s", leg["in_rank_gc_s"], "gen2", [[c[2] for c in r] for r in leg["in_rank_gc_collections"]])
+              "in rank (slowest)", leg["in_rank_slowest_s_median"], "gen2", [[c[2] for c in r] for r in leg["in_rank_gc_collections"]],
+              "nice", leg.get("nice"), "set", leg.get("nice_set"), "main cpu_s", leg.get("in_rank_main_cpu_s"),
+              "involuntary", leg.get("in_rank_involuntary_switches"))
 print("speedup", d.get("speedup"))
 PY
 echo "done $(date +%T)"
