@@ -102,12 +102,14 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
 
 def _fsdp_config(args: argparse.Namespace) -> dict[str, Any]:
     """The trainer ranks' fsdp_config from ``--no-reshard``, ``--grad-sync-per-mini-batch``,
-    ``--fsdp-size``, ``--param-dtype`` and ``--reduce-dtype``."""
+    ``--fsdp-size``, ``--param-dtype``, ``--reduce-dtype`` and ``--layers-per-unit`` (dp_phases.py
+    passes no such flag: its ``--override`` sets the key)."""
     return {
         "reshard_after_forward": not args.no_reshard,
         "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
         "fsdp_size": args.fsdp_size,
         "mixed_precision": {"param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype},
+        "layers_per_unit": getattr(args, "layers_per_unit", 1),
     }
 
 
@@ -660,6 +662,12 @@ async def main() -> None:
         type=int,
         default=-1,
         help="fsdp_config.fsdp_size: ranks sharing one copy of the model (-1 all: FSDP; 1: replicated)",
+    )
+    ap.add_argument(
+        "--layers-per-unit",
+        type=int,
+        default=1,
+        help="fsdp_config.layers_per_unit: consecutive decoder layers in one FSDP unit (trainer ranks)",
     )
     for name, what in (("param", "parameters are all-gathered"), ("reduce", "gradients are reduced")):
         ap.add_argument(

@@ -142,6 +142,14 @@ class FSDPConfig(_Section):
         default_factory=MixedPrecisionConfig,
         description="Dtypes of the parameter all-gathers and the gradient reductions (fp32 or bf16).",
     )
+    layers_per_unit: int = Field(
+        default=1,
+        ge=1,
+        description="Consecutive decoder layers that form one FSDP unit: all-gathered, and their gradients "
+        "reduced, in one collective each. More layers a unit mean fewer, larger collectives and fewer of "
+        "FSDP's per-unit hooks on the CPU, at the memory of that many layers gathered at once and less "
+        "overlap of communication with compute. The same step either way.",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -162,8 +162,9 @@ def mixed_precision_policy(config: MixedPrecisionConfig) -> Any:
 
 
 def shard(model: nn.Module, layers: Any, fsdp: FSDPConfig, mesh: DeviceMesh | None = None) -> None:
-    """FSDP2 over ``model``: one unit per decoder layer (all-gathered one at a time) and the root; the
-    gradients summed over ranks, not averaged (the losses use the whole batch's denominators).
+    """FSDP2 over ``model``: one unit per ``fsdp.layers_per_unit`` consecutive decoder layers
+    (all-gathered one unit at a time) and the root; the gradients summed over ranks, not averaged (the
+    losses use the whole batch's denominators).
     ``fsdp`` gives reshard_after_forward (False keeps gathered parameters until the backward) and the
     mixed-precision dtypes; ``mesh`` (``data_parallel_mesh``) shards within groups of ranks and
     replicates across them."""
@@ -173,8 +174,11 @@ def shard(model: nn.Module, layers: Any, fsdp: FSDPConfig, mesh: DeviceMesh | No
     policy = mixed_precision_policy(fsdp.mixed_precision)
     if policy is not None:
         options["mp_policy"] = policy
-    for layer in layers or []:
-        fully_shard(layer, **options)
+    layers = list(layers or [])
+    size = fsdp.layers_per_unit
+    for start in range(0, len(layers), size):
+        group = layers[start : start + size]
+        fully_shard(group[0] if len(group) == 1 else group, **options)
     fully_shard(model, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -25,6 +25,8 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   and replicates across the groups (HSDP: a 2D mesh, gradients reduce-scattered within a group, then
   all-reduced across groups); 1 is plain data parallelism, where FSDP2 issues no all-gather at all
   (a shard group of one rank) and the gradients cross the ranks in one all-reduce per layer.
+* ``fsdp_config.layers_per_unit``: the decoder layers form FSDP units of that many consecutive layers
+  (one all-gather and one gradient reduce per unit instead of per layer; fewer per-unit hooks).
 * The ranks score response tokens as one device does: the LM head run chunked on the response
   positions only (trainer/head.py), through a second forward of the model that FSDP's hooks wrap
   (``register_head_forward``), and the optimizer is the fused AdamW on CUDA.

@@ -26,6 +26,7 @@ def _config(
     grad_sync_per_micro_batch: bool = True,
     fsdp_size: int = -1,
     mixed_precision: dict[str, str] | None = None,
+    layers_per_unit: int = 1,
 ) -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
@@ -46,6 +47,7 @@ def _config(
                         "grad_sync_per_micro_batch": grad_sync_per_micro_batch,
                         "fsdp_size": fsdp_size,
                         "mixed_precision": mixed_precision or {},
+                        "layers_per_unit": layers_per_unit,
                     },
                 },
             },
@@ -153,7 +155,10 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
     def read(worker: Any) -> dict[str, Any]:
         from torch.distributed.fsdp import FSDPModule
 
-        units = sum(isinstance(m, FSDPModule) for m in worker.actor.model.modules())
+        # FSDP units: one state per fully_shard call (a group of layers is one unit, several modules)
+        units = len(
+            {id(m._get_fsdp_state()) for m in worker.actor.model.modules() if isinstance(m, FSDPModule)}
+        )
         mesh_dims = int(next(worker.actor.model.parameters()).device_mesh.ndim)  # 2: (replicate, shard)
         dtypes = {f"{k}_dtypes": sorted(v) for k, v in worker.extensions["dtypes"].items()}
         return {**worker.extensions["counts"], **dtypes, "units": units, "mesh_dims": mesh_dims}
@@ -186,17 +191,18 @@ def _counted_step(
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size", "world"),
+    ("reshard_after_forward", "grad_sync_per_micro_batch", "fsdp_size", "world", "layers_per_unit"),
     [
-        (True, True, -1, 2),
-        (False, False, 1, 2),
+        (True, True, -1, 2, 1),
+        (False, False, 1, 2, 1),
+        (True, True, -1, 2, 2),  # both decoder layers in one unit: one all-gather and reduce-scatter for them
         # the rest are .ci/run's slow tests (make test holds both options flipped, replicated): both
         # flipped with full sharding, then one at a time
-        pytest.param(False, False, -1, 2, marks=pytest.mark.slow),
-        pytest.param(True, False, -1, 2, marks=pytest.mark.slow),
-        pytest.param(False, True, -1, 2, marks=pytest.mark.slow),
+        pytest.param(False, False, -1, 2, 1, marks=pytest.mark.slow),
+        pytest.param(True, False, -1, 2, 1, marks=pytest.mark.slow),
+        pytest.param(False, True, -1, 2, 1, marks=pytest.mark.slow),
         # HSDP: sharded within 2 groups of 2 ranks, reduce-scatter then all-reduce
-        pytest.param(True, True, 2, 4, marks=pytest.mark.slow),
+        pytest.param(True, True, 2, 4, 1, marks=pytest.mark.slow),
     ],
 )
 def test_two_ranks_take_the_same_step_as_one(
@@ -206,11 +212,13 @@ def test_two_ranks_take_the_same_step_as_one(
     grad_sync_per_micro_batch: bool,
     fsdp_size: int,
     world: int,
+    layers_per_unit: int,
 ) -> None:
     """Also with parameters kept gathered from forward to backward (fewer all-gathers), with gradients
     reduce-scattered once per mini-batch instead of once per micro-batch, replicated on each rank
-    (fsdp_size=1: no all-gather, no reduce-scatter, gradients all-reduced), and on 4 ranks in 2 shard
-    groups of 2 (HSDP); the counts are checked: the same step."""
+    (fsdp_size=1: no all-gather, no reduce-scatter, gradients all-reduced), on 4 ranks in 2 shard
+    groups of 2 (HSDP), and with the decoder layers grouped into FSDP units of two; the counts are
+    checked: the same step."""
     # several micro-batches per rank, uneven counts: 2 and 3 (5 on one rank), so one rank's last micro-batch,
     # the one that reduce-scatters with grad_sync_per_micro_batch=False, is a padding one
     cfg = _config(
@@ -219,6 +227,7 @@ def test_two_ranks_take_the_same_step_as_one(
         reshard_after_forward=reshard_after_forward,
         grad_sync_per_micro_batch=grad_sync_per_micro_batch,
         fsdp_size=fsdp_size,
+        layers_per_unit=layers_per_unit,
     )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
@@ -229,6 +238,8 @@ def test_two_ranks_take_the_same_step_as_one(
     # every rank issues the same collectives (padded micro-batch counts), or the group would hang
     assert all(c == counts[0] for c in counts), counts
     steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
+    layers = 2  # the tiny model's decoder layers, in units of layers_per_unit, and the root unit
+    assert units == -(-layers // layers_per_unit) + 1, counts[0]
     assert micro > steps, f"the batch must give several micro-batches per mini-batch: {micro} for {steps}"
     # the ranks score tokens as the single actor does: the LM head run chunked on the response positions
     assert counts[0]["head_forward"] >= micro, counts[0]

@@ -54,6 +54,10 @@ def test_placement_config_is_validated() -> None:
         ConfigError, match=r"fsdp_size.*must be -1 \(all ranks\) or a number of ranks >= 1, got 0"
     ):
         TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"fsdp_config": {"fsdp_size": 0}}}})
+    with pytest.raises(
+        ConfigError, match=r"layers_per_unit: Input should be greater than or equal to 1; got 0"
+    ):
+        TrainerConfig.from_dict({"actor_rollout_ref": {"actor": {"fsdp_config": {"layers_per_unit": 0}}}})
     with pytest.raises(TypeError, match="takes a TrainerConfig"):
         plan_placement({}, "cpu")  # type: ignore[arg-type]
 
