@@ -353,8 +353,8 @@ async def _thread_sweep(
 async def _sweep_leg(group: Any, batch: Any, ref: Any, leg: _Leg, reps: int) -> dict[str, Any]:
     """One leg of :func:`_thread_sweep`."""
     counts = await asyncio.gather(*[w.call.remote(_set_threads, leg.threads) for w in group.workers])
-    if leg.frozen:
-        await asyncio.gather(*[w.call.remote(_freeze_gc) for w in group.workers])
+    gc_setting = _freeze_gc if leg.frozen else _unfreeze_gc  # a leg after the frozen one starts thawed
+    await asyncio.gather(*[w.call.remote(gc_setting) for w in group.workers])
     nice = await asyncio.gather(*[w.call.remote(_set_nice, leg.nice) for w in group.workers])
     await group.update.remote(batch)  # a first update at this setting, untimed
     through_ray = []

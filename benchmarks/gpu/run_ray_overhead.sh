@@ -6,6 +6,9 @@
 #   2. scale_bench --only-trainer --rank-times with scale_bench's trainer options: each rank times its own
 #      update inside the Ray update. Arguments go to scale_bench.py (e.g. --rank-threads 0,1 --reps 6).
 # Results under $OUT: probe_torchrun.json, probe_ray.jsonl, trainer.json, and the logs. SKIP_PROBE=1 skips 1.
+# LAUNCH_PROBE=1 runs gpu/ray_launch_probe.py before 2 (launch_probe.json: per-op CPU cost and niceness in
+# plain processes and Ray actors). E.g. the Ray ranks' niceness and preemption:
+#   LAUNCH_PROBE=1 SKIP_PROBE=1 RANKS=4 bash benchmarks/gpu/run_ray_overhead.sh --rank-threads 0 --rank-nice 0 --reps 6
 # On 2 x H200 part 1 took ~150 s (installs included) and part 2 needs ~260 s (each group compiles first).
 set -o pipefail
 RANKS=${RANKS:-2}
@@ -30,6 +33,16 @@ for line in open(sys.argv[1] + "/probe_ray.jsonl"):
 PY
 fi
 export RAY_AUTH_MODE=disabled
+if [ -n "${LAUNCH_PROBE:-}" ]; then  # the same CPU-bound work in plain processes and in Ray actors (~30 s)
+  timeout 120 python3 benchmarks/gpu/ray_launch_probe.py "$RANKS" > $OUT/launch_probe.json 2> $OUT/launch_probe.log
+  python3 - "$OUT" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1] + "/launch_probe.json"))
+for k in ("plain_all", "plain_one", "ray_all", "ray_one"):
+    print(k, [(r["add_us"], r["mm_us"], r["py_loop_us"], "nice", r["nice"]) for r in d[k]])
+print("env plain vs ray", d["env_plain_vs_ray"])
+PY
+fi
 timeout ${TRAINER_TIMEOUT_S:-400} python3 benchmarks/scale_bench.py --device cuda --gpus "$RANKS" --only-trainer --rank-times \
   --no-reshard --grad-sync-per-mini-batch --fsdp-size 1 --reduce-dtype bf16 "$@" --out $OUT/trainer.json > $OUT/trainer.log 2>&1
 python3 - "$OUT" <<'PY'
