@@ -255,18 +255,26 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 def _set_nice(worker: Any, nice: int | None) -> dict[str, Any]:
-    """Every thread of a rank to niceness ``nice`` (None: back to what each had before the first
-    call); lowering it needs CAP_SYS_NICE, so ``set`` says whether every thread took it."""
+    """Every thread of a rank to niceness ``nice``; None puts each back to what it had before the
+    first call (a thread started since then: to what the main thread had). Lowering it needs
+    CAP_SYS_NICE, so ``set`` says whether every thread took it."""
+    import threading
+
     saved: dict[int, int] = worker.extensions.setdefault("saved_nice", {})
     if not os.path.isdir("/proc/self/task"):
         return {"nice": nice, "set": False}
+    main = threading.main_thread().native_id
+    baseline = worker.extensions.setdefault("baseline_nice", os.getpriority(os.PRIO_PROCESS, main or 0))
     ok = True
     for name in os.listdir("/proc/self/task"):
         tid = int(name)
         try:
-            saved.setdefault(tid, os.getpriority(os.PRIO_PROCESS, tid))
-            os.setpriority(os.PRIO_PROCESS, tid, saved[tid] if nice is None else nice)
-        except (PermissionError, ProcessLookupError):
+            if nice is not None:
+                saved.setdefault(tid, os.getpriority(os.PRIO_PROCESS, tid))
+            os.setpriority(os.PRIO_PROCESS, tid, saved.get(tid, baseline) if nice is None else nice)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except PermissionError:
             ok = False
     return {"nice": nice, "set": ok}
 
@@ -347,7 +355,12 @@ async def _thread_sweep(
     finally:
         await asyncio.gather(*[w.call.remote(_set_threads, 0) for w in group.workers])
         await asyncio.gather(*[w.call.remote(_unfreeze_gc) for w in group.workers])
-        await asyncio.gather(*[w.call.remote(_set_nice, None) for w in group.workers])
+        restored = await asyncio.gather(*[w.call.remote(_set_nice, None) for w in group.workers])
+        if not all(r["set"] for r in restored):  # back to a lower niceness needs CAP_SYS_NICE
+            print(
+                "warning: the ranks' niceness could not be restored; later figures ran at --rank-nice",
+                file=sys.stderr,
+            )
 
 
 async def _sweep_leg(group: Any, batch: Any, ref: Any, leg: _Leg, reps: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Layout of one update on N ranks (every rank receives the whole Batch through the Ray object store)::
 
-    rank r: deal_micro_batches(batch, N)[r] ─► forward/backward (FSDP2 all-gathers params per layer,
+    rank r: deal_micro_batches(batch, N)[r] ─► forward/backward (FSDP2 all-gathers params per unit,
             reduce-scatters grads: each rank keeps 1/N of params, grads, AdamW state)
 
 * Balance: the ranks run in step, so the slowest sets the pace; micro-batches are dealt so that the
@@ -17,14 +17,14 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   an all-zero response mask: zero loss, zero gradient) so every rank runs the same number of
   forwards and backwards. Old/ref logprobs computed on each rank's rows are summed (all-reduce) into
   the full (B, R) tensor, so advantages are computed on the whole batch, identically everywhere.
-* Gradient reduce-scatters: one per layer and micro-batch by default; with
-  ``fsdp_config.grad_sync_per_micro_batch=false`` one per layer and mini-batch, in its last backward (the
-  same micro-batch index on every rank, the counts being padded), the others accumulating full-size
-  gradients on each rank (``sync_gradients``; fp32, or bf16 with ``mixed_precision.reduce_dtype=bf16``).
+* Gradient reduce-scatters: one per FSDP unit (a decoder layer, or ``layers_per_unit`` of them) and
+  micro-batch by default; with ``fsdp_config.grad_sync_per_micro_batch=false`` one per unit and
+  mini-batch, in its last backward (the same micro-batch index on every rank, the counts being
+  padded), the others accumulating full-size gradients on each rank (``sync_gradients``; fp32, or bf16 with ``mixed_precision.reduce_dtype=bf16``).
 * ``fsdp_config.fsdp_size`` (verl's key): -1 shards over every rank; k shards within groups of k ranks
   and replicates across the groups (HSDP: a 2D mesh, gradients reduce-scattered within a group, then
   all-reduced across groups); 1 is plain data parallelism, where FSDP2 issues no all-gather at all
-  (a shard group of one rank) and the gradients cross the ranks in one all-reduce per layer.
+  (a shard group of one rank) and the gradients cross the ranks in one all-reduce per unit.
 * ``fsdp_config.layers_per_unit``: the decoder layers form FSDP units of that many consecutive layers
   (one all-gather and one gradient reduce per unit instead of per layer; fewer per-unit hooks).
 * The ranks score response tokens as one device does: the LM head run chunked on the response

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from typing import Any
@@ -74,18 +75,25 @@ def _context() -> dict[str, Any]:
     }
 
 
-def _plain(gpu: int, q: Any) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+def _plain(gpu: str, q: Any) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch is imported
     q.put({**_work(), **_context()})
 
 
 def _plain_runs(n: int) -> list[dict[str, Any]]:
+    """``_work`` in ``n`` spawned processes at once, one GPU each (of those this process may see)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(n)]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_plain, args=(i, q)) for i in range(n)]
+    procs = [ctx.Process(target=_plain, args=(gpus[i % len(gpus)], q)) for i in range(n)]
     for p in procs:
         p.start()
-    out = [q.get() for _ in procs]
+    try:
+        out = [q.get(timeout=120) for _ in procs]
+    except queue.Empty:
+        codes = [p.exitcode for p in procs]
+        raise SystemExit(f"a plain probe process gave no result in 120 s (exit codes {codes})") from None
     for p in procs:
         p.join()
     return out

@@ -16,5 +16,9 @@ def load_benchmark(name: str) -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import would: dataclasses look their module up there
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # as a failed import leaves nothing behind
+        raise
     return module
