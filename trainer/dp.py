@@ -20,7 +20,8 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
 * Gradient reduce-scatters: one per FSDP unit (a decoder layer, or ``layers_per_unit`` of them) and
   micro-batch by default; with ``fsdp_config.grad_sync_per_micro_batch=false`` one per unit and
   mini-batch, in its last backward (the same micro-batch index on every rank, the counts being
-  padded), the others accumulating full-size gradients on each rank (``sync_gradients``; fp32, or bf16 with ``mixed_precision.reduce_dtype=bf16``).
+  padded), the others accumulating full-size gradients on each rank (``sync_gradients``; fp32, or
+  bf16 with ``mixed_precision.reduce_dtype=bf16``).
 * ``fsdp_config.fsdp_size`` (verl's key): -1 shards over every rank; k shards within groups of k ranks
   and replicates across the groups (HSDP: a 2D mesh, gradients reduce-scattered within a group, then
   all-reduced across groups); 1 is plain data parallelism, where FSDP2 issues no all-gather at all

@@ -214,7 +214,8 @@ def main() -> None:
         },
         "update_s_median": round(statistics.median(plain), 4),
         "update_s_all": [round(x, 4) for x in plain],
-        "main_thread_by_update": counters,  # CPU seconds, context switches, niceness (as scale_bench's in-rank loop)
+        # each update's main-thread CPU seconds, context switches and niceness (as scale_bench's in-rank loop)
+        "main_thread_by_update": counters,
         "timed_update_s": round(timed_total, 4),
         "phase_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         "phase_calls": timer.calls,
