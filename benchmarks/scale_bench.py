@@ -752,9 +752,11 @@ async def main() -> None:
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     args.gpus = args.gpus or (n_gpus if gpu else 2)
-    if args.gpus < 2 or (gpu and args.gpus > n_gpus):
+    low = 1 if args.only_trainer else 2  # one trainer rank alone: a rank's own update, Ray vs torchrun
+    if args.gpus < low or (gpu and args.gpus > n_gpus):
         raise SystemExit(
-            f"--gpus must be in [2, {n_gpus if gpu else 'any'}] (GPUs visible: {n_gpus}), got {args.gpus}"
+            f"--gpus must be in [{low}, {n_gpus if gpu else 'any'}] (GPUs visible: {n_gpus}), got {args.gpus}"
+            + ("; --gpus 1 needs --only-trainer" if args.gpus == 1 else "")
         )
     n = args.gpus
     engine_batch = args.engine_batch or (64 if gpu else 8)
@@ -792,13 +794,11 @@ async def main() -> None:
 
     if not args.only_sync and not args.only_rollout:
         t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
-        tn = await _train_tokens_per_s(model, n, args, share=1.0)
-        result["trainer"] = {
-            "1": t1,
-            str(n): tn,
-            "speedup": tn["tokens_per_s"] / t1["tokens_per_s"],
-            "target": target["trainer"],
-        }
+        result["trainer"] = {"1": t1}
+        if n > 1:
+            tn = await _train_tokens_per_s(model, n, args, share=1.0)
+            speedup = tn["tokens_per_s"] / t1["tokens_per_s"]
+            result["trainer"].update({str(n): tn, "speedup": speedup, "target": target["trainer"]})
         save()
     if not args.only_sync and not args.only_trainer:
         r1 = await _rollout_tokens_per_s(model, 1, args)

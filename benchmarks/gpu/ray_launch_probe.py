@@ -4,7 +4,11 @@ The 4-rank trainer update spends ~1.5x the CPU time per op inside Ray ranks that
 on the same machine (aten::mm 30 vs 16 us a call), and at 4 ranks the update is bound by it. This times
 the same CPU-bound work (tiny CUDA kernel launches, small matmuls, a pure-Python loop) in N plain processes
 and in N Ray actors (one GPU each, all at once, then one alone), and reports what differs in their
-environment: niceness, scheduler, CPU affinity, cgroup, threads, environment variables. One JSON line.
+environment: niceness, scheduler, CPU affinity, cgroup, threads, environment variables, speculation
+controls, interpreter hooks, loaded libraries. Each process times the work a second time at another
+niceness (plain: 15, Ray's; Ray: 0, where permitted), and every timed loop reports the threads of the
+whole machine that used CPU meanwhile (a busy thread beside the loop, in or outside the process, slows
+it through a shared core). One JSON line.
 """
 
 from __future__ import annotations
@@ -18,6 +22,38 @@ import time
 from typing import Any
 
 
+def _thread_cpu() -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds so far of every thread on the machine that /proc shows: (pid, tid) -> (name, s)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            out[(int(pid), int(tid))] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime
+    return out
+
+
+def _busy_beside(before: dict[tuple[int, int], tuple[str, float]], wall_s: float) -> list[list[Any]]:
+    """The threads other than this one that used over 5% of a CPU since ``before``, busiest first:
+    [process's own thread?, name, share of one CPU]."""
+    me, tid = os.getpid(), __import__("threading").get_native_id()
+    rows = []
+    for key, (name, cpu) in _thread_cpu().items():
+        share = (cpu - before.get(key, (name, 0.0))[1]) / wall_s
+        if key != (me, tid) and share > 0.05:
+            rows.append([key[0] == me, name, round(share, 2)])
+    return sorted(rows, key=lambda r: -r[2])[:12]
+
+
 def _work() -> dict[str, Any]:
     import torch
 
@@ -27,13 +63,18 @@ def _work() -> dict[str, Any]:
     a = torch.randn(64, 64, device=device)
     sync()
 
+    busy: dict[str, list[list[Any]]] = {}
+
     def timed(fn: Any, n: int) -> float:
         fn(100)
         sync()
+        before = _thread_cpu()
         t0 = time.perf_counter()
         fn(n)
         sync()
-        return round((time.perf_counter() - t0) / n * 1e6, 3)  # microseconds an op
+        wall = time.perf_counter() - t0
+        busy[fn.__name__] = _busy_beside(before, wall)
+        return round(wall / n * 1e6, 3)  # microseconds an op
 
     def adds(n: int) -> None:
         for _ in range(n):
@@ -52,7 +93,21 @@ def _work() -> dict[str, Any]:
         "add_us": timed(adds, 20000),
         "mm_us": timed(mms, 20000),
         "py_loop_us": timed(python, 2_000_000),
+        "nice_now": os.nice(0),
+        "busy_beside": busy,
     }
+
+
+def _twice(nice: int) -> dict[str, Any]:
+    """``_work`` at this process's niceness, then again at ``nice`` (None where not permitted)."""
+    first = _work()
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        second: dict[str, Any] | None = _work()
+    except (PermissionError, ProcessLookupError):
+        second = None
+    return {**first, "at_other_nice": second}
 
 
 def _context() -> dict[str, Any]:
@@ -63,21 +118,49 @@ def _context() -> dict[str, Any]:
         except OSError as e:
             return f"({e.__class__.__name__})"
 
-    status = dict(line.split(":", 1) for line in read("/proc/self/status").splitlines() if ":" in line)
+    import sys
+    import tracemalloc
+
+    status = {
+        k: v.strip()
+        for k, v in (line.split(":", 1) for line in read("/proc/self/status").splitlines() if ":" in line)
+    }
+    libs = sorted(
+        {
+            line.split()[-1].rsplit("/", 1)[-1]
+            for line in read("/proc/self/maps").splitlines()
+            if ".so" in line
+        }
+    )
     return {
+        "speculation": {
+            k: status.get(k)
+            for k in ("Seccomp", "NoNewPrivs", "Speculation_Store_Bypass", "SpeculationIndirectBranch")
+        },
+        "python": {
+            "executable": sys.executable,
+            "dev_mode": sys.flags.dev_mode,
+            "trace": repr(sys.gettrace()),
+            "profile": repr(sys.getprofile()),
+            "tracemalloc": tracemalloc.is_tracing(),
+            "switch_interval": sys.getswitchinterval(),
+            "thread_names": sorted(t.name for t in __import__("threading").enumerate()),
+        },
+        "libs": libs,
         "nice": os.nice(0),
         "sched": os.sched_getscheduler(0),
         "cpus": len(os.sched_getaffinity(0)),
         "cgroup": read("/proc/self/cgroup")[:200],
         "threads": int(status.get("Threads", "0")),
-        "cpus_allowed": status.get("Cpus_allowed_list", "").strip(),
+        "cpus_allowed": status.get("Cpus_allowed_list", ""),
         "env": dict(os.environ),
     }
 
 
 def _plain(gpu: str, q: Any) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch is imported
-    q.put({**_work(), **_context()})
+    context = _context()  # before _twice changes the niceness
+    q.put({**_twice(15), **context})
 
 
 def _plain_runs(n: int) -> list[dict[str, Any]]:
@@ -107,7 +190,8 @@ def _ray_runs(n: int) -> list[dict[str, Any]]:
     @ray.remote(num_gpus=gpus, num_cpus=0)
     class Probe:
         def run(self) -> dict[str, Any]:
-            return {**_work(), **_context()}
+            context = _context()
+            return {**_twice(0), **context}
 
     actors = [Probe.remote() for _ in range(n)]  # type: ignore[attr-defined]
     ray.get([a.__ray_ready__.remote() for a in actors])
@@ -118,7 +202,8 @@ def _ray_runs(n: int) -> list[dict[str, Any]]:
 
 
 def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("add_us", "mm_us", "py_loop_us", "nice", "sched", "cpus", "threads", "cgroup")
+    keys = ("add_us", "mm_us", "py_loop_us", "nice", "sched", "cpus", "threads", "cgroup", "at_other_nice",
+            "busy_beside", "speculation", "python")  # fmt: skip
     return [{k: r[k] for k in keys} for r in runs]
 
 
@@ -143,6 +228,8 @@ def main() -> None:
                 "ray_all": _summary(ray_all),
                 "ray_one": _summary(ray_one),
                 "env_plain_vs_ray": env_diff,
+                "libs_only_plain": sorted(set(plain_all[0]["libs"]) - set(ray_all[0]["libs"])),
+                "libs_only_ray": sorted(set(ray_all[0]["libs"]) - set(plain_all[0]["libs"])),
                 "ray_env_keys": sorted(k for k in ray_env if k.startswith("RAY_")),
             }
         )

@@ -11,10 +11,10 @@
 # On 4 x H200 the first leg took 184 s (compiles), the next two 129 s and 111 s: the first four legs
 # need ~560 s, so give the call AB_BUDGET_S=560 and its whole 600 s. Each leg also reports its phases
 # (dp_phases' timed update).
-#   carry .gg/whl, .gpucache and each .ab_X; results under $OUT: ab.jsonl (every rank's dp_phases JSON and
-#   its leg), summary.txt (a row a leg), legs.log.
+#   carry .gg/whl (or AB_WHEELS=.gg/lite), .gpucache and each .ab_X; results under $OUT: ab.jsonl (every
+#   rank's dp_phases JSON and its leg), summary.txt (a row a leg), legs.log.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gg/whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${AB_WHEELS:-.gg/whl}/*.whl || exit 1
 source benchmarks/gpu/env.sh
 LEGS=(${AB_LEGS:-new_w4 old_w4 new_w1 old_w1 new_w4b old_w4b})
 tree_of() {  # TREE -> the folder to run it from (built once)
