@@ -102,14 +102,15 @@ def _config(model: str, n: int, args: argparse.Namespace) -> Any:
 
 def _fsdp_config(args: argparse.Namespace) -> dict[str, Any]:
     """The trainer ranks' fsdp_config from ``--no-reshard``, ``--grad-sync-per-mini-batch``,
-    ``--fsdp-size``, ``--param-dtype``, ``--reduce-dtype`` and ``--layers-per-unit`` (dp_phases.py
-    passes no such flag: its ``--override`` sets the key)."""
+    ``--fsdp-size``, ``--param-dtype``, ``--reduce-dtype``, ``--layers-per-unit`` and
+    ``--skip-fsdp-when-replicated`` (dp_phases.py passes no such flag: its ``--override`` sets the key)."""
     return {
         "reshard_after_forward": not args.no_reshard,
         "grad_sync_per_micro_batch": not args.grad_sync_per_mini_batch,
         "fsdp_size": args.fsdp_size,
         "mixed_precision": {"param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype},
         "layers_per_unit": getattr(args, "layers_per_unit", 1),
+        "skip_fsdp_when_replicated": getattr(args, "skip_fsdp_when_replicated", False),
     }
 
 
@@ -682,6 +683,12 @@ async def main() -> None:
         default=1,
         help="fsdp_config.layers_per_unit: consecutive decoder layers in one FSDP unit (trainer ranks)",
     )
+    ap.add_argument(
+        "--skip-fsdp-when-replicated",
+        action="store_true",
+        help="fsdp_config.skip_fsdp_when_replicated: with --fsdp-size 1 (and on one rank) whole copies "
+        "trained without FSDP2, gradients summed in one bucketed all-reduce a step",
+    )
     for name, what in (("param", "parameters are all-gathered"), ("reduce", "gradients are reduced")):
         ap.add_argument(
             f"--{name}-dtype",
@@ -749,6 +756,11 @@ async def main() -> None:
     ):
         if given and not args.rank_threads:
             raise SystemExit(f"{flag} adds a leg to --rank-threads' sweep: give --rank-threads too")
+    if args.skip_fsdp_when_replicated and args.fsdp_size != 1 and args.gpus != 1:
+        # the 1-rank leg would run without FSDP2 and the N-rank one with it: two code paths in one ratio
+        raise SystemExit(
+            "--skip-fsdp-when-replicated compares like with like only with --fsdp-size 1 (or --gpus 1)"
+        )
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     args.gpus = args.gpus or (n_gpus if gpu else 2)

@@ -223,6 +223,56 @@ def sync_gradients(model: nn.Module, on: bool) -> None:
     model.set_requires_gradient_sync(on)  # recurse=True: the root and every layer
 
 
+def reduce_dtype(fsdp: FSDPConfig) -> torch.dtype | None:
+    """The dtype ``mixed_precision.reduce_dtype`` sums gradients in over the ranks (None: their own)."""
+    return torch.bfloat16 if fsdp.mixed_precision.reduce_dtype == "bf16" else None
+
+
+GRADIENT_BUCKET_BYTES = 256 << 20  # all_reduce_gradients' flat buffers: few collectives, bounded memory
+
+
+def all_reduce_gradients(params: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
+    """Sum the gradients of ``params`` over the ranks in place (whole model copies, trained without
+    FSDP2): flattened into buckets of about GRADIENT_BUCKET_BYTES of one dtype, one all-reduce each, in
+    ``dtype`` (None: the gradients' own). A rank without a parameter's gradient adds zeros, so every rank
+    reduces the same buckets; a parameter that no rank has a gradient for keeps none (AdamW skips it, as
+    on one device). The first bucket carries each parameter's count of ranks with a gradient, read back
+    only on a rank that lacked one. One rank: nothing to do."""
+    if dist.get_world_size() == 1 or not params:
+        return
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    for i in missing:
+        params[i].grad = torch.zeros_like(params[i])
+    grads = [p.grad for p in params if p.grad is not None]  # every one, now
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:  # consecutive gradients of one dtype, in the same order on every rank
+        if buckets[-1] and (size >= GRADIENT_BUCKET_BYTES or g.dtype != buckets[-1][0].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel() * g.element_size()
+    lacking = set(missing)
+    have = torch.tensor([i not in lacking for i in range(len(params))], dtype=grads[0].dtype)
+    counts = None
+    for bucket in buckets:
+        parts = [g.reshape(-1) for g in bucket]
+        if counts is None:  # the first bucket: the counts ahead of the gradients
+            parts.insert(0, have.to(grads[0].device, non_blocking=True))
+        flat = torch.cat(parts).to(dtype or bucket[0].dtype)
+        dist.all_reduce(flat)
+        if counts is None:
+            counts, flat = flat[: len(params)], flat[len(params) :]
+        values = flat.split([g.numel() for g in bucket])
+        torch._foreach_copy_(bucket, [v.view_as(g) for v, g in zip(values, bucket, strict=True)])
+    if missing:
+        assert counts is not None
+        ranks_with_grad = counts.tolist()
+        for i in missing:
+            if ranks_with_grad[i] == 0:
+                params[i].grad = None
+
+
 def sum_over_ranks(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each rank's share of the loss terms summed over the ranks, on the device (an all-reduce the GPU
     runs in order; nothing is read back)."""

@@ -399,6 +399,10 @@ class Actor:
         """A device scalar's maximum over the processes (trainer/dp.py); one process holds it all."""
         return value
 
+    def _reduce_gradients(self) -> None:
+        """Sum the accumulated gradients over the processes before the step, where no FSDP unit did
+        (trainer/dp.py's whole-model replicas); one process holds them all."""
+
     def _loss_metric_names(self) -> list[str]:
         names = ["actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/approx_kl"]
         return [*names, "actor/kl_loss"] if self.config.actor_rollout_ref.actor.use_kl_loss else names
@@ -408,6 +412,7 @@ class Actor:
         when the norm is not finite). Returns ``totals`` read back to the host, in the step's one CPU-GPU
         sync, with ``actor/grad_norm``: the norm before clipping."""
         actor = self.config.actor_rollout_ref.actor
+        self._reduce_gradients()
         read, grad_norm = clipped_step(
             self.optimizer,
             [p for p in self.model.parameters() if p.requires_grad],

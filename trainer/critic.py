@@ -153,6 +153,9 @@ class Critic:
     def _sync_gradients(self, on: bool) -> None:
         """Whether the next backward syncs gradients across processes (trainer/dp.py; as the Actor's)."""
 
+    def _reduce_gradients(self) -> None:
+        """Sum the gradients over the processes before the step (trainer/dp.py; as the Actor's)."""
+
     def _forward(self, mb: Batch) -> torch.Tensor:
         cuda = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -248,6 +251,7 @@ class Critic:
         finally:
             self._sync_gradients(True)  # also after an exception: the next backward syncs again
         totals = self._summed_over_ranks(totals)
+        self._reduce_gradients()
         read, grad_norm = clipped_step(
             self.optimizer,
             self.model.parameters(),

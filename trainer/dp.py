@@ -28,6 +28,12 @@ Layout of one update on N ranks (every rank receives the whole Batch through the
   (a shard group of one rank) and the gradients cross the ranks in one all-reduce per unit.
 * ``fsdp_config.layers_per_unit``: the decoder layers form FSDP units of that many consecutive layers
   (one all-gather and one gradient reduce per unit instead of per layer; fewer per-unit hooks).
+* ``fsdp_config.skip_fsdp_when_replicated`` (off by default): where every rank holds the whole model
+  (``fsdp_size`` resolves to 1, also on one rank), no FSDP2 at all: each rank trains its copy with the
+  single-device Actor's (and Critic's) own code and optimizer, and sums its accumulated gradients with
+  the other ranks' before the step, one all-reduce per 256 MiB bucket (``all_reduce_gradients``, in
+  ``reduce_dtype``). FSDP2's per-unit hooks, parameter copies and DTensor dispatch cost one H200 rank
+  ~20% of a 32-row update (0.253 s against 0.205 s without FSDP2, one call) and 22% of its CPU time.
 * The ranks score response tokens as one device does: the LM head run chunked on the response
   positions only (trainer/head.py), through a second forward of the model that FSDP's hooks wrap
   (``register_head_forward``), and the optimizer is the fused AdamW on CUDA.
@@ -61,12 +67,14 @@ from trainer import checkpoint as ck
 from trainer._attention_mask import attention_mask_for
 from trainer._sharding import (
     HEAD_FORWARD,
+    all_reduce_gradients,
     balance_by_tokens,
     data_parallel_mesh,
     full_state,
     load_full_state,
     max_over_ranks,
     rank_micro_batches,
+    reduce_dtype,
     register_head_forward,
     shard,
     sum_over_ranks,
@@ -83,7 +91,7 @@ log = structlog.get_logger("agentloop.trainer.dp")
 
 
 class ShardedCritic(Critic):
-    """The Critic's update, sharded like ``ShardedActor`` (FSDP2 over the same ranks)."""
+    """The Critic's update over the same ranks as ``ShardedActor``: FSDP2, or whole copies without it."""
 
     def __init__(
         self,
@@ -98,6 +106,10 @@ class ShardedCritic(Critic):
         self.rank, self.world_size = rank, world_size
         fsdp = config.actor_rollout_ref.actor.fsdp_config  # the critic shards as the actor does
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
+        self.replicated = fsdp.replicated_without_fsdp(world_size)
+        self.reduce_dtype = reduce_dtype(fsdp)
+        if self.replicated:  # whole copies: the Critic's model and optimizer, gradients summed at the step
+            return
         shard(self.model, getattr(self.model.decoder, "layers", None), fsdp, mesh)
         optim = config.critic.optim
         self.optimizer = torch.optim.AdamW(  # over the DTensor shards now; fused as the Critic's
@@ -116,11 +128,15 @@ class ShardedCritic(Critic):
         return out
 
     def _sync_gradients(self, on: bool) -> None:
-        if not self.grad_sync_per_micro_batch:
+        if not self.grad_sync_per_micro_batch and not self.replicated:
             sync_gradients(self.model, on)
 
+    def _reduce_gradients(self) -> None:
+        if self.replicated:
+            all_reduce_gradients(list(self.model.parameters()), self.reduce_dtype)
+
     def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm)
+        return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm, or summed)
 
     def state(self) -> dict[str, Any]:
         return {**full_state(self.model, self.optimizer), "step": self.step}
@@ -131,7 +147,8 @@ class ShardedCritic(Critic):
 
 
 class ShardedActor(Actor):
-    """The Actor's update, sharded over a torch.distributed group of ``world_size`` ranks with FSDP2."""
+    """The Actor's update over a torch.distributed group of ``world_size`` ranks: sharded with FSDP2, or
+    whole copies without it (``fsdp_config.skip_fsdp_when_replicated``)."""
 
     warm_up_on_init = False  # Actor.__init__ runs before the sharding: this __init__ warms up after it
 
@@ -149,10 +166,17 @@ class ShardedActor(Actor):
         self.rank, self.world_size = rank, world_size
         fsdp = config.actor_rollout_ref.actor.fsdp_config
         device_type = torch.device(device).type
-        self.mesh = data_parallel_mesh(device_type, world_size, fsdp.fsdp_size)  # before the critic's
+        self.replicated = fsdp.replicated_without_fsdp(world_size)
+        self.reduce_dtype = reduce_dtype(fsdp)
+        # the mesh before the critic's (a collective); whole copies need none
+        self.mesh = None if self.replicated else data_parallel_mesh(device_type, world_size, fsdp.fsdp_size)
         super().__init__(config, model_path, device)
         self.shared_prompts = False  # not measured sharded yet (the head forward's job would carry it)
         self.grad_sync_per_micro_batch = fsdp.grad_sync_per_micro_batch
+        if self.replicated:  # whole copies: the Actor's own model, optimizer and forward; summed at the step
+            if self.compiled:
+                self.warm_up_compiled()
+            return
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         shard(self.model, layers, fsdp, self.mesh)
         optim = config.actor_rollout_ref.actor.optim
@@ -177,7 +201,7 @@ class ShardedActor(Actor):
     def _forward(
         self, model: nn.Module, mb: Batch, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if model is not self.model:
+        if model is not self.model or self.replicated:
             return super()._forward(model, mb, entropy)
         p, r = mb.prompt_length, mb.response_length
         assert mb.input_ids.shape[1] == p + r, "a micro-batch is cut to its own P + R columns"
@@ -212,11 +236,15 @@ class ShardedActor(Actor):
         return out
 
     def _sync_gradients(self, on: bool) -> None:
-        if not self.grad_sync_per_micro_batch:  # one reduce-scatter per mini-batch (FSDPConfig)
+        if not self.grad_sync_per_micro_batch and not self.replicated:  # one reduce-scatter a mini-batch
             sync_gradients(self.model, on)
 
+    def _reduce_gradients(self) -> None:
+        if self.replicated:
+            all_reduce_gradients([p for p in self.model.parameters() if p.requires_grad], self.reduce_dtype)
+
     def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm)
+        return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm, or summed)
 
     def _max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return max_over_ranks(value)
@@ -274,7 +302,13 @@ class DPWorker:
         torch.set_num_threads(threads)  # Ray sets OMP threads to 1 for actors
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         self.actor = ShardedActor(config, model_path, device, self.rank, self.world_size)
-        log.info("dp.rank_ready", rank=self.rank, world_size=self.world_size, backend=backend)
+        log.info(
+            "dp.rank_ready",
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=backend,
+            without_fsdp=self.actor.replicated,
+        )
 
     def _ready(self) -> ShardedActor:
         if self.actor is None:

@@ -263,7 +263,7 @@ def place(config: TrainerConfig, model_path: str, device: str, *, engine_given: 
         layout.placement_group = placement_group([{"GPU": 1}] * plan.gpus_needed, strategy="PACK")
         ray.get(layout.placement_group.ready(), timeout=120)
     first_replica_bundle = 0 if plan.colocate else plan.train_ranks
-    from trainer.dp import DataParallelGroup  # scaled: always FSDP2 ranks, also with one rank
+    from trainer.dp import DataParallelGroup  # scaled: data-parallel ranks, also with one rank
 
     layout.worker = DataParallelGroup.create(
         config, model_path, device, plan.train_ranks, actor_options=lambda r: opts(r, share)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from scale_bench import _batch, _config, counter_deltas, profiled_update, thread_counters  # noqa: E402
 
 from benchmarks.gpu.random_model import build_random_model  # noqa: E402
+from trainer.actor import Actor  # noqa: E402
 from trainer.dp import ShardedActor  # noqa: E402
 
 
@@ -142,6 +143,11 @@ def main() -> None:
         default=None,
         help="one update under torch.profiler; rank r writes its kernel table to PROFILE.rankr",
     )
+    ap.add_argument(
+        "--single-device",
+        action="store_true",
+        help="one rank only: the single-device Actor (no FSDP) instead of ShardedActor, for FSDP's own cost",
+    )
     args = ap.parse_args()
     args.param_dtype = "bf16" if args.bf16_params else "fp32"  # scale_bench's _config reads these two
     args.reduce_dtype = "bf16" if args.bf16_reduce else "fp32"
@@ -155,7 +161,13 @@ def main() -> None:
     args.batch, args.device = args.rows, "cuda"
     overrides = [*_overrides(args), *args.override]
     config = _config(holder[0], args.rows, args).with_overrides(overrides)
-    actor = ShardedActor(config, holder[0], "cuda", rank, world)
+    if args.single_device and world != 1:
+        raise SystemExit(f"--single-device runs one rank (torchrun --nproc_per_node 1), got {world}")
+    actor = (
+        Actor(config, holder[0], "cuda")
+        if args.single_device
+        else ShardedActor(config, holder[0], "cuda", rank, world)
+    )
     batch = _batch(args.rows, args.prompt_len, args.response_len)
 
     actor.update(batch)  # warm-up
@@ -209,6 +221,7 @@ def main() -> None:
             "grad_sync_per_mini_batch": args.grad_sync_per_mini_batch,
             "fsdp_size": args.fsdp_size,
             "no_compile": args.no_compile,
+            "single_device": args.single_device,
             "config_overrides": overrides,
             "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         },

@@ -119,20 +119,27 @@ def test_without_the_warm_up_updates_compile(tiny_model_dir: Path, monkeypatch: 
 
 @pytest.mark.slow  # 10-20 s on 2 cores: in make test-slow (CI), to keep make test under 15 min
 @pytest.mark.usefixtures("eager_dynamo")
-@pytest.mark.parametrize("layers_per_unit", [1, 2])
-def test_sharded_actor_warms_up_after_sharding(tiny_model_dir: Path, layers_per_unit: int) -> None:
+@pytest.mark.parametrize(("layers_per_unit", "without_fsdp"), [(1, False), (2, False), (1, True)])
+def test_sharded_actor_warms_up_after_sharding(
+    tiny_model_dir: Path, layers_per_unit: int, without_fsdp: bool
+) -> None:
     """FSDP2 (1 gloo rank, in this process): the warm-up runs on the sharded model, no update compiles
     after it, and the padding columns and the head's positions give the plain Actor's log-probs; also
-    with both decoder layers in one FSDP unit."""
+    with both decoder layers in one FSDP unit, and for the whole copy trained without FSDP2
+    (``skip_fsdp_when_replicated``)."""
     import torch.distributed as dist
 
     from trainer.dp import ShardedActor
 
     config = actor_config(tiny_model_dir, ppo_max_token_len_per_gpu=64, shared_prompt_forward=False)
-    config = config.with_overrides([f"actor_rollout_ref.actor.fsdp_config.layers_per_unit={layers_per_unit}"])
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    config = config.with_overrides(
+        [f"{fsdp}.layers_per_unit={layers_per_unit}", f"{fsdp}.skip_fsdp_when_replicated={without_fsdp}"]
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         sharded = ShardedActor(config, str(tiny_model_dir), "cpu", 0, 1)
+        assert sharded.replicated == without_fsdp
         warmed = _graphs()
         assert sharded.compiled and warmed > 0
         _runs(sharded)

@@ -360,3 +360,24 @@ def test_fsdp_mixed_precision_takes_verls_dtype_names() -> None:
         ConfigError, match=rf"{key}.buffer_dtype: must be fp32 .*got 'bfloat16'; FSDP2 has no buffer cast"
     ):
         TrainerConfig().with_overrides([f"{key}.buffer_dtype=bfloat16"])
+
+
+def test_replicas_without_fsdp_need_a_whole_copy_a_rank_and_fp32_parameters() -> None:
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    on = f"{fsdp}.skip_fsdp_when_replicated=true"
+
+    def without_fsdp(overrides: list[str], ranks: int) -> bool:
+        return (
+            TrainerConfig()
+            .with_overrides(overrides)
+            .actor_rollout_ref.actor.fsdp_config.replicated_without_fsdp(ranks)
+        )
+
+    assert without_fsdp([on, f"{fsdp}.fsdp_size=1"], 4)
+    assert without_fsdp([on, f"{fsdp}.fsdp_size=1"], 1)
+    assert not without_fsdp([on], 2)  # fsdp_size -1: sharded over the 2 ranks, FSDP2
+    assert not without_fsdp([on, f"{fsdp}.fsdp_size=2"], 4)  # HSDP: FSDP2
+    assert without_fsdp([on], 1)  # one rank: nothing to shard
+    assert not without_fsdp([f"{fsdp}.fsdp_size=1"], 4)  # off by default
+    # bf16 parameters are FSDP2's copies: it stays
+    assert not without_fsdp([on, f"{fsdp}.fsdp_size=1", f"{fsdp}.mixed_precision.param_dtype=bf16"], 4)

@@ -27,6 +27,7 @@ def _config(
     fsdp_size: int = -1,
     mixed_precision: dict[str, str] | None = None,
     layers_per_unit: int = 1,
+    skip_fsdp_when_replicated: bool = False,
 ) -> TrainerConfig:
     return TrainerConfig.from_dict(
         {
@@ -48,6 +49,7 @@ def _config(
                         "fsdp_size": fsdp_size,
                         "mixed_precision": mixed_precision or {},
                         "layers_per_unit": layers_per_unit,
+                        "skip_fsdp_when_replicated": skip_fsdp_when_replicated,
                     },
                 },
             },
@@ -159,7 +161,8 @@ def _collective_counters() -> tuple[Callable[[Any], None], Callable[[Any], dict[
         units = len(
             {id(m._get_fsdp_state()) for m in worker.actor.model.modules() if isinstance(m, FSDPModule)}
         )
-        mesh_dims = int(next(worker.actor.model.parameters()).device_mesh.ndim)  # 2: (replicate, shard)
+        first = next(worker.actor.model.parameters())  # 2: (replicate, shard); 0: a plain tensor, no FSDP
+        mesh_dims = int(first.device_mesh.ndim) if hasattr(first, "device_mesh") else 0
         dtypes = {f"{k}_dtypes": sorted(v) for k, v in worker.extensions["dtypes"].items()}
         return {**worker.extensions["counts"], **dtypes, "units": units, "mesh_dims": mesh_dims}
 
@@ -196,6 +199,8 @@ def _counted_step(
         (True, True, -1, 2, 1),
         (False, False, 1, 2, 1),
         (True, True, -1, 2, 2),  # both decoder layers in one unit: one all-gather and reduce-scatter for them
+        # whole copies without FSDP2 (fsdp_config.skip_fsdp_when_replicated): 0 units a layer
+        (True, True, 1, 2, 0),
         # the rest are .ci/run's slow tests (make test holds both options flipped, replicated): both
         # flipped with full sharding, then one at a time
         pytest.param(False, False, -1, 2, 1, marks=pytest.mark.slow),
@@ -218,16 +223,19 @@ def test_two_ranks_take_the_same_step_as_one(
     reduce-scattered once per mini-batch instead of once per micro-batch, replicated on each rank
     (fsdp_size=1: no all-gather, no reduce-scatter, gradients all-reduced), on 4 ranks in 2 shard
     groups of 2 (HSDP), and with the decoder layers grouped into FSDP units of two; the counts are
-    checked: the same step."""
+    checked: the same step. ``layers_per_unit`` 0 stands for whole copies trained without FSDP2
+    (``skip_fsdp_when_replicated``): no FSDP unit, and the gradients summed in one all-reduce a step."""
     # several micro-batches per rank, uneven counts: 2 and 3 (5 on one rank), so one rank's last micro-batch,
     # the one that reduce-scatters with grad_sync_per_micro_batch=False, is a padding one
+    without_fsdp = layers_per_unit == 0
     cfg = _config(
         tiny_model_dir,
         token_budget=32,
         reshard_after_forward=reshard_after_forward,
         grad_sync_per_micro_batch=grad_sync_per_micro_batch,
         fsdp_size=fsdp_size,
-        layers_per_unit=layers_per_unit,
+        layers_per_unit=max(layers_per_unit, 1),
+        skip_fsdp_when_replicated=without_fsdp,
     )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
@@ -239,17 +247,27 @@ def test_two_ranks_take_the_same_step_as_one(
     assert all(c == counts[0] for c in counts), counts
     steps, micro, units = int(m2["actor/optimizer_steps"]), counts[0]["train_forward"], counts[0]["units"]
     layers = 2  # the tiny model's decoder layers, in units of layers_per_unit, and the root unit
-    assert units == -(-layers // layers_per_unit) + 1, counts[0]
+    assert units == (0 if without_fsdp else -(-layers // layers_per_unit) + 1), counts[0]
     assert micro > steps, f"the batch must give several micro-batches per mini-batch: {micro} for {steps}"
-    # the ranks score tokens as the single actor does: the LM head run chunked on the response positions
-    assert counts[0]["head_forward"] >= micro, counts[0]
+    if without_fsdp:  # the single actor's own forward, which runs the LM head chunked itself
+        assert counts[0]["mesh_dims"] == counts[0]["all_gather"] == counts[0]["reduce_scatter"] == 0, counts
+        # all-reduces a step: the loss metrics (float64), the engine gap's max and the gradients (the tiny
+        # model's 11.6 MB of fp32 in one 256 MiB bucket); on-policy, no old log-prob rows to gather
+        assert counts[0]["all_reduce"] == 3 * steps, counts[0]
+        assert counts[0]["all_reduce_dtypes"] == ["torch.float32", "torch.float64"], counts[0]
+    else:
+        # the ranks score tokens as the single actor does: the LM head run chunked on the response positions
+        assert counts[0]["head_forward"] >= micro, counts[0]
     per = micro if grad_sync_per_micro_batch else steps  # reduce-scatters per FSDP unit
-    if fsdp_size == 1:  # a shard group of one rank: the parameters are whole, the gradients all-reduced
+    if without_fsdp:
+        per = 0
+    elif fsdp_size == 1:  # a shard group of one rank: the parameters are whole, the gradients all-reduced
         per = 0
         assert counts[0]["all_gather"] == 0, counts[0]
     else:
         assert counts[0]["all_gather"] >= units * micro, counts[0]  # one per unit and forward, at least
-    assert counts[0]["mesh_dims"] == (1 if fsdp_size == -1 else 2), counts[0]
+    if not without_fsdp:
+        assert counts[0]["mesh_dims"] == (1 if fsdp_size == -1 else 2), counts[0]
     assert counts[0]["reduce_scatter"] == units * per, (
         f"grad_sync_per_micro_batch={grad_sync_per_micro_batch}: {counts[0]['reduce_scatter']} gradient "
         f"reduce-scatters for {units} FSDP units, {micro} micro-batches and {steps} optimizer steps"
@@ -290,6 +308,8 @@ def test_two_ranks_take_the_same_step_as_one(
     [
         # replicated, one all-reduce per mini-batch: the unsynced gradients add up in bf16 too
         ("fp32", "bf16", 1, False),
+        # whole copies without FSDP2 (fsdp_size 0 here: skip_fsdp_when_replicated with fsdp_size 1)
+        ("fp32", "bf16", 0, True),
         pytest.param("fp32", "bf16", -1, True, marks=pytest.mark.slow),  # bf16 reduce-scatters
         pytest.param("bf16", "bf16", -1, True, marks=pytest.mark.slow),
     ],
@@ -309,8 +329,9 @@ def test_mixed_precision_moves_bf16_and_keeps_the_fp32_step(
         tiny_model_dir,
         token_budget=32,
         grad_sync_per_micro_batch=grad_sync_per_micro_batch,
-        fsdp_size=fsdp_size,
+        fsdp_size=fsdp_size or 1,  # 0: skip_fsdp_when_replicated with fsdp_size 1
         mixed_precision=mixed,
+        skip_fsdp_when_replicated=fsdp_size == 0,
     )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(_config(tiny_model_dir, token_budget=32), tiny_model_dir, "cpu")
@@ -320,7 +341,7 @@ def test_mixed_precision_moves_bf16_and_keeps_the_fp32_step(
     m2, got, per_rank = _counted_step(cfg, tiny_model_dir, batch, world=2)
     counts = per_rank[0]
     wire = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}
-    if fsdp_size == 1:  # no parameter all-gather, no reduce-scatter: the gradients are all-reduced
+    if fsdp_size in (0, 1):  # no parameter all-gather, no reduce-scatter: the gradients are all-reduced
         assert counts["all_gather"] == counts["reduce_scatter"] == 0, counts
         assert wire[reduce_dtype] in counts["all_reduce_dtypes"], counts
     else:
@@ -358,6 +379,7 @@ def test_mixed_precision_moves_bf16_and_keeps_the_fp32_step(
     ("grad_sync_per_micro_batch", "fsdp_size"),
     [
         (True, -1),
+        (True, 0),  # whole copies without FSDP2 (skip_fsdp_when_replicated with fsdp_size 1)
         pytest.param(False, -1, marks=pytest.mark.slow),
         pytest.param(False, 1, marks=pytest.mark.slow),
     ],
@@ -373,7 +395,8 @@ def test_two_ranks_train_the_critic_as_one(
         token_budget=40,
         estimator="gae",
         grad_sync_per_micro_batch=grad_sync_per_micro_batch,
-        fsdp_size=fsdp_size,
+        fsdp_size=fsdp_size or 1,  # 0: skip_fsdp_when_replicated with fsdp_size 1
+        skip_fsdp_when_replicated=fsdp_size == 0,
     )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     single = Actor(cfg, tiny_model_dir, "cpu")
@@ -388,11 +411,12 @@ def test_two_ranks_train_the_critic_as_one(
 
         two = anyio.run(steps)
 
-        def mesh_dims(worker: Any) -> int:  # nested: Ray pickles it by value
-            return int(next(worker.actor.critic.model.parameters()).device_mesh.ndim)
+        def mesh_dims(worker: Any) -> int:  # nested: Ray pickles it by value; 0: a plain tensor
+            first = next(worker.actor.critic.model.parameters())
+            return int(first.device_mesh.ndim) if hasattr(first, "device_mesh") else 0
 
-        # the critic shards on the actor's mesh: 2D (replicate, shard) with fsdp_size=1
-        assert ray.get(group.workers[0].call.remote(mesh_dims)) == (1 if fsdp_size == -1 else 2)
+        # the critic shards on the actor's mesh: 2D (replicate, shard) with fsdp_size=1; no FSDP2 with 0
+        assert ray.get(group.workers[0].call.remote(mesh_dims)) == {-1: 1, 0: 0, 1: 2}[fsdp_size]
     finally:
         group.shutdown()
     # step 1 starts from the zero head: values 0, loss 0.5 * mean(G^2); step 2's values come from the
@@ -430,16 +454,23 @@ def test_lora_is_refused_with_a_clear_error(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+@pytest.mark.parametrize(("estimator", "without_fsdp"), [("grpo", False), ("gae", False), ("gae", True)])
 def test_ranks_checkpoint_in_safetensors_and_resume_the_same_step(
-    tiny_model_dir: Path, ray_local: None, tmp_path: Path, estimator: str
+    tiny_model_dir: Path, ray_local: None, tmp_path: Path, estimator: str, without_fsdp: bool
 ) -> None:
     """2 ranks write a checkpoint as one device does (model.safetensors + optimizer.pt, no actor.pt) and
-    the final model as a Hugging Face folder; a fresh group resumes from it and takes the same next step."""
+    the final model as a Hugging Face folder; a fresh group resumes from it and takes the same next step.
+    Also with whole copies trained without FSDP2 (``skip_fsdp_when_replicated``)."""
     import anyio
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(tiny_model_dir, token_budget=40, estimator=estimator)
+    cfg = _config(
+        tiny_model_dir,
+        token_budget=40,
+        estimator=estimator,
+        fsdp_size=1 if without_fsdp else -1,
+        skip_fsdp_when_replicated=without_fsdp,
+    )
     batch, _ = build_batch(_triplets(), max_prompt_length=32, max_response_length=16)
     path, final = tmp_path / "global_step_1", tmp_path / "final_model"
     path.mkdir()

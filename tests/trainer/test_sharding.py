@@ -4,8 +4,10 @@ the budget, the same on every rank, and the slowest rank padding as little as on
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+import torch
 
 from trainer._sharding import (
     _deal_even_micro_batches,
@@ -122,3 +124,81 @@ def test_four_ranks_pad_about_as_little_as_one(seed: int) -> None:
     slowest = _slowest(host, deal_micro_batches(host, 16384, 4))
     assert by_rows > 1.04 * one_rank / 4  # what the test guards against
     assert slowest < 1.025 * one_rank / 4, (slowest, one_rank / 4, by_rows)
+
+
+def _sum_gradients_in_rank(rank: int, port: int, out: Any) -> None:
+    """One of two gloo ranks: gradients of two dtypes and sizes (fp64 values that fp32 cannot hold), one
+    parameter without a gradient on either rank, one without it on rank 1 only, and a bucket cap of 64
+    bytes, summed by all_reduce_gradients (in their own dtypes, then in bf16); the all-reduces counted."""
+    import torch.distributed as dist
+
+    from trainer import _sharding
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    calls = [0]
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        _sharding.GRADIENT_BUCKET_BYTES = 64  # 16 fp32 values: several buckets
+        shapes = [(3, 5), (7,), (2, 2), (4,), (9,), (3,)]
+        dtypes = [torch.float32, torch.float32, torch.float32, torch.float64, torch.float32, torch.float32]
+        params = [torch.zeros(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+        for i, p in enumerate(params):
+            if i != 2 and not (i == 5 and rank == 1):  # 2: no rank has a gradient; 5: rank 0 only
+                p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (rank + 1) + i
+        params[3].grad += 2**-40  # lost if the fp64 gradient went through fp32 (in an fp32 bucket)
+        _sharding.all_reduce_gradients(params)
+        exact = [None if p.grad is None else p.grad.clone() for p in params]
+        reduces = calls[0]
+        for p in params:
+            p.grad = torch.full_like(p, 1.0 + 2**-12 if rank == 0 else 1.0)
+        _sharding.all_reduce_gradients(params, torch.bfloat16)
+        out.put((rank, exact, reduces, [p.grad.clone() for p in params]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_gradients_sums_every_gradient_in_buckets_of_one_dtype() -> None:
+    """Two ranks: each gradient is the sum of both ranks' (a rank without one adds zeros; with none on
+    any rank it stays None, so AdamW skips it as on one device), in buckets of one dtype each (the fp64
+    one summed in fp64) and of the capped size, and a bf16 reduction rounds as bf16 does."""
+    import multiprocessing
+    import queue
+
+    from trainer.dp import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_sum_gradients_in_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    except queue.Empty:
+        pytest.fail(f"a rank gave no result in 120 s (exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    shapes = [(3, 5), (7,), (2, 2), (4,), (9,), (3,)]
+    for _, exact, reduces, rounded in results:
+        # a bucket takes gradients of its dtype until it holds 64 bytes:
+        # [counts, 15 + 7 fp32], [4 fp32], [4 fp64], [9 + 3 fp32]
+        assert reduces == 4, reduces
+        assert exact[2] is None, "no rank had a gradient: it must stay None, not become zeros"
+        for i in (0, 1, 3, 4, 5):
+            g = exact[i]
+            base = torch.arange(g.numel(), dtype=g.dtype).reshape(shapes[i])
+            want = base + 5 if i == 5 else base * 3 + 2 * i  # rank 0's alone; else (1 + 2) * base + i + i
+            if i == 3:
+                want = want + 2 * 2**-40
+            assert g.dtype == (torch.float64 if i == 3 else torch.float32)
+            assert torch.equal(g, want), (i, g, want)
+        # 1 + 2^-12 rounds to 1 in bf16 (8 bits of mantissa): the sum is 2 exactly; fp32 would give 2 + 2^-12
+        assert all(torch.equal(g, torch.full_like(g, 2.0)) for g in rounded), rounded
