@@ -133,7 +133,7 @@ class ShardedCritic(Critic):
 
     def _reduce_gradients(self) -> None:
         if self.replicated:
-            all_reduce_gradients(list(self.model.parameters()), self.reduce_dtype)
+            all_reduce_gradients([p for p in self.model.parameters() if p.requires_grad], self.reduce_dtype)
 
     def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return sum_over_ranks(totals)  # the grad norm is global already (a DTensor norm, or summed)
