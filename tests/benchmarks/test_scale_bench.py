@@ -57,3 +57,22 @@ def test_thread_counters_read_the_threads_own_niceness() -> None:
     thread.join()
     assert seen["read"] == seen["expected"], seen
     assert bench.thread_counters()["nice"] == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # the 1-rank leg would skip FSDP2 and the 2-rank leg (fsdp_size -1) would not: two paths, one ratio
+        (["--skip-fsdp-when-replicated"], "compares like with like only with --fsdp-size 1"),
+        (["--gpus", "1"], "--gpus 1 needs --only-trainer"),
+    ],
+)
+def test_options_that_would_mix_code_paths_or_scale_to_nothing_are_refused(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+) -> None:
+    import asyncio
+
+    bench = load_benchmark("scale_bench")
+    monkeypatch.setattr(sys, "argv", ["scale_bench.py", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit, match=message):
+        asyncio.run(bench.main())
