@@ -687,7 +687,7 @@ async def main() -> None:
         "--skip-fsdp-when-replicated",
         action="store_true",
         help="fsdp_config.skip_fsdp_when_replicated: with --fsdp-size 1 (and on one rank) whole copies "
-        "trained without FSDP2, gradients summed in one bucketed all-reduce a step",
+        "trained without FSDP2, gradients summed before each step in one all-reduce per 256 MiB bucket",
     )
     for name, what in (("param", "parameters are all-gathered"), ("reduce", "gradients are reduced")):
         ap.add_argument(

@@ -147,6 +147,9 @@ def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int) -> Dev
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # fsdp_config.mixed_precision's names
+
+
 def mixed_precision_policy(config: MixedPrecisionConfig) -> Any:
     """FSDP2's MixedPrecisionPolicy for ``fsdp_config.mixed_precision``; None when both dtypes are fp32
     (FSDP2's default: parameters gathered and gradients reduced in their own float32)."""
@@ -154,10 +157,9 @@ def mixed_precision_policy(config: MixedPrecisionConfig) -> Any:
 
     if config.param_dtype == "fp32" and config.reduce_dtype == "fp32":
         return None
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     return MixedPrecisionPolicy(
-        param_dtype=None if config.param_dtype == "fp32" else dtypes[config.param_dtype],
-        reduce_dtype=dtypes[config.reduce_dtype],
+        param_dtype=None if config.param_dtype == "fp32" else _DTYPES[config.param_dtype],
+        reduce_dtype=_DTYPES[config.reduce_dtype],
     )
 
 
@@ -225,7 +227,8 @@ def sync_gradients(model: nn.Module, on: bool) -> None:
 
 def reduce_dtype(fsdp: FSDPConfig) -> torch.dtype | None:
     """The dtype ``mixed_precision.reduce_dtype`` sums gradients in over the ranks (None: their own)."""
-    return torch.bfloat16 if fsdp.mixed_precision.reduce_dtype == "bf16" else None
+    name = fsdp.mixed_precision.reduce_dtype
+    return None if name == "fp32" else _DTYPES[name]
 
 
 GRADIENT_BUCKET_BYTES = 256 << 20  # all_reduce_gradients' flat buffers: few collectives, bounded memory
