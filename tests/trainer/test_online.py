@@ -1,6 +1,8 @@
 """Issue 19, online training from app traffic: rewarded sessions become an update, the gate promotes a
 candidate that scores well and refuses one that drops (the policy goes back), rollback over the admin
-API, untrained sessions counted, the promotion log.
+API, untrained sessions counted, the promotion log. Issue 42 item 5: group estimators are refused online,
+``online/reward_mean`` is per session, each call trains at its recorded temperature and greedy sessions
+are counted.
 
 Real components: a real Proxy on a loopback port over a SQLiteStore with a real TorchEngine (the tiny
 model with the real tokenizer), the real TrainerWorker and a second engine for the gate. The
@@ -18,17 +20,30 @@ import httpx
 import pytest
 import torch
 
+from agentloop.adapter import spans_to_triplets
 from agentloop.engine.torch_engine import TorchEngine
+from agentloop.errors import ConfigError
 from agentloop.proxy.admin import add_admin_routes
 from agentloop.proxy.server import Proxy
+from agentloop.proxy.sessions import SessionRecord
 from agentloop.store.sqlite import SQLiteStore
-from trainer.online import OnlineConfig, OnlineTrainer, jsonl_evaluator, online_trainer_config
+from agentloop.types import LLMCall, Reward
+from trainer.algorithms import GROUP_ESTIMATORS
+from trainer.online import (
+    OnlineConfig,
+    OnlineTrainer,
+    jsonl_evaluator,
+    online_trainer_config,
+    session_metrics,
+)
 
 
-async def _chat(http: httpx.AsyncClient, proxy: Proxy, session: str, text: str) -> None:
+async def _chat(
+    http: httpx.AsyncClient, proxy: Proxy, session: str, text: str, temperature: float = 1.0
+) -> None:
     r = await http.post(
         f"{proxy.session_base_url}/chat/completions",
-        json={"messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 1.0},
+        json={"messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": temperature},
         headers={"X-Session-Id": session},
     )
     assert r.status_code == 200, r.text
@@ -73,19 +88,43 @@ async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores
     proxy = Proxy(engine, store)
     trainer = OnlineTrainer(proxy, config, online, tiny_model_dir, tmp_path / "run", evaluate=evaluate)
     add_admin_routes(proxy.app, trainer, proxy.api_key)
+    batches: list[Any] = []
+    update = trainer.worker.update
+
+    def recording_update(batch: Any) -> dict[str, float]:  # the real update; the test sees its batch
+        batches.append(batch)
+        return update(batch)
+
+    trainer.worker.update = recording_update  # type: ignore[method-assign]
     v0 = _engine_weights(engine)
     try:
         await proxy.start()
         await trainer.start()
         async with httpx.AsyncClient(timeout=60) as http:
             with anyio.fail_after(120):
-                for sid, reward in (("s1", 1.0), ("s2", 0.0)):
-                    await _chat(http, proxy, sid, "Say hi")
-                    await _reward(http, proxy, sid, reward)
+                # s1: two calls sampled at T = 0.7, reward 1; s2: one greedy call (T = 0), reward 0
+                await _chat(http, proxy, "s1", "Say hi", temperature=0.7)
+                await _chat(http, proxy, "s1", "Say more", temperature=0.7)
+                await _reward(http, proxy, "s1", 1.0)
+                await _chat(http, proxy, "s2", "Say hi", temperature=0.0)
+                await _reward(http, proxy, "s2", 0.0)
                 await _chat(http, proxy, "no-reward", "Say hi")
                 assert trainer.ready_sessions() == ["s1", "s2"]  # rewarded ones only
                 metrics = await trainer.step(trainer.ready_sessions())
-                assert metrics["online/promoted"] == 1.0 and metrics["online/reward_mean"] == 0.5
+                assert metrics["online/promoted"] == 1.0
+                # one vote per session: (1 + 0) / 2 = 0.5; per call it was (1 + 1 + 0) / 3 = 0.667
+                assert metrics["online/reward_mean"] == 0.5
+                assert metrics["online/greedy_sessions"] == 1.0 and metrics["online/greedy_calls"] == 1.0
+                assert trainer.versions()["sessions_greedy"] == 1
+                # each row trains at its recorded temperature; the greedy row's logits are divided by 1
+                [batch] = batches
+                trained = batch.response_mask.bool()  # (B, R); rows: s1's two calls, s2's one
+
+                def per_row(t: torch.Tensor) -> list[float]:  # (B, R) -> each row's one value, sorted
+                    return sorted(round(t[i][trained[i]].unique().item(), 4) for i in range(len(t)))
+
+                assert per_row(batch.temperatures) == [0.0, 0.7, 0.7]
+                assert per_row(batch.logit_temperatures()) == [0.7, 0.7, 1.0]
                 assert "s1" not in proxy.sessions and "no-reward" in proxy.sessions
                 v1 = _engine_weights(engine)
                 assert not _same(v1, v0), "the promoted candidate serves"
@@ -161,3 +200,55 @@ def test_jsonl_evaluator_checks_its_tasks(tmp_path: Path) -> None:
         jsonl_evaluator(tmp_path / "empty.jsonl", lambda task, text: 1.0)
     with pytest.raises(Exception, match="extra"):
         OnlineConfig.model_validate({"sesions_per_update": 2})
+
+
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("n", [None, 4])
+def test_group_estimators_are_refused_online(tiny_model_dir: Path, estimator: str, n: int | None) -> None:
+    """Issue 42 item 5 (repro r11_online_grpo.py): grpo with rollout.n=4 was accepted online, where every
+    session is a group of one: all advantages 0, updates that change nothing."""
+    raw: dict[str, Any] = {"algorithm": {"adv_estimator": estimator}}
+    if n is not None:
+        raw["actor_rollout_ref"] = {"rollout": {"n": n}}
+    with pytest.raises(ConfigError) as info:
+        online_trainer_config(raw, str(tiny_model_dir), "cpu")
+    message = str(info.value)
+    assert f"algorithm.adv_estimator={estimator!r}" in message and "no groups" in message, message
+    assert "set algorithm.adv_estimator to one of gae, reinforce_plus_plus, or leave it out" in message
+    for usable in ("reinforce_plus_plus", "gae"):
+        config, _ = online_trainer_config(
+            {"algorithm": {"adv_estimator": usable}}, str(tiny_model_dir), "cpu"
+        )
+        assert config.algorithm.adv_estimator == usable
+
+
+def _session(sid: str, calls: list[float], rewards: list[tuple[int, float]]) -> SessionRecord:
+    """A session record as the proxy keeps it: calls sampled at the given temperatures, each reward
+    posted after the given number of calls."""
+    rec = SessionRecord(sid)
+    for i, temperature in enumerate(calls):
+        call = LLMCall(prompt_ids=[1, 2, 3 + i], response_ids=[10 + i, 11], response_logprobs=[-1.0, -1.0],
+                       sampling={"temperature": temperature})  # fmt: skip
+        rec.call_json.append(call.model_dump_json().encode())
+    for after, value in rewards:
+        rec.rewards.append(Reward(value=value))
+        rec.reward_after.append(after)
+    return rec
+
+
+def test_session_metrics_give_each_session_one_vote() -> None:
+    """Issue 42 item 5: online/reward_mean averaged the triplets' rewards (one per call).
+
+    Session A: two calls at T=0.7, reward 0.5 after the first and 1.0 after the second (total 1.5);
+    session B: one greedy call (T=0), reward -1. Per session: (1.5 + -1) / 2 = 0.25. Per call with
+    per_call credit (discount 1) the triplets hold 0.5 + 1.0 = 1.5, 1.0 and -1: (1.5 + 1 - 1) / 3 = 0.5.
+    """
+    a = _session("a", [0.7, 0.7], [(1, 0.5), (2, 1.0)])
+    b = _session("b", [0.0], [(1, -1.0)])
+    triplets = [t for rec in (a, b) for t in spans_to_triplets(rec.spans(), "per_call").triplets]
+    assert [t.reward for t in triplets] == [1.5, 1.0, -1.0]  # what the old per-call mean averaged
+    assert session_metrics(triplets) == {
+        "online/reward_mean": 0.25,
+        "online/greedy_sessions": 1.0,
+        "online/greedy_calls": 1.0,
+    }
