@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from agentloop.proxy import anthropic, openai_responses, responses
+from agentloop.proxy import anthropic, openai_responses, responses, responses_output
 from agentloop.proxy.disconnect import ClientWatch
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
@@ -240,15 +240,21 @@ def build_app(
 
     async def responses_api(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
-        req, chat_req, chat_messages = openai_responses.parse(body)
+        parsed = openai_responses.parse(body, service.responses, target.key)
         with ClientWatch(request.receive) as client:
             gen = await service.chat(
-                target, chat_req, chat_messages, request_key=request_key(request), client_gone=client.gone
+                target,
+                parsed.chat,
+                parsed.messages,
+                request_key=request_key(request),
+                client_gone=client.gone,
             )
+        answer = responses_output.answer(gen, parsed)
+        responses_output.keep(answer, service.responses, target.key)
         ids = want_ids(request, body)
-        if req.stream:
-            return _stream(openai_responses.response_events(gen, req, service.tokenizer, ids), headers)
-        return _json(openai_responses.response_json(gen, req, ids), headers)
+        if parsed.req.stream:
+            return _stream(responses_output.response_events(answer, service.tokenizer, ids), headers)
+        return _json(responses_output.response_json(answer, service.tokenizer, ids), headers)
 
     async def models(request: Request, target: Target, headers: dict[str, str]) -> Response:
         if not auth.allows(request):

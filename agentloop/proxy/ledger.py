@@ -28,6 +28,7 @@ strips ``<think>`` from past assistant messages).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,7 @@ class TokenLedger:
         self.max_conversations, self.max_calls = max_conversations, max_calls
         self._calls: OrderedDict[str, list[LedgerEntry]] = OrderedDict()
         self._counts: dict[str, int] = {}
+        self.on_forget: Callable[[str], None] | None = None  # told of each conversation dropped
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -84,6 +86,8 @@ class TokenLedger:
     def forget(self, key: str) -> None:
         self._calls.pop(key, None)
         self._counts.pop(key, None)
+        if self.on_forget is not None:
+            self.on_forget(key)
 
     def plan(
         self, key: str, messages: list[JSONDict], tools: list[JSONDict] | None, template: ChatTemplate
@@ -120,8 +124,7 @@ class TokenLedger:
         if len(entries) > self.max_calls:
             del entries[0]
         while len(self._calls) > self.max_conversations:
-            old, _ = self._calls.popitem(last=False)
-            self._counts.pop(old, None)
+            self.forget(next(iter(self._calls)))
         return entry
 
 

@@ -35,6 +35,7 @@ from agentloop.proxy.engine_call import context_error
 from agentloop.proxy.generation import Generation, Target
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.proxy.replays import RequestReplays, _fingerprint
+from agentloop.proxy.responses_store import ResponseStore
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,6 +89,9 @@ class ProxyService:
         self._id_bound = len(self.tokenizer) + 1024
         self._llm_defaults: dict[int, dict[str, Any]] = {}  # resources version -> the LLM's sampling
         self.replays = RequestReplays()  # answers of requests that carried an idempotency key
+        # recent Responses answers and calls (previous_response_id), dropped with the conversation's ledger
+        self.responses = ResponseStore()
+        ledger.on_forget = self.responses.forget
         # a session dropped from the table (TTL, caps, taken by a trainer) takes its token ledger along
         sessions.on_drop = lambda session_id: ledger.forget(Target(session_id=session_id).key)
 

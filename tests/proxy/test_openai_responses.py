@@ -140,22 +140,23 @@ async def test_max_output_tokens_gives_an_incomplete_response(tokenizer: Any, oa
 OK: Any = {"model": "m", "input": "hi"}
 BAD: list[tuple[Any, str, str | None]] = [
     ({"model": "m"}, "input: Field required", "input"),
-    ({**OK, "previous_response_id": "resp_1"}, "does not store responses", "previous_response_id"),
+    (
+        {**OK, "previous_response_id": "resp_1"},
+        "Previous response with id 'resp_1' not found",
+        "previous_response_id",
+    ),
+    ({**OK, "conversation": "conv_1"}, "conversation is not supported", "conversation"),
     ({**OK, "background": True}, "background responses are not supported", "background"),
+    ({**OK, "tools": [{"type": "function"}]}, "needs a non-empty string 'name'", "tools.0.name"),
+    ({**OK, "tools": [{"type": "namespace", "name": "ns"}]}, "needs a list 'tools'", "tools.0.tools"),
     (
-        {**OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-        "json_schema",
-        "text.format",
-    ),
-    ({**OK, "tools": [{"type": "web_search"}]}, "only tools of type 'function'", "tools.0"),
-    (
-        {"model": "m", "input": [{"type": "reasoning", "summary": []}]},
-        "'reasoning' are not supported",
-        "input.0",
+        {"model": "m", "input": [{"type": "function_call_output", "call_id": "c"}]},
+        "needs 'output'",
+        "input.0.output",
     ),
     (
-        {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-        "'input_image' are not supported",
+        {"model": "m", "input": [{"role": "user", "content": [{"type": "input_video", "video_url": "x"}]}]},
+        "'input_video' are not supported",
         "input.0.content.0",
     ),
     (
@@ -163,8 +164,15 @@ BAD: list[tuple[Any, str, str | None]] = [
         "needs 'call_id'",
         "input.0.call_id",
     ),
+    (
+        {"model": "m", "input": [{"type": "item_reference", "id": "fc_1"}]},
+        "names no output item",
+        "input.0.id",
+    ),
     ({"model": "m", "input": []}, "input is empty", "input"),
-    ({**OK, "tool_choice": {"type": "file_search"}}, "tool_choice must be", "tool_choice"),
+    ({**OK, "tool_choice": {"type": "file_search"}}, "forces the tool 'file_search'", "tool_choice"),
+    ({**OK, "tool_choice": {"type": "nonsense"}}, "forces the tool 'nonsense'", "tool_choice"),
+    ({**OK, "tool_choice": {"name": "calc"}}, "tool_choice must be", "tool_choice"),
     ({**OK, "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
 ]
 
@@ -182,13 +190,14 @@ async def test_bad_input_gets_a_4xx_in_openais_shape(tokenizer: Any, oai: Any) -
                     f"{proxy.url}/rollout/ro-nope/attempt/at-nope/v1/responses", json=OK
                 )
         client = oai(proxy.session_base_url)  # the official client raises its typed errors from these bodies
-        with anyio.fail_after(30), pytest.raises(openai.BadRequestError, match="does not store responses"):
+        with anyio.fail_after(30), pytest.raises(openai.BadRequestError, match="resp_1' not found"):
             await client.responses.create(model=proxy.model_name, input="hi", previous_response_id="resp_1")
     for (_, needle, param), answer in zip(BAD, answers, strict=True):
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
         assert error["type"] == "invalid_request_error" and needle in error["message"], error
-        assert error["param"] == param
+        assert error["param"] == param, error
+    assert answers[1].json()["error"]["code"] == "previous_response_not_found"
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     spans = await store.query_spans(att.rollout_id)  # only the over-context call, flagged
