@@ -17,6 +17,10 @@ Strategies (``strategy=``):
   ``discount=1`` (default) gives every earlier call the full final reward. Calls after the last
   reward get 0.
 
+A reward that belongs to a call without token ids (it failed, e.g. ``context_length_exceeded``) moves to
+the nearest earlier call that has them (else the first later one), under either strategy: no reward is
+lost with a failed call.
+
 Every triplet's metadata names its attempt (``rollout_id``, ``attempt_id``, ``call_index``, ``num_calls``),
 the attempt's total reward (``attempt_reward``: the sum of its Reward spans, whatever the strategy; the
 trainer's group baselines give each attempt one vote with it), the call's own reward (``call_reward``:
@@ -115,6 +119,23 @@ def _missing_ids(call: LLMCall) -> str | None:
     return None
 
 
+def _owned_by_kept_calls(rewards: list[tuple[int, float]], kept: list[bool]) -> list[tuple[int, float]]:
+    """Rewards whose call yields no triplet (it failed: no token ids) moved to the nearest earlier call
+    that does (else the first later one), so that no reward is lost with its call: the reward of an
+    attempt whose last call hit the context limit lands on the last token the attempt kept."""
+    if all(kept) or not any(kept):
+        return rewards
+    moved: list[tuple[int, float]] = []
+    for owner, value in rewards:
+        at = max(owner, 0)
+        if at < len(kept) and not kept[at]:
+            earlier = [i for i in range(at) if kept[i]]
+            at = earlier[-1] if earlier else kept.index(True)
+            owner = at
+        moved.append((owner, value))
+    return moved
+
+
 def _temperature(call: LLMCall) -> float | None:
     """The temperature the engine sampled this call at (None when the span does not say)."""
     value = call.sampling.get("temperature")
@@ -181,6 +202,7 @@ def spans_to_triplets(
             calls.append((span, span.payload))
         elif isinstance(span.payload, Reward):
             rewards.append((len(calls) - 1, span.payload.value))
+    rewards = _owned_by_kept_calls(rewards, [_missing_ids(call) is None for _, call in calls])
     values, early = _assign(len(calls), rewards, strategy, gamma)
     attempt_reward = sum(v for _, v in rewards) if rewards else None
     own = [0.0] * len(calls)  # each call's own rewards (the spans after it), whatever the strategy

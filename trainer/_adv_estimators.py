@@ -4,9 +4,24 @@ Conventions: see ``trainer.algorithms``.
 
 Attempts, not calls, are the unit of the group estimators: an agent's attempt at a task may make
 several LLM calls (B rows), but it votes once. ``attempt_index`` (B,) says which attempt each row
-belongs to and ``attempt_scores`` (B,) gives that attempt's return (its total reward); the group
-mean / std / leave-one-out baseline are taken over attempts, and each row's own score (its call's
-return) is compared with them. Without ``attempt_index`` each row is its own attempt.
+belongs to and ``call_position`` (B,) which of its calls the row is (the adapter's ``call_index``;
+without it, the rows' order within the attempt). Each row's score (its call's return, the adapter's
+credit assignment) is compared with the group's attempts *at the same call position*:
+
+    S[j, k] = attempt j's score at call k; where j has no call k, its nearest earlier call's score
+              (an attempt that ended stands at its last return), before its first call its first's
+    GRPO     A[i, k] = (G[i, k] - mean_j S[j, k]) / (std_j S[j, k] + eps)      (std unbiased, as verl)
+    RLOO     A[i, k] =  G[i, k] - mean_{j != i} S[j, k]
+    RF++-b   A[i, k] =  G[i, k] - mean_j S[j, k], then whitened over the batch
+
+With ``identical`` credit every call's score is the attempt's total, so every position holds the
+attempts' totals and this is the attempt-level estimator of GRPO (Shao et al. 2024) with one vote per
+attempt. With ``per_call`` credit a call's return is compared with the returns the group's attempts
+got at the same point, a time-dependent baseline (REINFORCE with b_t = E[G_t], Williams 1992;
+Greensmith et al. 2004), never with attempt totals: a group whose attempts earned the same rewards
+at the same calls gets 0 everywhere. A group whose scores at a position are equal up to float
+rounding (``EQUAL_SCORES_RTOL``) gets exactly 0 there. Without ``attempt_index`` each row is its own
+attempt.
 """
 
 from __future__ import annotations
@@ -19,6 +34,9 @@ from trainer._masked import _check_mask, attempt_row_weights, dense_ids, masked_
 from trainer._registry import AdvantageOutput, register_adv_estimator
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need several samples per group
+# Scores within this fraction of their size of each other are equal: fp32 sums of a few rewards (and
+# KL terms) that are equal in exact arithmetic land a few ulps (~1e-7 each) apart, never 16.
+EQUAL_SCORES_RTOL = 16 * torch.finfo(torch.float32).eps
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -53,58 +71,87 @@ def _as_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> tor
     return rewards.float().masked_fill(~m, 0.0)
 
 
-def _attempt_votes(
-    scores: torch.Tensor, attempt_index: torch.Tensor | None, attempt_scores: torch.Tensor | None
+def _row_positions(att: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's order among its attempt's rows: 0, 1, ... as the rows come."""
+    b = att.shape[0]
+    rows = torch.arange(b, device=att.device)
+    order = (att * b + rows).argsort()  # (B,) rows sorted by attempt, then as they come
+    ordered = att[order]
+    first = torch.full((b,), b, dtype=torch.long, device=att.device).scatter_reduce_(
+        0, ordered, rows, reduce="amin"
+    )  # each attempt's first place in the sorted order
+    return torch.empty_like(rows).scatter_(0, order, rows - first[ordered])
+
+
+def _position_table(
+    scores: torch.Tensor, attempt_index: torch.Tensor | None, call_position: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Which attempt each row belongs to (B,) numbered 0..A-1, whether the row is its attempt's first
-    (B,) bool, and the attempt's score for each row (B,). Without ``attempt_index`` every row is an
-    attempt of its own scored by its own score."""
+    """Each attempt's score at every call position, the rows' attempts (B,) and positions (B,).
+
+    ``table`` (A, P): row a holds attempt a's scores by call position; a position where the attempt
+    has no call takes its nearest earlier call's score (an attempt that ended, or whose call failed,
+    stands at its last return), and positions before its first call take that first call's score."""
     b = scores.shape[0]
-    if attempt_index is None:
-        return (
-            torch.arange(b, device=scores.device),
-            torch.ones(b, dtype=torch.bool, device=scores.device),
-            scores,
-        )
-    if attempt_index.shape != scores.shape:
-        raise ValueError(
-            f"attempt_index must be (B,)={tuple(scores.shape)}, got {tuple(attempt_index.shape)}"
-        )
-    votes = scores if attempt_scores is None else attempt_scores.float()
-    if votes.shape != scores.shape:
-        raise ValueError(f"attempt_scores must be (B,)={tuple(scores.shape)}, got {tuple(votes.shape)}")
-    att = dense_ids(attempt_index)  # (B,)
-    rows = torch.arange(b, device=scores.device)
-    first_row = torch.full((b,), b, device=scores.device, dtype=torch.long).scatter_reduce_(
-        0, att, rows, reduce="amin"
-    )  # (A <= B,) the first row of each attempt
-    return att, first_row[att] == rows, votes
+    att = torch.arange(b, device=scores.device) if attempt_index is None else dense_ids(attempt_index)
+    if call_position is None:
+        pos = _row_positions(att)
+    else:
+        if call_position.shape != scores.shape:
+            raise ValueError(
+                f"call_position must be (B,)={tuple(scores.shape)}, got {tuple(call_position.shape)}"
+            )
+        pos = dense_ids(call_position)  # positions that no attempt has are skipped
+    # note: CPU-GPU sync: the table's size is read back (A attempts x P positions, both small)
+    a, p = (int(att.max()) + 1, int(pos.max()) + 1) if b else (0, 0)
+    cell = att * p + pos  # (B,)
+    taken = torch.zeros(a * p, dtype=torch.long, device=scores.device).index_add_(
+        0, cell, torch.ones_like(cell)
+    )
+    if bool((taken > 1).any()):  # note: CPU-GPU sync
+        raise ValueError("two rows of one attempt have the same call_position: each call is one row")
+    table = torch.zeros(a * p, dtype=torch.float32, device=scores.device)
+    table = table.scatter_(0, cell, scores.float()).view(a, p)  # (A, P)
+    present = (taken > 0).view(a, p)  # (A, P)
+    columns = torch.arange(p, device=scores.device).expand(a, p)  # (A, P)
+    last = torch.where(present, columns, -1).cummax(dim=1).values  # (A, P) latest call at or before
+    first = torch.where(present, columns, p).min(dim=1, keepdim=True).values  # (A, 1) first call
+    source = torch.where(last >= 0, last, first.expand(a, p))  # (A, P)
+    return att, pos, table.gather(1, source)
 
 
 def _group_stats(
     scores: torch.Tensor,
     index: torch.Tensor | None,
     attempt_index: torch.Tensor | None = None,
-    attempt_scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """For each row (B,): the number of attempts in its group, the sum of their scores, their unbiased
-    std, and the row's own attempt's score; each attempt counted once (by its first row)."""
+    call_position: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row (B,), over its group's attempts at the row's call position (``_position_table``):
+    their number, the sum of their scores, their unbiased std, and whether they are all equal
+    (their spread is within float rounding of their size: such a group gets exactly 0)."""
     if index is None:
         raise ValueError(
             "this estimator compares samples of one group: pass index, a (B,) tensor of group ids"
         )
     if index.shape != scores.shape:
         raise ValueError(f"index must be (B,)={tuple(scores.shape)}, got shape {tuple(index.shape)}")
-    _att, first, votes = _attempt_votes(scores, attempt_index, attempt_scores)
-    inv = dense_ids(index)  # (B,) group number of each sample
-    g = scores.shape[0]  # an upper bound on the number of groups (no CPU-GPU sync)
-    one = first.float()  # (B,) 1 on the row that casts its attempt's vote
-    count = torch.zeros(g, device=scores.device).index_add_(0, inv, one)[inv]  # (B,)
-    total = torch.zeros(g, device=scores.device).index_add_(0, inv, votes * one)[inv]  # (B,)
-    mean = total / count.clamp(min=1)
-    sq = torch.zeros(g, device=scores.device).index_add_(0, inv, (votes - mean) ** 2 * one)[inv]
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))  # (B,)
-    return count, total, std, votes
+    att, pos, table = _position_table(scores, attempt_index, call_position)  # (B,), (B,), (A, P)
+    inv = dense_ids(index)  # (B,) group number of each row
+    a, p = table.shape
+    g = scores.shape[0]  # an upper bound on the number of groups
+    group_of = torch.zeros(a, dtype=torch.long, device=scores.device).scatter_(0, att, inv)  # (A,)
+    if bool((group_of[att] != inv).any()):  # note: CPU-GPU sync
+        raise ValueError("index must give every row of one attempt the same group")
+    count = torch.zeros(g, device=scores.device).index_add_(0, group_of, torch.ones(a, device=scores.device))
+    total = torch.zeros(g, p, device=scores.device).index_add_(0, group_of, table)  # (G, P)
+    mean = total / count.clamp(min=1)[:, None]
+    sq = torch.zeros(g, p, device=scores.device).index_add_(0, group_of, (table - mean[group_of]) ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1)[:, None])  # (G, P)
+    spot = group_of[:, None].expand(a, p)
+    high = torch.full((g, p), -torch.inf, device=scores.device).scatter_reduce_(0, spot, table, "amax")
+    low = torch.full((g, p), torch.inf, device=scores.device).scatter_reduce_(0, spot, table, "amin")
+    size = torch.maximum(high.abs(), low.abs())
+    equal = (high - low) <= EQUAL_SCORES_RTOL * size  # (G, P)
+    return count[inv], total[inv, pos], std[inv, pos], equal[inv, pos]
 
 
 def _attempt_weighted_whiten(
@@ -137,19 +184,19 @@ def grpo(
     *,
     index: torch.Tensor | None = None,
     attempt_index: torch.Tensor | None = None,
-    attempt_scores: torch.Tensor | None = None,
+    call_position: torch.Tensor | None = None,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
     **_: Any,
 ) -> AdvantageOutput:
-    """(score - mean of the group's attempts) / (their std + eps), or without the division (Dr. GRPO).
-    A group of one attempt has no baseline: its advantage is 0."""
+    """(score - mean of the group's attempts at the call's position) / (their std + eps), or without
+    the division (Dr. GRPO). A group of one attempt, or whose attempts scored the same, gets 0."""
     scores = _as_scores(rewards, response_mask)  # (B,)
-    count, total, std, _votes = _group_stats(scores, index, attempt_index, attempt_scores)
+    count, total, std, equal = _group_stats(scores, index, attempt_index, call_position)
     adv = scores - total / count.clamp(min=1)
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
-    return _broadcast(torch.where(count > 1, adv, 0.0), response_mask)
+    return _broadcast(torch.where((count > 1) & ~equal, adv, 0.0), response_mask)
 
 
 @register_adv_estimator("rloo")
@@ -159,14 +206,15 @@ def rloo(
     *,
     index: torch.Tensor | None = None,
     attempt_index: torch.Tensor | None = None,
-    attempt_scores: torch.Tensor | None = None,
+    call_position: torch.Tensor | None = None,
     **_: Any,
 ) -> AdvantageOutput:
-    """score - mean of the group's *other* attempts (leave-one-out); 0 for a group of one attempt."""
+    """score - mean of the group's *other* attempts at the call's position (leave-one-out); 0 for a
+    group of one attempt or whose attempts scored the same."""
     scores = _as_scores(rewards, response_mask)  # (B,)
-    count, total, _std, votes = _group_stats(scores, index, attempt_index, attempt_scores)
-    adv = scores - (total - votes) / (count - 1).clamp(min=1)
-    return _broadcast(torch.where(count > 1, adv, 0.0), response_mask)
+    count, total, _std, equal = _group_stats(scores, index, attempt_index, call_position)
+    adv = scores - (total - scores) / (count - 1).clamp(min=1)
+    return _broadcast(torch.where((count > 1) & ~equal, adv, 0.0), response_mask)
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
@@ -176,14 +224,15 @@ def reinforce_plus_plus_baseline(
     *,
     index: torch.Tensor | None = None,
     attempt_index: torch.Tensor | None = None,
-    attempt_scores: torch.Tensor | None = None,
+    call_position: torch.Tensor | None = None,
     **_: Any,
 ) -> AdvantageOutput:
-    """score - mean of the group's attempts (0 for a group of one), broadcast to the tokens, whitened
-    over the batch with each attempt weighing the same."""
+    """score - mean of the group's attempts at the call's position (0 for a group of one, or whose
+    attempts scored the same), broadcast to the tokens, whitened over the batch with each attempt
+    weighing the same."""
     scores = _as_scores(rewards, response_mask)  # (B,)
-    count, total, _std, _votes = _group_stats(scores, index, attempt_index, attempt_scores)
-    adv = torch.where(count > 1, scores - total / count.clamp(min=1), 0.0)
+    count, total, _std, equal = _group_stats(scores, index, attempt_index, call_position)
+    adv = torch.where((count > 1) & ~equal, scores - total / count.clamp(min=1), 0.0)
     tokens = adv.unsqueeze(-1).expand(response_mask.shape).float()  # (B, T)
     out = _attempt_weighted_whiten(tokens, response_mask, attempt_index)  # (B, T)
     return AdvantageOutput(out, out.clone())

@@ -84,6 +84,17 @@ def attempt_rows(
     return rows
 
 
+def call_positions(triplets: Sequence[Triplet], attempt: list[int]) -> dict[int, int]:
+    """Each call's place in its attempt (positions ``attempt`` in ``triplets``, in order): the adapter's
+    ``call_index`` (calls that failed before it still count), else the calls' order."""
+    indices = [triplets[i].metadata.get("call_index") for i in attempt]
+    if all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in indices) and len(
+        set(indices)
+    ) == len(indices):
+        return dict(zip(attempt, indices, strict=True))  # type: ignore[arg-type]
+    return {i: k for k, i in enumerate(attempt)}
+
+
 def _places(merged: Triplet) -> list[tuple[int, int]]:
     """(start, length) of each call's response in a sample from merge_turns (``metadata["calls"]``)."""
     calls: Any = merged.metadata["calls"]

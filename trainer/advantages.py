@@ -3,9 +3,10 @@
 A batch row is a call, or several calls of one attempt merged (``adapter.trajectory``). Advantages
 are computed on the calls (``Batch.calls``): each call's return (the adapter's credit assignment) is
 placed on its last token, the registered estimator runs with ``index`` = the task group,
-``attempt_index`` = the attempt and ``attempt_scores`` = the attempt's total reward, so an attempt
-that made five calls counts once in its group's mean and std, and a merged row's tokens get exactly
-what its calls would get unmerged. The per-call advantages are then scattered back into the rows.
+``attempt_index`` = the attempt and ``call_position`` = the call's place in it, so an attempt that
+made five calls counts once in its group's statistics at each call position (``_adv_estimators``),
+and a merged row's tokens get exactly what its calls would get unmerged. With ``use_kl_in_reward``
+the group statistics are taken over the KL-penalised scores, as verl's. The per-call advantages are then scattered back into the rows.
 
 ``sample_advantages(triplets, config)`` runs the same code on triplets, without a model, so users
 and tests can see what each sample will learn before training on it.
@@ -51,7 +52,7 @@ def batch_advantages(batch: Batch, config: TrainerConfig, kl: torch.Tensor | Non
         call_mask,
         index=calls.group,
         attempt_index=calls.attempt,
-        attempt_scores=calls.attempt_reward,
+        call_position=calls.position,
         norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
         gamma=algo.gamma,
         lam=algo.lam,

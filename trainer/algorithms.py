@@ -111,7 +111,7 @@ __all__ = [
 def compute_advantage(
     name: str, rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs: Any
 ) -> AdvantageOutput:
-    """Run the registered estimator ``name``; kwargs: index, attempt_index, attempt_scores, values,
+    """Run the registered estimator ``name``; kwargs: index, attempt_index, call_position, values,
     gamma, lam, norm_adv_by_std."""
     return get_adv_estimator(name)(rewards, response_mask, **kwargs)
 

@@ -21,7 +21,7 @@ import torch
 from agentloop.adapter import group_by_attempt
 from agentloop.errors import EmptyBatchError
 from agentloop.types import Triplet
-from trainer._batch_rows import Row, attempt_rows, group_key, triplet_reward, unusable
+from trainer._batch_rows import Row, attempt_rows, call_positions, group_key, triplet_reward, unusable
 from trainer._wire import reduce_fields
 
 log = structlog.get_logger(__name__)
@@ -44,7 +44,7 @@ class Calls:
     step_reward: torch.Tensor  # (C,) float32, the call's own reward (GAE's per-turn reward)
     group: torch.Tensor  # (C,) long, the task group (the attempts at one task in one step)
     attempt: torch.Tensor  # (C,) long, the attempt the call belongs to (numbered within the batch)
-    attempt_reward: torch.Tensor  # (C,) float32, the attempt's total reward: its one vote in the group
+    position: torch.Tensor  # (C,) long, the call's place in its attempt (the adapter's call_index)
     source: torch.Tensor  # (C,) long, the index of the call's triplet in build_batch's input
 
     def __len__(self) -> int:
@@ -306,27 +306,24 @@ def build_batch(
         if not isinstance(t, Triplet):
             raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
     rows: list[tuple[int, Row]] = []  # (attempt number, row)
-    attempt_rewards: list[float] = []
+    attempts = 0
     group_keys: list[str] = []
+    positions: dict[int, int] = {}  # triplet index -> the call's place in its attempt
     for members in group_by_attempt(triplets):
         reasons = [r for i in members if (r := unusable(triplets[i], max_prompt_length)) is not None]
         if reasons:
             stats[reasons[0]] += 1
             stats["dropped_calls"] += len(members)
             continue
-        number = len(attempt_rewards)
-        first = triplets[members[0]].metadata
-        total = first.get("attempt_reward")
-        attempt_rewards.append(
-            float(total) if isinstance(total, int | float) else triplet_reward(triplets[members[-1]])
-        )
-        key = group_key(first)
+        number, attempts = attempts, attempts + 1
+        positions.update(call_positions(triplets, members))
+        key = group_key(triplets[members[0]].metadata)
         if key is None:
             stats["ungrouped"] += 1
             key = f"attempt:{number}"
         group_keys.append(key)
         rows.extend((number, row) for row in attempt_rows(triplets, members, merge, default_temperature))
-    stats["num_samples"], stats["num_attempts"] = len(rows), len(attempt_rewards)
+    stats["num_samples"], stats["num_attempts"] = len(rows), attempts
     dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
     if dropped:
         log.warning("batch.dropped_attempts", **dropped)
@@ -351,7 +348,7 @@ def build_batch(
     group_ids = torch.tensor([group_numbers[group_keys[a]] for a, _ in rows], dtype=torch.long)  # (B,)
     attempt_ids = torch.tensor([a for a, _ in rows], dtype=torch.long)  # (B,)
     call_cols: dict[str, list[float]] = {
-        k: [] for k in ("row", "start", "length", "reward", "step", "source")
+        k: [] for k in ("row", "start", "length", "reward", "step", "source", "position")
     }
     call_attempts: list[int] = []
     prompt_tokens: list[int] = []
@@ -384,11 +381,15 @@ def build_batch(
                 call_cols[k].append(v)
             call_cols["length"].append(max(0, min(span.start + span.length, nr) - span.start))
             call_cols["source"].append(span.source)
+            call_cols["position"].append(positions[span.source])
             call_attempts.append(attempt)
     stats["truncated_samples"] = int(truncated.sum())
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
     rewards = torch.tensor([triplet_reward(r.sample) for _, r in rows], dtype=torch.float32)  # (B,)
-    longs = {k: torch.tensor(call_cols[k], dtype=torch.long) for k in ("row", "start", "length", "source")}
+    longs = {
+        k: torch.tensor(call_cols[k], dtype=torch.long)
+        for k in ("row", "start", "length", "source", "position")
+    }
     attempt_of_call = torch.tensor(call_attempts, dtype=torch.long)  # (C,)
     calls = Calls(
         row=longs["row"],
@@ -398,9 +399,7 @@ def build_batch(
         step_reward=torch.tensor(call_cols["step"], dtype=torch.float32),
         group=group_ids[longs["row"]] if b else torch.zeros(0, dtype=torch.long),
         attempt=attempt_of_call,
-        attempt_reward=torch.tensor(attempt_rewards, dtype=torch.float32)[attempt_of_call]
-        if b
-        else torch.zeros(0),
+        position=longs["position"],
         source=longs["source"],
     )
     batch = Batch(

@@ -100,9 +100,13 @@ def test_merging_the_calls_of_an_attempt_changes_no_advantage() -> None:
     flat = sample_advantages(triplets, config(adv_estimator="grpo"))
     merged = sample_advantages(triplets, config(adv_estimator="grpo", trajectory=True))
     assert merged == pytest.approx(flat, abs=FP32_TOL)
-    votes = [1.5, 0.0, 1.0]
-    mean, s = sum(votes) / 3, std(votes)
-    assert flat[:2] == pytest.approx([(1.5 - mean) / (s + 1e-6), (1.0 - mean) / (s + 1e-6)], abs=FP32_TOL)
+    first = [1.5, 0.0, 1.0]  # the group at call 0
+    second = [1.0, 0.0, 0.0]  # at call 1: b made one call and stands at its last return, 0
+    expected = [
+        (first[0] - sum(first) / 3) / (std(first) + 1e-6),
+        (second[0] - sum(second) / 3) / (std(second) + 1e-6),  # (1 - 1/3) / sqrt(1/3) = 1.1547
+    ]
+    assert flat[:2] == pytest.approx(expected, abs=FP32_TOL)
     batch, _ = build_batch(a, max_prompt_length=64, max_response_length=64, merge=True)
     assert len(batch) == 1 and batch.calls is not None and batch.calls.reward.tolist() == [1.5, 1.0]
 
@@ -180,3 +184,172 @@ def test_reward_mean_is_per_attempt_not_per_call() -> None:
     triplets = attempt("a", [1.0] * 5) + attempt("b", [0.0])  # per call the mean would be 5 / 6
     metrics = attempt_metrics(triplets)
     assert metrics["reward/mean"] == 0.5 and metrics["rollout/calls_per_attempt"] == 3.0
+
+
+def spans_attempt(name: str, events: list[tuple], task: str = "t", **adapter: object) -> list[Triplet]:
+    """An attempt through the real adapter: events are ("call", prompt, response), ("fail",) for a
+    call that hit the context limit (no ids), or ("reward", value)."""
+    from agentloop.adapter import spans_to_triplets
+    from agentloop.types import LLMCall, Reward, Rollout, Span
+
+    payloads: list[LLMCall | Reward] = []
+    for event in events:
+        if event[0] == "call":
+            payloads.append(
+                LLMCall(prompt_ids=event[1], response_ids=event[2], response_logprobs=[-1.0] * len(event[2]))
+            )
+        elif event[0] == "fail":
+            payloads.append(LLMCall(prompt_ids=[1] * 300, error="context_length_exceeded"))
+        else:
+            payloads.append(Reward(value=event[1]))
+    spans = [
+        Span(rollout_id=name, attempt_id=f"{name}-1", sequence_id=i, payload=p)
+        for i, p in enumerate(payloads, start=1)
+    ]
+    rollout = Rollout(rollout_id=name, input={"task": task})
+    return spans_to_triplets(spans, rollout=rollout, **adapter).triplets  # type: ignore[arg-type]
+
+
+def two_calls(name: str, after_first: float, at_end: float) -> list[Triplet]:
+    return spans_attempt(
+        name,
+        [
+            ("call", [1, 2, 3], [10, 11]),
+            ("reward", after_first),
+            ("call", [1, 2, 3, 10, 11, 4], [12, 13]),
+            ("reward", at_end),
+        ],
+        strategy="per_call",
+    )
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("trajectory", [False, True])
+def test_per_call_credit_gives_a_group_with_equal_outcomes_zero(estimator: str, trajectory: bool) -> None:
+    """GRPO's contract (Shao et al. 2024; verl ``compute_grpo_outcome_advantage``): a group whose
+    attempts all did the same learns nothing. Two attempts each earn +0.5 after call 1 and +0.5 at the
+    end; per_call returns (discount 1) are [1.0, 0.5] for both. Call 2's return 0.5 was compared with
+    the attempts' totals 1.0 over a std of 0: -500000."""
+    triplets = two_calls("a", 0.5, 0.5) + two_calls("b", 0.5, 0.5)
+    assert [t.reward for t in triplets] == [1.0, 0.5, 1.0, 0.5]
+    adv = sample_advantages(triplets, config(adv_estimator=estimator, trajectory=trajectory))
+    assert adv == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_per_call_credit_compares_each_call_with_the_group_at_the_same_call() -> None:
+    """Totals 1.0 vs 0.9 (+0.5 then +0.5, against +0.5 then +0.4). Returns by call: a [1.0, 0.5],
+    b [0.9, 0.4]. Call 1: mean 0.95, std sqrt(2 * 0.05^2 / 1) = 0.0707 -> +-0.7071; call 2: mean 0.45,
+    the same std -> +-0.7071. The better attempt's second call was -6.36 (compared with totals)."""
+    triplets = two_calls("a", 0.5, 0.5) + two_calls("b", 0.5, 0.4)
+    adv = sample_advantages(triplets, config(adv_estimator="grpo"))
+    s = std([1.0, 0.9])  # = std([0.5, 0.4]) in exact arithmetic
+    # the scores are fp32 ~1 whose differences are 0.1: relative rounding 8 eps / 0.1
+    tol = 8 * torch.finfo(torch.float32).eps / 0.1
+    assert adv == pytest.approx(
+        [0.05 / (s + 1e-6), 0.05 / (s + 1e-6), -0.05 / (s + 1e-6), -0.05 / (s + 1e-6)], abs=tol
+    )
+    assert adv[1] == pytest.approx(0.7071, abs=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_per_call_credit_rewards_the_call_that_earned_the_later_reward(estimator: str) -> None:
+    """Equal totals, different timing: a earns +1 after call 1 and 0 at the end, b 0 then +1.
+    Returns (discount 1): a [1, 0], b [1, 1]. Call 1 is a tie (0); at call 2, a's return 0 against b's
+    1: GRPO -+0.5 / std(0, 1) = -+0.7071, RLOO 0 - 1 = -1 and 1 - 0 = +1. Identical credit gives all 0
+    (equal totals); comparing call returns with totals gave a's second call -1e6."""
+    triplets = two_calls("a", 1.0, 0.0) + two_calls("b", 0.0, 1.0)
+    assert [t.reward for t in triplets] == [1.0, 0.0, 1.0, 1.0]
+    adv = sample_advantages(triplets, config(adv_estimator=estimator))
+    second = 0.5 / (std([0.0, 1.0]) + 1e-6) if estimator == "grpo" else 1.0
+    assert adv == pytest.approx([0.0, -second, 0.0, second], abs=FP32_TOL)
+
+
+def test_per_call_credit_an_attempt_that_ended_stands_at_its_last_return() -> None:
+    """a makes three calls (+0.2 after the first, +1 at the end: returns 1.2, 1, 1 with discount 1),
+    b one call rewarded 0. At call 1 the group is [1.2, 0]; at calls 2 and 3 b stands at its last
+    return 0: [1, 0]. RLOO: a 1.2, 1, 1; b -1.2. With one final reward only and discount 1, per_call
+    equals identical credit whatever the lengths (the second case)."""
+    a = spans_attempt(
+        "a",
+        [
+            ("call", [1], [10]),
+            ("reward", 0.2),
+            ("call", [1, 10, 4], [11]),
+            ("call", [1, 10, 4, 11, 4], [12]),
+            ("reward", 1.0),
+        ],
+        strategy="per_call",
+    )
+    b = spans_attempt("b", [("call", [1], [13]), ("reward", 0.0)], strategy="per_call")
+    assert [t.reward for t in a + b] == [1.2, 1.0, 1.0, 0.0]
+    assert sample_advantages(a + b, config(adv_estimator="rloo")) == pytest.approx(
+        [1.2, 1.0, 1.0, -1.2], abs=FP32_TOL
+    )
+    c = spans_attempt(
+        "c",
+        [("call", [1], [10]), ("call", [1, 10, 4], [11]), ("call", [1, 10, 4, 11, 4], [12]), ("reward", 1.0)],
+        strategy="per_call",
+    )
+    d = spans_attempt("d", [("call", [1], [13]), ("reward", 0.25)], strategy="per_call")
+    identical = [t.model_copy(update={"reward": t.metadata["attempt_reward"]}) for t in c + d]
+    for estimator in ("grpo", "rloo"):
+        assert sample_advantages(c + d, config(adv_estimator=estimator)) == sample_advantages(
+            identical, config(adv_estimator=estimator)
+        )
+
+
+def test_grpo_with_kl_in_reward_takes_the_group_statistics_on_the_penalised_scores() -> None:
+    """verl (``apply_kl_penalty`` then ``compute_grpo_outcome_advantage``): token rewards minus
+    beta * KL, summed to a score, and GRPO over those scores. Both attempts earn 1.0; KL sums 0.6 and
+    0.15, beta 0.1: scores 0.94 and 0.985, mean 0.9625, std 0.0318 -> -0.7069 and +0.7069 (the group
+    statistics without the penalty gave -600 / -150 with beta 0.001)."""
+    triplets = attempt("a", [1.0], resp_len=3) + attempt("b", [1.0], resp_len=3)
+    cfg = TrainerConfig.from_dict(
+        {
+            **config(adv_estimator="grpo"),
+            "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True, "kl_ctrl": {"kl_coef": 0.1}},
+        }
+    )
+    batch, _ = build_batch(triplets, max_prompt_length=64, max_response_length=64)
+    kl = torch.tensor([[0.2, 0.1, 0.3], [0.05, 0.05, 0.05]])  # (B, R) per-token KL
+    adv = batch_advantages(batch, cfg, kl)
+    scores = [1.0 - 0.1 * 0.6, 1.0 - 0.1 * 0.15]
+    mean, s = sum(scores) / 2, std(scores)
+    tol = 8 * torch.finfo(torch.float32).eps / 0.045  # fp32 scores ~1 that differ by 0.045
+    assert adv[0].tolist() == pytest.approx([(scores[0] - mean) / (s + 1e-6)] * 3, abs=tol)
+    assert adv[1].tolist() == pytest.approx([(scores[1] - mean) / (s + 1e-6)] * 3, abs=tol)
+    assert float(adv[1, 0]) == pytest.approx(0.7069, abs=1e-3)
+
+
+def test_gae_keeps_the_reward_of_an_attempt_whose_last_call_failed() -> None:
+    """An attempt makes one call, its second hits the context limit (no ids, no triplet), and it is
+    rewarded 1.0. The reward belongs to the failed call; it must land on the last token the attempt
+    kept, as for a call that truncation cut away: returns (values 0, gamma = lam = 1) [1, 1]; the
+    other attempt, rewarded 0, [0, 0]. Before, the first attempt's returns were [0, 0]."""
+    from trainer.advantages import attempt_gae
+
+    a = spans_attempt("a", [("call", [1, 2], [10, 11]), ("fail",), ("reward", 1.0)])
+    b = spans_attempt("b", [("call", [1, 2], [10, 11]), ("reward", 0.0)])
+    assert a[0].metadata["call_reward"] == 1.0
+    cfg = TrainerConfig.from_dict(
+        {
+            "algorithm": {"adv_estimator": "gae", "gae_std_floor": 0.0},
+            "actor_rollout_ref": {"rollout": {"n": 2}},
+        }
+    )
+    batch, _ = build_batch(a + b, max_prompt_length=64, max_response_length=64)
+    _adv, returns = attempt_gae(batch, torch.zeros(batch.response_mask.shape), cfg)
+    assert returns.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_per_call_reward_of_a_failed_call_moves_to_the_last_kept_call() -> None:
+    """discount 0 keeps rewards strictly per call: +0.3 after call 1, then call 2 fails and the final
+    +1.0 follows it. The final reward moves to call 1 (the last kept): return 1.3, call_reward 1.3."""
+    (only,) = spans_attempt(
+        "a",
+        [("call", [1], [10]), ("reward", 0.3), ("fail",), ("reward", 1.0)],
+        strategy="per_call",
+        discount=0.0,
+    )
+    assert only.reward == pytest.approx(1.3) and only.metadata["call_reward"] == pytest.approx(1.3)
+    assert only.metadata["attempt_reward"] == pytest.approx(1.3)

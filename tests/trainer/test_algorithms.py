@@ -85,6 +85,60 @@ def test_rloo_leave_one_out_baseline() -> None:
     close(adv[:, 0], [0.75, -0.75, 0.0, 0.0])
 
 
+def test_group_estimators_compare_calls_at_the_same_position() -> None:
+    """Per-call rows (the module docstring's S[j, k]). Attempt a has calls at positions 0 and 2 (its
+    call 1 failed), b at 0, 1, 2, c only at 1. Table by position: a [1.0, 1.0 (its call 0), 0.4],
+    b [0.0, 0.3, 0.2], c [0.5 (before its first call: its first), 0.5, 0.5 (ended)].
+    RLOO: a@0 1 - (0 + .5)/2 = .75 ; a@2 .4 - (.2 + .5)/2 = .05 ; b@0 0 - (1 + .5)/2 = -.75 ;
+    b@1 .3 - (1 + .5)/2 = -.45 ; b@2 .2 - (.4 + .5)/2 = -.25 ; c@1 .5 - (1 + .3)/2 = -.15."""
+    scores = t([1.0, 0.4, 0.0, 0.3, 0.2, 0.5])
+    attempt = torch.tensor([7, 7, 3, 3, 3, 9])
+    position = torch.tensor([0, 2, 0, 1, 2, 1])
+    index = torch.zeros(6, dtype=torch.long)
+    adv = A.rloo(scores, torch.ones(6, 1), index=index, attempt_index=attempt, call_position=position)
+    close(adv.advantages[:, 0], [0.75, 0.05, -0.75, -0.45, -0.25, -0.15])
+    # GRPO at position 1: [1.0, 0.3, 0.5], mean 0.6, std sqrt((.16 + .09 + .01) / 2) = 0.36056
+    grpo = A.grpo(scores, torch.ones(6, 1), index=index, attempt_index=attempt, call_position=position)
+    close(grpo.advantages[3:4, 0], [(0.3 - 0.6) / (math.sqrt(0.13) + 1e-6)])
+    # without call_position the rows' order in the attempt is the position: a [1.0, 0.4, 0.4],
+    # b [0.0, 0.3, 0.2], c [0.5, 0.5, 0.5]
+    by_order = A.rloo(scores, torch.ones(6, 1), index=index, attempt_index=attempt).advantages
+    expected = [0.75, 0.4 - (0.3 + 0.5) / 2, -0.75, 0.3 - (0.4 + 0.5) / 2, 0.2 - (0.4 + 0.5) / 2, 0.5 - 0.5]
+    close(by_order[:, 0], expected)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_a_group_of_equal_scores_gets_exactly_zero(name: str) -> None:
+    """7 x 0.7: the fp32 mean is not exactly 0.7, and (0.7 - mean) / (std + 1e-6) gave 0.056 (verl
+    alike). Scores within float rounding of each other (one ulp apart here) are a tie: exactly 0.
+    A real difference of 1e-4 still counts."""
+    mask = torch.ones(9, 2)
+    seven = torch.full((7,), 0.7)
+    ulp = torch.nextafter(torch.tensor(0.3), torch.tensor(1.0))
+    scores = torch.cat([seven, torch.tensor([0.3]), ulp.reshape(1)])
+    index = torch.tensor([0] * 7 + [1, 1])
+    assert A.compute_advantage(name, scores, mask, index=index).advantages.abs().max().item() == 0.0
+    apart = A.grpo(t([0.3, 0.3001]), torch.ones(2, 1), index=torch.tensor([0, 0])).advantages
+    # 0.5e-4 / (1e-4 / sqrt(2) + 1e-6); fp32 0.3 and 0.3001 are each within 1.5e-8 of their value
+    assert apart[1, 0].item() == pytest.approx(0.5e-4 / (1e-4 / math.sqrt(2) + 1e-6), rel=1e-3)
+
+
+def test_group_estimators_check_positions() -> None:
+    one = torch.ones(2, 1)
+    with pytest.raises(ValueError, match="call_position must be"):
+        A.grpo(t([1.0, 0.0]), one, index=torch.tensor([0, 0]), call_position=torch.tensor([0]))
+    with pytest.raises(ValueError, match="same call_position"):
+        A.grpo(
+            t([1.0, 0.0]),
+            one,
+            index=torch.tensor([0, 0]),
+            attempt_index=torch.tensor([4, 4]),
+            call_position=torch.tensor([1, 1]),
+        )
+    with pytest.raises(ValueError, match="same group"):
+        A.grpo(t([1.0, 0.0]), one, index=torch.tensor([0, 1]), attempt_index=torch.tensor([4, 4]))
+
+
 def test_group_estimators_need_an_index() -> None:
     with pytest.raises(ValueError, match="pass index"):
         A.grpo(t([1.0]), torch.ones(1, 1))
