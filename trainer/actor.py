@@ -318,12 +318,19 @@ class Actor:
         if agg == "attempt-mean-token-mean":  # per-row weights over the whole mini-batch's attempts
             mini.extras["row_weights"] = attempt_row_weights(mask_all, mini.row_attempts())
         self.optimizer.zero_grad(set_to_none=True)
-        active = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
-        if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step (and no forward)
+        active, idle = _rows_with_signal(mini, actor.entropy_coeff == 0 and not actor.use_kl_loss)
+        # the rows left out still count in actor/entropy, the whole mini-batch's (verl's): a forward
+        # without autograd, against the mini-batch's denominator
+        idle_entropy = None if idle is None else self._entropy_without_grad(idle, agg, denom)
+        if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step
             zeros = dict.fromkeys(self._loss_metric_names(), 0.0)
+            if idle_entropy is not None:  # note: a CPU-GPU sync (no step follows to wait for)
+                zeros["actor/entropy"] = float(self._summed_over_ranks({"e": idle_entropy})["e"])
             return {**zeros, "actor/active_samples": 0.0, "actor/grad_norm": 0.0}
         # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
         totals = {k: torch.zeros((), device=self.device) for k in self._loss_metric_names()}
+        if idle_entropy is not None:
+            totals["actor/entropy"] = idle_entropy
         # on-policy the loss's forward gives the old log-probs, and the train/engine gap over its tokens
         gap_max = None
         if "old_logprobs" not in mini.extras and mini.engine_logprobs is not None:
@@ -390,6 +397,28 @@ class Actor:
         metrics["actor/active_samples"] = float(len(active))
         return metrics
 
+    @torch.no_grad()
+    def _entropy_without_grad(self, rows: Batch, agg: str, denominator: torch.Tensor) -> torch.Tensor:
+        """The entropy term of ``rows`` (a device scalar): ``agg_loss`` of their token entropies against
+        the whole mini-batch's ``denominator``, as the loss's micro-batches add theirs, so the two sum to
+        the mini-batch's entropy. For the rows the loss leaves out (``_rows_with_signal``): their
+        forward runs without autograd, as the log-prob passes do (eval mode, this process's micro-batches,
+        padded alike on every rank): about a third of the cost of the forward and backward it skips."""
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        try:
+            for mb, _rows in self._split_micro_batches(rows):
+                _, ent = self._forward(self.model, mb, entropy=True)  # (b, r)
+                assert ent is not None
+                row_weights = mb.extras.get("row_weights")
+                total += agg_loss(
+                    ent, mb.response_mask, agg, denominator=denominator, row_weights=row_weights
+                )
+        finally:
+            self.model.train(was_training)
+        return total
+
     def _summed_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The loss metrics of the whole mini-batch from this process's share (trainer/dp.py sums the
         ranks'); one process holds it all."""
@@ -454,17 +483,21 @@ class Actor:
         self.step = int(state["step"])
 
 
-def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> Batch:
-    """``mini`` without the samples whose advantages are all 0, when those add nothing to the gradient.
+def _rows_with_signal(mini: Batch, zero_adv_is_zero_grad: bool) -> tuple[Batch, Batch | None]:
+    """``mini`` split into the samples the loss trains on and those it leaves out (None: none), which are
+    the samples whose advantages are all 0 when those add nothing to the gradient.
 
     With no entropy bonus and no KL loss a sample's loss is proportional to its advantage, so dropping
     it (while the loss keeps the whole mini-batch's denominator) leaves the gradient unchanged; a GRPO
-    group whose samples all scored the same costs no forward/backward.
+    group whose samples all scored the same costs no backward. Its tokens still count in the logged
+    entropy, measured by a forward without autograd (``Actor._entropy_without_grad``).
     """
     if not zero_adv_is_zero_grad:
-        return mini
+        return mini, None
     adv = mini.extras["advantages"] * mini.response_mask  # (b, R)
     keep = (adv != 0).any(-1).tolist()  # (b,)  note: the CPU-GPU sync of the selection
     if all(keep):
-        return mini
-    return mini.select([i for i, k in enumerate(keep) if k])
+        return mini, None
+    kept = [i for i, k in enumerate(keep) if k]
+    idle = mini if not kept else mini.select([i for i, k in enumerate(keep) if not k])
+    return mini.select(kept), idle

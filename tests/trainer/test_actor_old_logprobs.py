@@ -115,7 +115,8 @@ def _with_engine_logprobs(actor: Actor, shifts: list[float], rewards: list[float
 
 
 def test_the_loss_forward_reports_the_engine_gap_over_the_tokens_it_trains(tiny_model_dir: Path) -> None:
-    """Group 1 (rows 2, 3) scored alike: no signal, no forward, so its gap goes unmeasured."""
+    """Group 1 (rows 2, 3) scored alike: no signal, not trained, so its gap goes unmeasured (only its
+    entropy is, in a forward without autograd)."""
     torch.manual_seed(0)
     probe = Actor(actor_config(tiny_model_dir), tiny_model_dir, "cpu")
     shifts = [0.1, -0.2, 0.7, 0.9]
