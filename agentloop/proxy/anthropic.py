@@ -1,48 +1,55 @@
-"""The Anthropic Messages API (``POST .../v1/messages``): the request as chat, the Generation as a message.
+"""The Anthropic Messages API (``POST .../v1/messages``, ``POST .../v1/messages/count_tokens``): the
+request as chat, the Generation as a message.
 
 A Messages request becomes the chat messages and tools the chat template renders and goes through
 the path a chat completion takes (``ProxyService.chat``: token ledger, sampling, recording); the
 finished Generation is written as an Anthropic ``message`` or as its SSE event sequence.
+``count_tokens`` renders the same prompt and answers ``{"input_tokens": n}`` (a full render: the
+count a fresh conversation would have; nothing is generated or recorded).
 
 Conversion (what the template renders, and what the LLMCall records as ``messages``):
 
-- ``system`` (a string or text blocks) -> a first system message;
+- ``system`` (a string or text blocks; ``cache_control`` accepted) -> a first system message;
 - a user message's ``text`` blocks -> one user message (blocks joined by newlines), each
   ``tool_result`` block -> a ``tool`` message (``tool_call_id``, the tool's name, its text), in order;
-- an assistant message's ``text`` blocks -> its content, ``tool_use`` blocks -> its ``tool_calls``.
-  The assistant message the proxy returned, sent back as it came, extends the token ledger;
-- ``tools`` (``name``, ``description``, ``input_schema``) -> function tools; ``tool_choice``
-  auto / any / tool / none -> auto / required / that function / none.
+  ``image`` and ``document`` blocks (also inside a tool_result) -> a placeholder such as
+  ``[image omitted]``, logged: the model reads text only;
+- an assistant message's ``text`` blocks -> its content, ``tool_use`` blocks -> its ``tool_calls``,
+  a ``thinking`` block the proxy wrote -> the start of its content, exactly as the model wrote it
+  (reasoning.py); other thinking and ``redacted_thinking`` blocks are skipped. The assistant message
+  the proxy returned, sent back as it came, extends the token ledger;
+- blocks of server tools (``server_tool_use``, ``web_search_tool_result``, ...) and other types are
+  skipped, logged;
+- ``tools`` (``name``, ``description``, ``input_schema``) -> function tools; server and
+  Anthropic-defined tools (a ``type`` other than ``custom``: ``web_search_20250305``,
+  ``bash_20250124``, ...) are not offered to the model, logged; ``tool_choice`` auto / any / tool / none
+  -> auto / required / that function / none (naming a tool not offered: 400).
 
+Accepted and ignored: ``metadata``, ``cache_control`` anywhere, ``anthropic-beta`` headers,
+``service_tier``, ``output_config.effort``, ``disable_parallel_tool_use``. ``thinking``
+(``enabled`` / ``adaptive``): a thought the model writes (``<think>...</think>``) is answered as a
+``thinking`` block (its exact text in ``signature``) instead of text; ``budget_tokens`` is not
+enforced (the thought counts against ``max_tokens``). Model names: a rollout attempt serves any; on
+the session routes a ``claude-*`` name (Claude Code's main and small fast models) is served by the
+proxy's model too; either way the call is recorded with the name the request gave.
 Refused with a 400 in Anthropic's shape (``{"type": "error", "error": {"type":
-"invalid_request_error", "message": ...}}``): image, document, thinking and other non-text blocks;
-server tools (any tool ``type`` but ``custom``); ``output_config.format`` (structured outputs); a last message from the assistant (prefill: the
-chat template closes that turn instead of continuing it). ``thinking``, ``metadata``,
-``cache_control``, ``output_config.effort``, ``service_tier`` are accepted and ignored; a tool_result's ``is_error`` is kept
-on the recorded tool message but not rendered (the model sees the tool's text).
+"invalid_request_error", "message": ...}}``): ``output_config.format`` (structured outputs); a last
+message from the assistant (prefill: the chat template closes that turn instead of continuing it);
+incomplete blocks. A tool_result's ``is_error`` is kept on the recorded tool message but not rendered
+(the model sees the tool's text).
 
-The answer: ``stop_reason`` is ``tool_use`` (the model called tools), ``stop_sequence`` (a
-``stop_sequences`` string matched: the text ends before it, ``stop_sequence`` names it),
-``max_tokens`` (the token limit), else ``end_turn``; ``usage`` counts the prompt's ids and the
-engine's ids (end-of-turn id included). Streaming sends ``message_start``, per content block
-``content_block_start``, its deltas (``text_delta`` per whole-character piece of the text as its
-tokens decode, one ``input_json_delta`` with a tool call's input) and ``content_block_stop``, then
-``message_delta`` (stop reason, usage) and ``message_stop``. The generation is finished before the
-first event (one engine call), so an error is an HTTP error, never one in the middle of a stream.
-Token ids (``return_token_ids: true`` or ``X-Return-Token-Ids``): ``prompt_token_ids``,
-``token_ids`` and ``logprobs`` on the message (streaming: on ``message_delta``).
+The answer is written by anthropic_output.py.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
-import orjson
+import structlog
 from pydantic import Field, field_validator, model_validator
 
-from agentloop.proxy.responses import text_pieces
+from agentloop.proxy.reasoning import raw_reasoning
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
     JSONDict,
@@ -51,9 +58,16 @@ from agentloop.proxy.schemas import (
     bad_request,
     parse_model,
 )
-from agentloop.proxy.service import Generation
 
-_NEEDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+log = structlog.get_logger("agentloop.proxy")
+
+_NEEDS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "tool_use": ("id", "name", "input"),
+    "tool_result": ("tool_use_id",),
+    "thinking": ("thinking",),
+}
+_MEDIA = ("image", "document")
 
 
 def _as_blocks(value: Any) -> Any:
@@ -67,18 +81,18 @@ class TextBlock(Strict):
 
 
 class ContentBlock(Strict):
-    """One content block: ``text``, ``tool_use`` or ``tool_result`` (``check_blocks`` checks ``type``)."""
+    """One content block (``check_blocks`` checks the fields each known ``type`` needs)."""
 
     type: str
     text: str | None = None
     id: str | None = None  # tool_use
     name: str | None = Field(None, min_length=1)  # tool_use
-    input: JSONDict | None = None  # tool_use
+    input: Any = None  # tool_use: an object (check_blocks)
     tool_use_id: str | None = None  # tool_result
-    content: list[TextBlock] | None = None  # tool_result
+    content: Any = None  # tool_result: a string or blocks (check_blocks)
     is_error: bool | None = None  # tool_result
-
-    _blocks = field_validator("content", mode="before")(_as_blocks)
+    thinking: str | None = None  # thinking
+    signature: str | None = None  # thinking
 
 
 class AnthropicMessage(Strict):
@@ -89,20 +103,23 @@ class AnthropicMessage(Strict):
 
 
 class AnthropicTool(Strict):
+    """A client tool (``name``, ``description``, ``input_schema``) or a server / Anthropic-defined one
+    (``type`` other than ``custom``: not offered to the model)."""
+
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: JSONDict
+    input_schema: JSONDict | None = None
     type: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _client_tool(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        if kind not in (None, "custom"):
-            raise ValueError(
-                f"only client tools (name, description, input_schema) are supported, not {kind!r}"
-            )
-        return data
+    @property
+    def offered(self) -> bool:
+        return self.type in (None, "custom")
+
+    @model_validator(mode="after")
+    def _schema(self) -> AnthropicTool:
+        if self.offered and self.input_schema is None:
+            raise ValueError(f"the client tool {self.name!r} needs an input_schema")
+        return self
 
 
 class AnthropicToolChoice(Strict):
@@ -131,9 +148,15 @@ class MessagesRequest(Strict):
     top_k: int | None = Field(None, ge=0)
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: JSONDict | None = None
     return_token_ids: bool = False
 
     _blocks = field_validator("system", mode="before")(_as_blocks)
+
+    @property
+    def thinks(self) -> bool:
+        """Whether thoughts are answered as thinking blocks (``thinking.type`` enabled or adaptive)."""
+        return bool(self.thinking) and (self.thinking or {}).get("type") in ("enabled", "adaptive")
 
     @field_validator("stop_sequences")
     @classmethod
@@ -153,70 +176,118 @@ class MessagesRequest(Strict):
 
 
 def check_blocks(body: Any) -> None:
-    """Refuse unsupported or incomplete content blocks, naming their place and what is supported."""
+    """Refuse incomplete content blocks, naming their place (blocks of other types are skipped later)."""
     messages = body.get("messages") if isinstance(body, dict) else None
     for i, msg in enumerate(messages if isinstance(messages, list) else []):
         content = msg.get("content") if isinstance(msg, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else []):
             where = f"messages.{i}.content.{j}"
-            kind = block.get("type") if isinstance(block, dict) else None
-            if not isinstance(block, dict) or kind not in _NEEDS:
-                raise bad_request(
-                    f"{where}: content blocks of type {kind!r} are not supported; the proxy takes "
-                    + ", ".join(_NEEDS),
-                    param=where,
-                )
-            for key in _NEEDS[kind]:
+            if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+                raise bad_request(f"{where}: a content block must be an object with a string 'type'", where)
+            kind = block["type"]
+            for key in _NEEDS.get(kind, ()):
                 if block.get(key) is None:
                     raise bad_request(f"{where}: a {kind} block needs {key!r}", param=f"{where}.{key}")
+            if kind == "tool_use" and not isinstance(block["input"], dict):
+                raise bad_request(f"{where}.input must be an object", param=f"{where}.input")
             inner = block.get("content")
+            if kind == "tool_result" and inner is not None and not isinstance(inner, str | list):
+                raise bad_request(f"{where}.content must be a string or blocks", param=f"{where}.content")
             for k, part in enumerate(inner if kind == "tool_result" and isinstance(inner, list) else []):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    got = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if not isinstance(part, dict) or (
+                    part.get("type") == "text" and not isinstance(part.get("text"), str)
+                ):
                     raise bad_request(
-                        f"{where}.content.{k}: tool_result content must be text blocks, got {got!r}",
+                        f"{where}.content.{k}: a tool_result block must be an object; text blocks need 'text'",
                         param=f"{where}.content.{k}",
                     )
 
 
-def _texts(blocks: list[TextBlock] | list[ContentBlock] | None) -> str:
-    return "\n".join(b.text or "" for b in blocks or [] if b.type == "text")
+class _Notes:
+    """What a conversion left out, logged once per request."""
+
+    def __init__(self) -> None:
+        self.omitted: list[str] = []
+        self.skipped: list[str] = []
+
+    def media(self, kind: str) -> str:
+        self.omitted.append(kind)
+        return f"[{kind} omitted]"
+
+    def log(self) -> None:
+        if self.omitted:
+            log.info(
+                "media blocks replaced by placeholders: the model reads text only",
+                blocks=sorted(set(self.omitted)),
+            )
+        if self.skipped:
+            log.info("content blocks skipped: not rendered for this model", blocks=sorted(set(self.skipped)))
+
+
+def _result_text(content: Any, notes: _Notes) -> str:
+    """A tool_result's content: a string, or its text blocks (media as placeholders) joined by newlines."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content or []:
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(part["text"])
+        elif kind in _MEDIA:
+            parts.append(notes.media(kind))
+        else:
+            notes.skipped.append(f"tool_result.{kind}")
+    return "\n".join(parts)
 
 
 def chat_messages(req: MessagesRequest) -> list[JSONDict]:
     """The conversation as OpenAI chat messages (module docstring)."""
     out: list[JSONDict] = []
     if req.system:
-        out.append({"role": "system", "content": _texts(req.system)})
+        out.append({"role": "system", "content": "\n".join(b.text for b in req.system)})
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool messages that answer them
+    notes = _Notes()
     for msg in req.messages:
         if msg.role == "assistant":
-            calls = []
+            calls, texts, thought = [], [], ""
             for b in msg.content:
                 if b.type == "tool_use":
                     assert b.id is not None and b.name is not None  # check_blocks
                     names[b.id] = b.name
                     calls.append({"id": b.id, "type": "function",
                                   "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})  # fmt: skip
+                elif b.type == "text":
+                    texts.append(b.text or "")
                 elif b.type == "tool_result":
                     raise bad_request("tool_result blocks belong in user messages", param="messages")
-            turn: JSONDict = {"role": "assistant", "content": _texts(msg.content) or None}
+                elif b.type == "thinking" and (raw := raw_reasoning(b.signature)) is not None:
+                    thought += raw
+                else:
+                    notes.skipped.append(b.type)
+            turn: JSONDict = {"role": "assistant", "content": thought + "\n".join(texts) or None}
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)
         else:
-            texts: list[str] = []
+            texts = []
             for b in msg.content:
                 if b.type == "tool_use":
                     raise bad_request("tool_use blocks belong in assistant messages", param="messages")
-                if b.type == "text":
-                    texts.append(b.text or "")
+                if b.type in ("text", *_MEDIA):
+                    texts.append(b.text or "" if b.type == "text" else notes.media(b.type))
+                    continue
+                if b.type != "tool_result":
+                    notes.skipped.append(b.type)
                     continue
                 if texts:  # text before a tool result stays before it
                     out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
                 assert b.tool_use_id is not None  # check_blocks
-                tool: JSONDict = {"role": "tool", "tool_call_id": b.tool_use_id, "content": _texts(b.content)}
+                tool: JSONDict = {
+                    "role": "tool",
+                    "tool_call_id": b.tool_use_id,
+                    "content": _result_text(b.content, notes),
+                }
                 if b.tool_use_id in names:
                     tool["name"] = names[b.tool_use_id]
                 if b.is_error:
@@ -224,6 +295,7 @@ def chat_messages(req: MessagesRequest) -> list[JSONDict]:
                 out.append(tool)
             if texts or not msg.content:
                 out.append({"role": "user", "content": "\n".join(texts)})
+    notes.log()
     return out
 
 
@@ -244,11 +316,21 @@ def parse(body: Any) -> tuple[MessagesRequest, ChatCompletionRequest, list[JSOND
             chat[key] = getattr(req, key)
     if req.stop_sequences:
         chat["stop"] = req.stop_sequences
-    if req.tools:
+    offered = [t for t in req.tools or [] if t.offered]
+    dropped = sorted({f"{t.type}:{t.name}" for t in req.tools or [] if not t.offered})
+    if dropped:
+        log.info("server tools not offered to the model", tools=dropped)
+    if offered:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                          **({"description": t.description} if t.description else {})}} for t in req.tools]  # fmt: skip
-    if req.tool_choice is not None:
-        choice = req.tool_choice
+                          **({"description": t.description} if t.description else {})}} for t in offered]  # fmt: skip
+    choice = req.tool_choice
+    if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in offered}:
+        raise bad_request(
+            f"tool_choice names the tool {choice.name!r}, which the request does not offer to this model "
+            "(server tools are not offered); name one of its client tools",
+            param="tool_choice",
+        )
+    if choice is not None and offered:
         chat["tool_choice"] = (
             {"type": "function", "function": {"name": choice.name}}
             if choice.type == "tool"
@@ -257,82 +339,11 @@ def parse(body: Any) -> tuple[MessagesRequest, ChatCompletionRequest, list[JSOND
     return req, parse_model(ChatCompletionRequest, chat, "messages request"), messages
 
 
-# ---------------------------------------------------------------- the answer
-
-
-def stop_reason(gen: Generation, tokenizer: Any, stops: list[str]) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a generation."""
-    if gen.tool_calls:
-        return "tool_use", None
-    if stops:  # the service cut the text at the first stop string it found: find which one
-        text = tokenizer.decode(gen.text_ids, skip_special_tokens=True)
-        hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-        if hits:
-            return "stop_sequence", min(hits)[1]
-    return ("max_tokens" if gen.finish_reason == "length" else "end_turn"), None
-
-
-def _tool_uses(gen: Generation) -> list[JSONDict]:
-    return [{"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
-             "name": c["function"]["name"], "input": json.loads(c["function"]["arguments"])}
-            for c in gen.tool_calls]  # fmt: skip
-
-
-def _extension(gen: Generation) -> JSONDict:
-    return {"prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids, "logprobs": gen.logprobs}
-
-
-def _message(gen: Generation, content: list[JSONDict], stop: tuple[str | None, str | None]) -> JSONDict:
-    return {
-        "id": "msg_" + gen.id.removeprefix("chatcmpl-"),
-        "type": "message",
-        "role": "assistant",
-        "model": gen.model,
-        "content": content,
-        "stop_reason": stop[0],
-        "stop_sequence": stop[1],
-        "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(gen.token_ids)},
-    }
-
-
-def message_json(gen: Generation, tokenizer: Any, stops: list[str], want_ids: bool) -> bytes:
-    text = [{"type": "text", "text": gen.content}] if gen.content else []
-    body = _message(gen, text + _tool_uses(gen), stop_reason(gen, tokenizer, stops))
-    if want_ids:
-        body.update(_extension(gen))
-    return orjson.dumps(body)
-
-
-def _event(kind: str, data: JSONDict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
-
-
-def message_events(gen: Generation, tokenizer: Any, stops: list[str], want_ids: bool) -> Iterator[bytes]:
-    """The SSE events of a streamed message (module docstring)."""
-    reason, sequence = stop_reason(gen, tokenizer, stops)
-    start = _message(gen, [], (None, None))
-    start["usage"] = {"input_tokens": len(gen.prompt_ids), "output_tokens": 0}
-    yield _event("message_start", {"message": start})
-    index = 0
-    if gen.content:
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        # with tool calls the content is what is left around them: one piece; else per decoded piece
-        pieces = [gen.content] if gen.tool_calls else [p for p, _, _ in text_pieces(gen, tokenizer) if p]
-        for piece in pieces:
-            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
-        yield _event("content_block_stop", {"index": 0})
-        index = 1
-    for i, block in enumerate(_tool_uses(gen), start=index):
-        yield _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
-        partial = json.dumps(block["input"], ensure_ascii=False)
-        yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": partial}})  # fmt: skip
-        yield _event("content_block_stop", {"index": i})
-    delta: JSONDict = {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": {"output_tokens": len(gen.token_ids)}}  # fmt: skip
-    if want_ids:
-        delta.update(_extension(gen))
-    yield _event("message_delta", delta)
-    yield _event("message_stop", {})
+def parse_count(body: Any) -> ChatCompletionRequest:
+    """A ``count_tokens`` body (a Messages request without ``max_tokens``) as the chat request it renders."""
+    if isinstance(body, dict) and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": 1}
+    return parse(body)[1]
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -2,8 +2,10 @@
 for app sessions (``/v1/...``, session id in the ``X-Session-Id`` header).
 
 Routes (each under both prefixes): ``POST chat/completions``, ``POST completions``, ``GET models``,
-``POST messages`` (the Anthropic Messages API, anthropic.py) and ``POST responses`` (the OpenAI
-Responses API, openai_responses.py); both become chat requests and take the chat path (service.py).
+``POST messages`` and ``POST messages/count_tokens`` (the Anthropic Messages API, anthropic.py) and
+``POST responses`` (the OpenAI Responses API, openai_responses.py and responses_output.py); both
+become chat requests and take the chat path (service.py). A session request without ``X-Session-Id``
+but with Codex CLI's ``session-id`` header is recorded under that id.
 Sessions only: ``POST /v1/sessions/{id}/reward`` (``{"value": 1.0}`` or ``{"reward": 1.0}``, optional
 ``"name"``), ``GET /v1/sessions/{id}`` (its calls with token ids, and rewards), ``GET /v1/sessions``
 (every session held: id, number of calls, rewards). ``GET /health``.
@@ -36,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from agentloop.proxy import anthropic, openai_responses, responses, responses_output
+from agentloop.proxy import anthropic, anthropic_output, openai_responses, responses, responses_output
 from agentloop.proxy.disconnect import ClientWatch
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
@@ -54,6 +56,7 @@ from agentloop.types import Reward
 log = structlog.get_logger("agentloop.proxy")
 
 SESSION_HEADER = "x-session-id"
+CODEX_SESSION_HEADER = "session-id"
 RETURN_IDS_HEADER = "x-return-token-ids"
 BODY_TIMEOUT_S = 30.0
 _STATUS_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
@@ -166,7 +169,12 @@ def build_app(
         return flag or bool(body.get("return_token_ids"))
 
     def session_target(request: Request) -> tuple[Target, dict[str, str]]:
-        sid = request.headers.get(SESSION_HEADER) or new_session_id()
+        # Codex CLI names its thread in a ``session-id`` header: its calls then form one session
+        sid = (
+            request.headers.get(SESSION_HEADER)
+            or request.headers.get(CODEX_SESSION_HEADER)
+            or new_session_id()
+        )
         if not valid_session_id(sid):
             raise bad_request(
                 f"{SESSION_HEADER} must be 1-128 characters of [A-Za-z0-9._:-], got {sid!r:.60}"
@@ -231,12 +239,23 @@ def build_app(
         req, chat_req, chat_messages = anthropic.parse(body)
         with ClientWatch(request.receive) as client:
             gen = await service.chat(
-                target, chat_req, chat_messages, request_key=request_key(request), client_gone=client.gone
-            )
+                target, chat_req, chat_messages, request_key=request_key(request), client_gone=client.gone,
+                any_model=req.model.startswith("claude"),
+            )  # fmt: skip
         ids, stops = want_ids(request, body), req.stop_sequences or []
         if req.stream:
-            return _stream(anthropic.message_events(gen, service.tokenizer, stops, ids), headers)
-        return _json(anthropic.message_json(gen, service.tokenizer, stops, ids), headers)
+            return _stream(
+                anthropic_output.message_events(gen, service.tokenizer, stops, ids, req.thinks), headers
+            )
+        return _json(anthropic_output.message_json(gen, service.tokenizer, stops, ids, req.thinks), headers)
+
+    async def count_tokens(request: Request, target: Target, headers: dict[str, str]) -> Response:
+        body = await read_json(request)
+        chat_req = anthropic.parse_count(body)
+        if not str(chat_req.model).startswith("claude"):
+            service.check_model(target, chat_req.model)
+        await service.check_live(target)
+        return _json(orjson.dumps({"input_tokens": service.count_prompt_tokens(chat_req)}), headers)
 
     async def responses_api(request: Request, target: Target, headers: dict[str, str]) -> Response:
         body = await read_json(request)
@@ -273,6 +292,11 @@ def build_app(
         app.add_route(f"{prefix}/models", guarded(models, session), methods=["GET"])
         app.add_route(
             f"{prefix}/messages", guarded(messages, session, anthropic.error_body), methods=["POST"]
+        )
+        app.add_route(
+            f"{prefix}/messages/count_tokens",
+            guarded(count_tokens, session, anthropic.error_body),
+            methods=["POST"],
         )
         app.add_route(f"{prefix}/responses", guarded(responses_api, session), methods=["POST"])
 

@@ -243,9 +243,12 @@ class ProxyService:
         *,
         request_key: str | None = None,
         client_gone: ClientGone | None = None,
+        any_model: bool = False,
     ) -> Generation:
         """A chat completion, recorded once (see the module docstring for ``request_key`` and
-        ``client_gone``)."""
+        ``client_gone``); ``any_model``: a session request may name any model (``check_model``)."""
+        if not any_model:
+            self.check_model(target, req.model)
         if not request_key:
             return await self._chat(target, req, raw_messages, client_gone)
         fingerprint = _fingerprint(
@@ -280,7 +283,6 @@ class ProxyService:
         client_gone: ClientGone | None,
     ) -> Generation:
         started = time.perf_counter()
-        self.check_model(target, req.model)
         llm = await self.check_live(target)
         messages = [canonical_message(m, i) for i, m in enumerate(req.messages)]
         use_tools = req.tools is not None and req.tool_choice != "none"
@@ -329,6 +331,13 @@ class ProxyService:
             "chatcmpl-" + secrets.token_hex(12), int(time.time()), req.model or self.model_name, plan.prompt_ids,
             out.token_ids, out.logprobs, text_ids, content, tool_calls, finish,
         )  # fmt: skip
+
+    def count_prompt_tokens(self, req: ChatCompletionRequest) -> int:
+        """The number of ids a fresh conversation of ``req``'s messages and tools would prompt with
+        (a full render; nothing generated or recorded)."""
+        messages = [canonical_message(m, i) for i, m in enumerate(req.messages)]
+        tools = tool_dicts(req.tools) if req.tools is not None and req.tool_choice != "none" else None
+        return len(self.template.encode(self.template.render(messages, tools, add_generation_prompt=True)))
 
     async def _complete(
         self, target: Target, req: CompletionRequest, client_gone: ClientGone | None

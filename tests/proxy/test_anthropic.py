@@ -168,18 +168,10 @@ BAD: list[tuple[Any, str]] = [
             "model": "m",
             "max_tokens": 8,
             "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image",
-                            "source": {"type": "base64", "media_type": "image/png", "data": "AA"},
-                        }
-                    ],
-                }
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}
             ],
         },
-        "content blocks of type 'image' are not supported",
+        "content must be a string or blocks",
     ),
     (
         {
@@ -195,8 +187,9 @@ BAD: list[tuple[Any, str]] = [
             "max_tokens": 8,
             "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            "tool_choice": {"type": "tool", "name": "web_search"},
         },
-        "only client tools",
+        "names the tool 'web_search', which the request does not offer",
     ),
     (
         {
@@ -243,7 +236,7 @@ async def test_bad_input_gets_a_4xx_in_anthropics_shape(tokenizer: Any, claude: 
                                                       "messages": [{"role": "user", "content": "word " * 200}]})  # fmt: skip
                 unknown = await http.post(f"{proxy.url}/rollout/ro-nope/attempt/at-nope/v1/messages", json=OK)
                 wrong_model = await http.post(f"{proxy.session_base_url}/messages", json={
-                    "model": "claude-opus", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                    "model": "gpt-4o", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         # the official client raises its typed errors from these bodies
         client = claude(proxy.url)
         with anyio.fail_after(30), pytest.raises(anthropic.BadRequestError, match="prefill"):
@@ -257,8 +250,7 @@ async def test_bad_input_gets_a_4xx_in_anthropics_shape(tokenizer: Any, claude: 
     assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     assert (
-        wrong_model.status_code == 404
-        and "'claude-opus' does not exist" in wrong_model.json()["error"]["message"]
+        wrong_model.status_code == 404 and "'gpt-4o' does not exist" in wrong_model.json()["error"]["message"]
     )
     assert len(await store.query_spans(att.rollout_id)) == 1  # only the over-context call, flagged
     assert (await store.query_spans(att.rollout_id))[0].payload.error == "context_length_exceeded"  # type: ignore[union-attr]
