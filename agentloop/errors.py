@@ -16,7 +16,7 @@
     ├── StoreUnavailableError    the HTTP store could not be reached
     ├── InvalidRequestError      a bad argument to a store call (also a ValueError)
     ├── ConfigError              a trainer config key or value is not valid (also a ValueError)
-    ├── EmptyBatchError          no usable training sample in a batch (also a ValueError)
+    ├── EmptyBatchError          no usable training sample in a batch, or in several steps of a fit (also a ValueError)
     ├── TrainerTimeoutError      a wait in the training loop passed its deadline (also a TimeoutError)
     ├── JudgeError               an LLM judge gave no usable scores after its retries (agentloop/judge/)
     └── ToolError                a tool was defined, looked up or called wrongly
@@ -137,7 +137,10 @@ class ConfigError(AgentLoopError, ValueError):
 
 
 class EmptyBatchError(AgentLoopError, ValueError):
-    """No usable training sample: no triplets came, or every one was dropped (the message says why)."""
+    """No usable training sample: no triplets came, or every one was dropped (the message says why).
+
+    A fit raises it when ``trainer.max_steps_without_signal`` steps in a row had no usable attempt
+    (no reward, the agent raised, prompt too long, empty ids): the message counts the attempts by kind."""
 
 
 class TrainerTimeoutError(AgentLoopError, TimeoutError):

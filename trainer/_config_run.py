@@ -57,6 +57,12 @@ class RunConfig(_Section):
         default=0, ge=0, description="Steps that train only the critic before the actor starts updating."
     )
     test_freq: int = Field(default=-1, ge=-1, description="Validate every N steps; -1 or 0: never.")
+    max_steps_without_signal: int = Field(
+        default=3,
+        ge=1,
+        description="A step with no usable attempt (no reward, agent raised, prompt too long, empty) is not "
+        "counted; this many in a row stop the fit with an EmptyBatchError.",
+    )
     val_before_train: bool = Field(
         default=True,
         description="Validate once before the first step (if val data); the last step always validates.",

@@ -244,7 +244,7 @@ def export_hf_model(weights: dict[str, torch.Tensor], model_path: str | Path, ou
 
 _NOT_IDENTITY = {  # keys that do not change what a run computes: a re-run may differ in them
     "trainer": {"resume", "logger", "default_local_dir", "save_freq", "test_freq", "val_before_train"}
-    | {"ray_address", "timeouts"},
+    | {"ray_address", "timeouts", "max_steps_without_signal"},
     "placement": None,  # None: the whole section
 }
 

@@ -9,6 +9,9 @@ One step (sync mode, ``rollout.max_staleness == 0``)::
        (data-parallel ranks + replica pool: straight from the ranks' GPUs, trainer/weight_sync.py;
         worker and engine on one GPU: CUDA IPC, trainer/local_sync.py)
 
+A batch with no usable attempt (no reward, the agent raised, ...) trains nothing and is not counted
+as a step; ``trainer.max_steps_without_signal`` of them in a row stop the fit (trainer/fit_signal.py).
+
 With ``max_staleness = k > 0`` the next k batches are already enqueued while a batch trains (async
 mode); each sample records the weights version it was generated with (``weights_version`` metadata).
 
@@ -44,6 +47,7 @@ from trainer.checkpoint import CheckpointManager, DataCursor
 from trainer.config import TrainerConfig, engine_kwargs
 from trainer.fit_inputs import check_dataset, check_reward, quiet_defaults
 from trainer.fit_result import FitResult, final_metrics, finished_result
+from trainer.fit_signal import SignalWatch
 from trainer.fit_stop import FitState, Stopped, clean_stop, single_error
 from trainer.metrics import MetricsLogger, plot_curves
 from trainer.placement import init_ray, place, serve_store
@@ -268,6 +272,8 @@ class Trainer:
                 if val and cfg.trainer.val_before_train and step == 0:
                     result.val_history.append(await validate(step))
                 pending: deque[Pending] = deque()
+                max_no_signal = cfg.trainer.max_steps_without_signal
+                signal_watch = SignalWatch(max_no_signal, run_dir)
                 progress = _progress(total_steps, step)
                 started = time.perf_counter()
                 state.step = step
@@ -285,6 +291,17 @@ class Trainer:
                         judge=self._judge_rollouts,
                         sync=self._sync_weights,
                     )
+                    if not signal_watch.observe(metrics, batch_info.rollout_ids):  # trained nothing
+                        log.warning("trainer.step_without_signal", step=step + 1, **signal_watch.summary())
+                        progress.set_postfix(
+                            reward="nan", no_signal=f"{signal_watch.in_a_row}/{max_no_signal}"
+                        )
+                        if signal_watch.exhausted:
+                            progress.close()
+                            ids = signal_watch.rollout_ids
+                            failed = signal_watch.counts["rollout/failed"]
+                            raise signal_watch.error(await failure_summary(store, ids) if failed else "")
+                        continue  # not a training step: the next batch is drawn for the same step
                     step += 1
                     state.step = step
                     metrics["step"] = step

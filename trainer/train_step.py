@@ -13,7 +13,6 @@ import structlog
 import torch
 
 from agentloop.adapter import group_by_attempt, triplets_for_rollouts
-from agentloop.errors import EmptyBatchError
 from agentloop.resources import Resources
 from agentloop.store.base import Store
 from agentloop.types import RolloutConfig, RolloutStatus, Triplet
@@ -79,8 +78,9 @@ async def train_step(
     sync: Sync,
 ) -> dict[str, float]:
     """Wait for ``pending``'s rollouts, let ``judge`` score them, build the batch, update the policy
-    and ``sync`` the new weights into the engine; returns the step's metrics. An empty batch skips the
-    update; no triplets at all raise EmptyBatchError."""
+    and ``sync`` the new weights into the engine; returns the step's metrics. An empty batch (no usable
+    attempt) skips the update and the sync: ``batch/samples`` is 0 and the metrics count the attempts by
+    why they were unusable (trainer/fit_signal.py decides whether the fit goes on)."""
     limits = cfg.trainer.timeouts
     t_wait = time.perf_counter()
     finished = await wait_all(store, pending.rollout_ids, limits.rollouts_s, f"step {pending.step + 1}")
@@ -110,6 +110,8 @@ async def train_step(
         **judged,
     }
     metrics.update(attempt_metrics(triplets))
+    with_calls = len(group_by_attempt(triplets))  # succeeded attempts that left a triplet
+    metrics["rollout/without_calls"] = max(metrics["rollout/succeeded"] - with_calls, 0.0)
     versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]
     if versions:  # each sample's oldest token against the weights this update starts from
         metrics["rollout/staleness_max"] = float(engine.weights_version - min(versions))
@@ -125,22 +127,10 @@ async def train_step(
     errors = await failure_summary(store, pending.rollout_ids) if failed else ""
     if failed:
         log.warning("rollouts failed", step=pending.step + 1, failed=failed, of=len(finished), errors=errors)
-    if len(batch) == 0:
+    if len(batch) == 0:  # no update: the fit does not count the step (trainer/fit_signal.py)
         log.warning(
             "trainer.empty_batch", step=pending.step + 1, **{k: v for k, v in batch_stats.items() if v}
         )
-        if not triplets:
-            n = len(pending.rollout_ids)
-            if failed == n:
-                why = f"all {n} rollouts failed; their attempts' errors: {errors}"
-            elif failed:
-                why = (
-                    f"{failed} of {n} rollouts failed ({errors}); the rest made no LLM call through "
-                    "llm.base_url"
-                )
-            else:
-                why = f"none of the {n} rollouts made an LLM call through llm.base_url (the proxy records the tokens)"
-            raise EmptyBatchError(f"step {pending.step + 1}: no training samples: {why}")
         return metrics
     t_update = time.perf_counter()
     metrics.update(
