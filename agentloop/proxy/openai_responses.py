@@ -135,7 +135,10 @@ def check_items(items: list[JSONDict]) -> None:
             value = item.get(key)
             if value is None and not (key == "call_id" and item.get("id") is not None):
                 raise bad_request(f"{where}: a {kind} item needs {key!r}", param=f"{where}.{key}")
-            if key in _STRINGS and value is not None and not isinstance(value, str):
+            objects = kind in ("tool_search_call", "local_shell_call") and key in ("arguments", "action")
+            if objects and not isinstance(value, dict):
+                raise bad_request(f"{where}.{key} must be an object", param=f"{where}.{key}")
+            if key in _STRINGS and not objects and value is not None and not isinstance(value, str):
                 raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
         if kind == "message" and item["role"] not in _ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role")

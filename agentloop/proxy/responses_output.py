@@ -132,7 +132,7 @@ def _response(ans: Answer, tokenizer: Any, done: bool, want_ids: bool) -> JSONDi
     }
     if done:
         n, m = len(gen.prompt_ids), len(gen.token_ids)
-        body["usage"] = {"input_tokens": n, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": m,
+        body["usage"] = {"input_tokens": n, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": m,
                          "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(ans, tokenizer)},
                          "total_tokens": n + m}  # fmt: skip
         if want_ids:

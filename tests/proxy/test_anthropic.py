@@ -313,3 +313,88 @@ async def test_an_edited_assistant_turn_is_a_flagged_ledger_break(tokenizer: Any
     assert tokenizer.decode(two.prompt_ids).endswith(
         "Lyon.<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+THINK_CALL = (
+    "<think>Add them.</think>\n\nLet me compute.\n"
+    '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_thinking_blocks_carry_the_models_exact_thought_back(
+    tokenizer: Any, claude: Any, stream: bool
+) -> None:
+    engine, store = (
+        EchoEngine(tokenizer, reply=scripted([THINK_CALL, "<think>Done.</think>It is 5."])),
+        MemoryStore(),
+    )
+    async with running_proxy(engine, store) as proxy:
+        att = await new_attempt(store)
+        client = claude(attempt_url(proxy, att).removesuffix("/v1"))
+        ask: Any = {"model": "claude-sonnet-4-5", "max_tokens": 64, "tools": TOOLS,
+                    "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+        messages: list[Any] = [{"role": "user", "content": "What is 2+3?"}]
+        with anyio.fail_after(30):
+            first = await _ask(client, stream, messages=messages, **ask)
+            messages += [
+                {"role": "assistant", "content": first.content},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": first.content[2].id, "content": "5"}],
+                },
+            ]
+            second = await _ask(client, stream, messages=messages, **ask)
+    assert [b.type for b in first.content] == ["thinking", "text", "tool_use"]
+    assert first.content[0].thinking == "Add them." and first.content[0].signature.startswith(
+        "agentloop-reasoning-v1:"
+    )
+    assert first.content[1].text == "Let me compute." and first.stop_reason == "tool_use"
+    assert [b.type for b in second.content] == ["thinking", "text"] and second.content[1].text == "It is 5."
+    one, two = [s.payload for s in await store.query_spans(att.rollout_id)]
+    assert isinstance(one, LLMCall) and isinstance(two, LLMCall) and two.ledger_break is None
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.response_ids)] == one.prompt_ids + one.response_ids
+    assert one.model == "claude-sonnet-4-5"
+
+
+async def test_claude_code_request_shapes_are_served(tokenizer: Any, claude: Any) -> None:
+    engine = EchoEngine(tokenizer, reply=lambda p, s: "Title: adding")
+    system: Any = [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+    tools: Any = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}, {"type": "web_search_20250305",
+                  "name": "web_search", "max_uses": 5}]  # fmt: skip
+    user: Any = [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?", "cache_control": {"type": "ephemeral"}},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]  # fmt: skip
+    beta = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14", "X-Session-Id": "cc-1"}
+    async with running_proxy(engine) as proxy:
+        client = claude(proxy.url, default_headers=beta)
+        with anyio.fail_after(30):
+            counted = await client.messages.count_tokens(
+                model="claude-sonnet-4-5", system=system, tools=tools, messages=user
+            )
+            answers = [
+                await client.messages.create(
+                    model=model,
+                    max_tokens=16,
+                    system=system,
+                    tools=tools,
+                    messages=user,
+                    metadata={"user_id": "u-1"},
+                    tool_choice=choice,
+                )
+                for model, choice in [
+                    ("claude-sonnet-4-5", {"type": "auto"}),
+                    ("claude-3-5-haiku-20241022", {"type": "any"}),  # the small fast model: served too
+                    ("claude-sonnet-4-5", {"type": "tool", "name": "calc"}),
+                    ("claude-sonnet-4-5", {"type": "none"}),
+                ]
+            ]
+    rec = proxy.sessions.get("cc-1")
+    assert rec is not None and [c.model for c in rec.calls] == [
+        "claude-sonnet-4-5", "claude-3-5-haiku-20241022", "claude-sonnet-4-5", "claude-sonnet-4-5"]  # fmt: skip
+    assert [a.model for a in answers][1] == "claude-3-5-haiku-20241022"
+    assert counted.input_tokens == len(rec.calls[0].prompt_ids)  # a fresh conversation: the same render
+    prompts = [tokenizer.decode(c.prompt_ids) for c in engine.calls]
+    assert "You are Claude Code." in prompts[0] and "What is in this picture?\n[image omitted]" in prompts[0]
+    assert '"name": "calc"' in prompts[0] and "web_search" not in prompts[0]
+    assert '"name": "calc"' not in prompts[3]  # tool_choice none: no tools rendered

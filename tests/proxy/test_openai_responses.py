@@ -5,13 +5,17 @@ OpenAI's error shape."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from agentloop.proxy.server import Proxy
 from agentloop.store.memory import MemoryStore
@@ -219,3 +223,208 @@ async def test_a_retry_with_the_same_idempotency_key_is_answered_once(tokenizer:
     assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_key_reused"
     rec = proxy.sessions.get("app-3")
     assert rec is not None and len(rec.calls) == 1
+
+
+# ---------------------------------------------------------------- what Codex CLI sends
+
+CODEX = json.loads((Path(__file__).parent / "data" / "codex_0_169_requests.json").read_text())
+EVENTS: Any = TypeAdapter(ResponseStreamEvent)
+
+
+async def _stream_strict(http: httpx.AsyncClient, url: str, body: Any) -> tuple[Any, list[Any]]:
+    """POST a streamed request as Codex does and validate every event with the openai client's types
+    (a wrong field fails here, where the client itself would parse leniently); the final response too."""
+    answer = await http.post(url, json={**body, "stream": True})
+    assert answer.status_code == 200, answer.text
+    events = []
+    for block in answer.text.strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        event = EVENTS.validate_python(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {event.type}"
+        events.append(event)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    Response.model_validate(final.model_dump())
+    return final, events
+
+
+@pytest.mark.parametrize("request_name", ["fallback", "gpt-5.5"])
+async def test_codex_requests_are_served(tokenizer: Any, request_name: str) -> None:
+    body = CODEX[request_name]
+    engine, store = EchoEngine(tokenizer, reply=lambda p, s: "Done.", max_context=32768), MemoryStore()
+    async with running_proxy(engine, store) as proxy, httpx.AsyncClient(timeout=30) as http:
+        att = await new_attempt(store)
+        with anyio.fail_after(30):
+            final, _events = await _stream_strict(http, attempt_url(proxy, att) + "/responses", body)
+    assert final.status == "completed" and final.output_text == "Done." and final.model == body["model"]
+    assert final.store is False and [t.type for t in final.tools] == [t["type"] for t in body["tools"]]
+    (call,) = [s.payload for s in await store.query_spans(att.rollout_id)]
+    assert isinstance(call, LLMCall)
+    prompt = tokenizer.decode(call.prompt_ids)
+    assert '"name": "exec_command"' in prompt and "web_search" not in prompt
+    if request_name == "fallback":  # a thought, an exec_command call, a namespaced call
+        assert '"name": "multi_agent_v1__close_agent"' in prompt
+        assert "<think>Let me list files first.</think>" in prompt
+        assert [c["function"]["name"] for m in call.messages for c in m.get("tool_calls", [])] == [
+            "exec_command",
+            "multi_agent_v1__close_agent",
+        ]
+    else:  # a custom (free-form) apply_patch call and its output
+        (patch,) = [
+            c
+            for m in call.messages
+            for c in m.get("tool_calls", [])
+            if c["function"]["name"] == "apply_patch"
+        ]
+        assert json.loads(patch["function"]["arguments"])["input"].startswith("*** Begin Patch")
+        assert call.messages[-1]["role"] == "tool" and call.messages[-1]["name"] == "apply_patch"
+
+
+CODEX_TURNS = [
+    '<think>Look around first.</think>\n<tool_call>\n{"name": "multi_agent_v1__close_agent", '
+    '"arguments": {"target": "a1"}}\n</tool_call>',
+    'Patching.\n<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\n'
+    '*** Add File: a.txt\\n+hi\\n*** End Patch\\n"}}\n</tool_call>',
+    '<tool_call>\n{"name": "local_shell", "arguments": {"command": ["cat", "a.txt"]}}\n</tool_call>',
+    '<tool_call>\n{"name": "tool_search", "arguments": {"query": "calendar"}}\n</tool_call>',
+    '<tool_call>\n{"name": "calendar__create_event", "arguments": {"title": "standup"}}\n</tool_call>',
+    "<think>All done.</think>\n\nCreated a.txt and the event.",
+]
+FOUND: Any = [{"type": "namespace", "name": "calendar", "description": "Calendar tools.", "tools": [
+    {"type": "function", "name": "create_event", "description": "Create an event.",
+     "parameters": {"type": "object", "properties": {"title": {"type": "string"}}}}]}]  # fmt: skip
+
+
+def _codex_output(item: Any) -> Any:
+    """What Codex sends after running a call item (its output item)."""
+    if item.type == "custom_tool_call":
+        return {"type": "custom_tool_call_output", "call_id": item.call_id, "output": "Success."}
+    if item.type == "tool_search_call":
+        return {"type": "tool_search_output", "call_id": item.call_id, "execution": "client", "status": "completed",
+                "tools": FOUND}  # fmt: skip
+    return {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}
+
+
+async def test_a_codex_style_session_keeps_the_exact_tokens_across_every_tool_kind(tokenizer: Any) -> None:
+    tools = [
+        *CODEX["fallback"]["tools"],
+        *(t for t in CODEX["gpt-5.5"]["tools"] if t["type"] in ("custom", "tool_search")),
+    ]
+    body: Any = {
+        **CODEX["fallback"],
+        "tools": [*tools, {"type": "local_shell"}, {"type": "image_generation"}],
+    }
+    items: list[Any] = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Do it."}]}
+    ]
+    engine, store = EchoEngine(tokenizer, reply=scripted(CODEX_TURNS), max_context=32768), MemoryStore()
+    answers = []
+    async with running_proxy(engine, store) as proxy, httpx.AsyncClient(timeout=30) as http:
+        att = await new_attempt(store)
+        with anyio.fail_after(60):
+            for _ in CODEX_TURNS:  # the whole conversation every time, store: false (what Codex does)
+                final, _events = await _stream_strict(
+                    http, attempt_url(proxy, att) + "/responses", {**body, "input": items}
+                )
+                answers.append(final)
+                items += [o.model_dump(exclude_none=True) for o in final.output]
+                items += [_codex_output(o) for o in final.output if o.type not in ("message", "reasoning")]
+    kinds = [[o.type for o in a.output] for a in answers]
+    assert kinds == [["reasoning", "function_call"], ["message", "custom_tool_call"], ["local_shell_call"],
+                     ["tool_search_call"], ["function_call"], ["reasoning", "message"]]  # fmt: skip
+    close, patch, shell, search, event, last = (a.output[-1] for a in answers)
+    assert (close.namespace, close.name, json.loads(close.arguments)) == (
+        "multi_agent_v1",
+        "close_agent",
+        {"target": "a1"},
+    )
+    assert patch.input == "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"
+    assert shell.action.command == ["cat", "a.txt"] and search.arguments == {"query": "calendar"}
+    assert (event.namespace, event.name) == ("calendar", "create_event")  # a tool tool_search found
+    assert answers[0].output[0].content[0].text == "Look around first." and last.content[0].text.startswith(
+        "Created"
+    )
+    assert answers[0].usage.output_tokens_details.reasoning_tokens > 0
+    calls = [s.payload for s in await store.query_spans(att.rollout_id)]
+    assert len(calls) == len(CODEX_TURNS)
+    for before, after in itertools.pairwise(calls):  # every turn extends the one before, token for token
+        assert isinstance(before, LLMCall) and isinstance(after, LLMCall) and after.ledger_break is None
+        head = before.prompt_ids + before.response_ids
+        assert after.prompt_ids[: len(head)] == head
+    for call, engine_call in zip(calls, engine.calls, strict=True):
+        assert engine_call.output is not None and call.response_ids == engine_call.output.token_ids  # type: ignore[union-attr]
+    found = tokenizer.decode(calls[4].prompt_ids)  # type: ignore[union-attr]
+    assert '{"name": "calendar__create_event"' in found and "image_generation" not in found
+
+
+async def test_previous_response_id_continues_a_kept_response(tokenizer: Any, oai: Any) -> None:
+    engine, store = (
+        EchoEngine(tokenizer, reply=scripted([CALL_TEXT, "It is 5.", "Hi.", "Hello."])),
+        MemoryStore(),
+    )
+    async with running_proxy(engine, store) as proxy:
+        att, other = await new_attempt(store), await new_attempt(store)
+        client, elsewhere = oai(attempt_url(proxy, att)), oai(attempt_url(proxy, other))
+        ask = {"model": proxy.model_name, "instructions": "You add.", "tools": TOOLS}
+        with anyio.fail_after(30):
+            first = await client.responses.create(input="What is 2+3?", **ask)
+            call = first.output[1]
+            second = await client.responses.create(
+                previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                       "output": "5"}], **ask)  # fmt: skip
+            unkept = await client.responses.create(model="m", input="hi", store=False)
+            with pytest.raises(openai.BadRequestError, match="not found") as not_kept:
+                await client.responses.create(model="m", input="again", previous_response_id=unkept.id)
+            with pytest.raises(openai.BadRequestError, match="not found"):  # another attempt's response
+                await elsewhere.responses.create(model="m", input="x", previous_response_id=first.id)
+            by_reference = await client.responses.create(
+                model="m", input=[{"role": "user", "content": "2+3?"}, {"type": "item_reference", "id": call.id},
+                                  {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])  # fmt: skip
+    assert second.output_text == "It is 5." and second.previous_response_id == first.id
+    assert not_kept.value.code == "previous_response_not_found" and unkept.store is False
+    one, two, *_ = [s.payload for s in await store.query_spans(att.rollout_id)]
+    assert isinstance(one, LLMCall) and isinstance(two, LLMCall) and two.ledger_break is None
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.response_ids)] == one.prompt_ids + one.response_ids
+    assert [m["role"] for m in two.messages] == ["system", "user", "assistant", "tool"]
+    assert by_reference.output_text == "Hello."
+    recorded = [s.payload for s in await store.query_spans(att.rollout_id)][-1]
+    assert isinstance(recorded, LLMCall) and recorded.messages[1]["tool_calls"][0]["id"] == call.call_id
+
+
+async def test_hosted_tools_and_media_are_left_out_with_a_placeholder(tokenizer: Any, oai: Any) -> None:
+    engine = EchoEngine(tokenizer, reply=lambda p, s: "A cat.")
+    async with running_proxy(engine) as proxy:
+        client = oai(proxy.session_base_url)
+        with anyio.fail_after(30):
+            answer = await client.responses.create(
+                model=proxy.model_name,
+                tools=[
+                    *TOOLS,
+                    {"type": "web_search"},
+                    {"type": "image_generation"},
+                    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+                ],
+                tool_choice={
+                    "type": "allowed_tools",
+                    "mode": "auto",
+                    "tools": [{"type": "function", "name": "calc"}],
+                },
+                input=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "What is this?"},
+                            {"type": "input_image", "image_url": "data:image/png;base64,AA"},
+                        ],
+                    }
+                ],
+                reasoning={"effort": "low", "summary": "auto"},
+                include=["reasoning.encrypted_content"],
+                text={"verbosity": "low"},
+            )
+    prompt = tokenizer.decode(engine.calls[0].prompt_ids)
+    assert (
+        answer.output_text == "A cat." and answer.reasoning is not None and answer.reasoning.effort == "low"
+    )
+    assert "What is this?[image omitted]" in prompt and '"name": "calc"' in prompt
+    assert "web_search" not in prompt and "image_generation" not in prompt and "file_search" not in prompt
