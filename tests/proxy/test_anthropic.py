@@ -4,6 +4,7 @@ session, streamed or not; bad input gets a 4xx in Anthropic's error shape."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,6 +12,8 @@ import anthropic
 import anyio
 import httpx
 import pytest
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+from pydantic import TypeAdapter
 
 from agentloop.proxy.server import Proxy
 from agentloop.store.memory import MemoryStore
@@ -398,3 +401,28 @@ async def test_claude_code_request_shapes_are_served(tokenizer: Any, claude: Any
     assert "You are Claude Code." in prompts[0] and "What is in this picture?\n[image omitted]" in prompts[0]
     assert '"name": "calc"' in prompts[0] and "web_search" not in prompts[0]
     assert '"name": "calc"' not in prompts[3]  # tool_choice none: no tools rendered
+
+
+async def test_every_event_and_message_parses_with_the_anthropic_types(tokenizer: Any) -> None:
+    """Strict validation (the client itself parses leniently): a thought, text and a tool call, streamed and not."""
+    events_type: Any = TypeAdapter(RawMessageStreamEvent)
+    engine = EchoEngine(tokenizer, reply=lambda p, s: THINK_CALL)
+    body: Any = {"model": "claude-sonnet-4-5", "max_tokens": 64, "tools": TOOLS, "messages": [{"role": "user", "content": "2+3?"}],
+                 "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+    async with running_proxy(engine) as proxy, httpx.AsyncClient(timeout=20) as http:
+        with anyio.fail_after(30):
+            whole = await http.post(f"{proxy.url}/v1/messages", json=body)
+            streamed = await http.post(f"{proxy.url}/v1/messages", json={**body, "stream": True})
+            counted = await http.post(f"{proxy.url}/v1/messages/count_tokens", json=body)
+    message = Message.model_validate(whole.json())
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    events = []
+    for block in streamed.text.strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        event = events_type.validate_python(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {event.type}"
+        events.append(event)
+    assert [e.type for e in events][:2] == ["message_start", "content_block_start"]
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas == ["thinking_delta", "signature_delta", "text_delta", "input_json_delta"]
+    assert MessageTokensCount.model_validate(counted.json()).input_tokens == message.usage.input_tokens
