@@ -31,6 +31,9 @@ test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x -n 2 -m "not slow and not e2e" --durations=10
 
 test-slow: $(STAMP)
+	# The Codex CLI the harness test runs (tests/proxy/test_codex_cli.py; it skips without npm or the binary).
+	if command -v npm >/dev/null; then npm install --no-audit --no-fund --prefix $(VENV)/harness @openai/codex@0.169.0 \
+	  || echo "npm install failed: the Codex CLI test skips"; else echo "npm not found: the Codex CLI test skips"; fi
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)
 
 bench: $(STAMP)
