@@ -1,0 +1,272 @@
+"""Run one launcher process from the host without blocking the event loop: feed stdin, keep the
+first bytes of stdout and stderr, measure the workspace while it runs, kill the whole tree at the
+deadline, and turn what came back into a ``RunResult``.
+
+Traps:
+
+- Output is drained to the end, not left in the pipe: a command that prints 50 MB of logs and then
+  works on must not block on a full pipe. What passes ``output_bytes`` is counted and dropped (the
+  CPU cost is one read per 64 KiB, bounded by the deadline).
+- A process that escaped the tree could hold the pipes open after the launcher exits; reading
+  stops two seconds after the exit instead of waiting for an EOF that never comes.
+- Cancellation from outside (a rollout's own timeout) kills the tree too, under a shielded scope.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import ByteReceiveStream, ByteSendStream, Process
+
+from agentloop.sandbox._files import disk_usage
+from agentloop.sandbox.config import Limits
+from agentloop.sandbox.errors import SandboxError
+from agentloop.sandbox.result import LimitHit, ResourceUsage, RunResult
+
+__all__ = ["Launch", "supervise"]
+
+EXIT_GRACE_S = (
+    2.0  # after the launcher exits, how long the pipes may stay open; after SIGTERM, how long to die
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One host process to start: the launcher, directly or inside bubblewrap."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    user: int | None  # setuid/setgid to it before exec (agentloop runs as root), or None
+    graceful: bool  # SIGTERM first (the launcher kills its tree), or SIGKILL at once (bwrap)
+    isolation: str
+
+
+class _Capture:
+    """The first ``cap`` bytes of a stream and the count of all of them."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.total = 0
+        self.done = anyio.Event()
+
+    async def drain(self, stream: ByteReceiveStream) -> None:
+        try:
+            async for chunk in stream:
+                self.total += len(chunk)
+                room = self.cap - len(self.kept)
+                if room > 0:
+                    self.kept += chunk[:room]
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        finally:
+            self.done.set()
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.cap
+
+    def text(self, name: str) -> str:
+        text = self.kept.decode("utf-8", "replace")
+        if self.truncated:
+            text += (
+                f"\n[agentloop.sandbox: {name} truncated: kept the first {self.cap} of {self.total} bytes]\n"
+            )
+        return text
+
+
+async def _feed(stream: ByteSendStream, data: bytes) -> None:
+    try:
+        if data:
+            await stream.send(data)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass  # the command exited or closed stdin without reading it all: its choice
+    finally:
+        await stream.aclose()
+
+
+async def _kill(proc: Process, graceful: bool) -> None:
+    if proc.returncode is None and graceful:
+        try:
+            proc.terminate()  # the launcher SIGKILLs every descendant, reports, exits
+        except ProcessLookupError:
+            pass
+        with anyio.move_on_after(EXIT_GRACE_S):
+            await proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader while members remain
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+
+
+async def _watch_disk(root: Path, quota: int, poll_s: float, exceeded: Callable[[int], None]) -> None:
+    while True:
+        await anyio.sleep(poll_s)
+        used = await anyio.to_thread.run_sync(disk_usage, root, abandon_on_cancel=True)
+        if used > quota:
+            exceeded(used)
+            return
+
+
+def _read_status(fd: int) -> dict[str, object]:
+    """The launcher's report, or {} when it is missing or malformed (killed first, or forged)."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while len(data) < 65536:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:  # a process that escaped still holds the write end: take what came
+        pass
+    try:
+        report = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+def _number(report: dict[str, object], key: str) -> float | None:
+    value = report.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+async def supervise(
+    launch: Launch,
+    *,
+    status: tuple[int, int],
+    stdin: bytes | None,
+    timeout_s: float,
+    limits: Limits,
+    workspace: Path,
+) -> RunResult:
+    """Start ``launch``, run it to its end or its deadline, and report. ``status`` is the (read,
+    write) pipe whose write end the launcher's spec names; this closes both."""
+    read_fd, write_fd = status
+    out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
+    hit: list[LimitHit] = []
+    start = time.monotonic()
+    try:
+        try:
+            proc = await anyio.open_process(
+                launch.argv,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=launch.cwd,
+                env=launch.env,
+                start_new_session=True,  # its own process group: killpg reaches what the launcher missed
+                pass_fds=(write_fd,),
+                user=launch.user,
+                group=launch.user,
+                extra_groups=[] if launch.user is not None else None,
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot start the sandbox launcher {launch.argv[0]!r}: {exc}") from exc
+        finally:
+            os.close(write_fd)
+        try:
+            async with anyio.create_task_group() as tg:
+                assert proc.stdout is not None and proc.stderr is not None
+                tg.start_soon(out.drain, proc.stdout)
+                tg.start_soon(err.drain, proc.stderr)
+                if stdin is not None:
+                    assert proc.stdin is not None
+                    tg.start_soon(_feed, proc.stdin, stdin)
+
+                def over_quota(used: int) -> None:
+                    hit.append("disk")
+                    deadline.cancel()
+
+                tg.start_soon(_watch_disk, workspace, limits.disk_mb << 20, limits.disk_poll_s, over_quota)
+                with anyio.move_on_after(timeout_s) as deadline:
+                    await proc.wait()
+                if deadline.cancelled_caught and not hit:
+                    hit.append("timeout")
+                if hit:
+                    await _kill(proc, launch.graceful)
+                with anyio.move_on_after(EXIT_GRACE_S):
+                    await out.done.wait()
+                    await err.done.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                if proc.returncode is None:
+                    await _kill(proc, launch.graceful)
+                await proc.aclose()
+        wall_s = time.monotonic() - start
+        report = _read_status(read_fd)
+    finally:
+        os.close(read_fd)
+    used = await anyio.to_thread.run_sync(disk_usage, workspace)
+    if used > limits.disk_mb << 20 and not hit:
+        hit.append("disk")
+    return _result(launch, proc, report, out, err, hit, wall_s, used)
+
+
+def _result(
+    launch: Launch,
+    proc: Process,
+    report: dict[str, object],
+    out: _Capture,
+    err: _Capture,
+    hit: list[LimitHit],
+    wall_s: float,
+    used: int,
+) -> RunResult:
+    code = report.get("exit_code")
+    sig = report.get("signal")
+    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
+        returncode = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+        code = 128 - returncode if returncode < 0 else returncode
+        sig = -returncode if returncode < 0 else None
+    if not isinstance(sig, int) or isinstance(sig, bool) or not 0 < sig < 128:
+        sig = None
+    if hit and hit[0] == "timeout":
+        sig = sig or signal.SIGKILL
+    limit: LimitHit | None = hit[0] if hit else None
+    through = sig if sig is not None else (code - 128 if code > 128 else None)  # a shell reports 128+N
+    if limit is None and through == signal.SIGXCPU:
+        limit = "cpu_time"
+    elif limit is None and through == signal.SIGXFSZ:
+        limit = "file_size"
+    max_rss = _number(report, "max_rss_kb")
+    return RunResult(
+        exit_code=code,
+        signal=sig,
+        stdout=out.text("stdout"),
+        stderr=err.text("stderr"),
+        stdout_bytes=out.total,
+        stderr_bytes=err.total,
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        timed_out=limit == "timeout",
+        limit_hit=limit,
+        usage=ResourceUsage(
+            wall_s=wall_s,
+            cpu_user_s=_number(report, "cpu_user_s"),
+            cpu_system_s=_number(report, "cpu_system_s"),
+            max_rss_kb=int(max_rss) if max_rss is not None else None,
+            workspace_bytes=used,
+        ),
+        isolation=launch.isolation,
+    )
