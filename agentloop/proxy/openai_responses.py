@@ -131,15 +131,21 @@ def check_items(items: list[JSONDict]) -> None:
     for i, item in enumerate(items):
         where = f"input.{i}"
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise bad_request(f"{where}.type must be a string", param=f"{where}.type")
         for key in _NEEDS.get(kind, ()):
             value = item.get(key)
-            if value is None and not (key == "call_id" and item.get("id") is not None):
+            if value is None and key == "call_id" and item.get("id") is not None:
+                key, value = "id", item["id"]  # an item may name its call by ``id``
+            if value is None:
                 raise bad_request(f"{where}: a {kind} item needs {key!r}", param=f"{where}.{key}")
             objects = kind in ("tool_search_call", "local_shell_call") and key in ("arguments", "action")
             if objects and not isinstance(value, dict):
                 raise bad_request(f"{where}.{key} must be an object", param=f"{where}.{key}")
             if key in _STRINGS and not objects and value is not None and not isinstance(value, str):
                 raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
+        if kind == "tool_search_output" and not isinstance(item["tools"], list):
+            raise bad_request(f"{where}.tools must be a list of tools", param=f"{where}.tools")
         if kind == "message" and item["role"] not in _ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
         field = "content" if kind == "message" else "output" if kind in _OUTPUTS else None
