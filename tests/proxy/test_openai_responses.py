@@ -428,3 +428,22 @@ async def test_hosted_tools_and_media_are_left_out_with_a_placeholder(tokenizer:
     )
     assert "What is this?[image omitted]" in prompt and '"name": "calc"' in prompt
     assert "web_search" not in prompt and "image_generation" not in prompt and "file_search" not in prompt
+
+
+async def test_codex_session_id_header_keeps_a_served_codex_thread_in_one_session(
+    tokenizer: Any, oai: Any
+) -> None:
+    engine = EchoEngine(tokenizer, reply=scripted(["Hi.", "Bye."]))
+    async with running_proxy(engine) as proxy:
+        client = oai(proxy.session_base_url, default_headers={"session-id": "01a22592-2d37-7891"})
+        items: list[Any] = [{"role": "user", "content": "hello"}]
+        with anyio.fail_after(30):
+            first = await client.responses.create(model=proxy.model_name, input=items, store=False)
+            items += [o.model_dump(exclude_none=True) for o in first.output] + [
+                {"role": "user", "content": "bye"}
+            ]
+            await client.responses.create(model=proxy.model_name, input=items, store=False)
+    rec = proxy.sessions.get("01a22592-2d37-7891")
+    assert rec is not None and len(rec.calls) == 2 and rec.calls[1].ledger_break is None
+    one, two = rec.calls
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.response_ids)] == one.prompt_ids + one.response_ids
