@@ -280,6 +280,9 @@ def parse(body: Any, store: ResponseStore, key: str) -> ParsedRequest:
         items = store.conversation(key, req.previous_response_id) + items
     discovered = [t for it in items if it.get("type") == "tool_search_output" for t in it.get("tools") or []]
     tools = ToolMap.build(req.tools, discovered)
+    dropped = sorted(set(tools.dropped))
+    if dropped and store.first_note(key, "dropped:" + ",".join(dropped)):
+        log.info("hosted tools not offered to the model", tools=dropped, key=key)
     choice = tool_choice(req.tool_choice, tools)
     messages = chat_messages(req.instructions, items, tools, store, key)
     if not messages:

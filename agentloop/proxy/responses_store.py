@@ -42,6 +42,7 @@ class _Kept:
 class _Conversation:
     responses: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)
     calls: OrderedDict[str, tuple[Any, str]] = field(default_factory=OrderedDict)  # call_id -> (view, args)
+    notes: set[str] = field(default_factory=set)  # what was logged about this conversation
 
 
 class ResponseStore:
@@ -135,6 +136,14 @@ class ResponseStore:
         conv = self._keys.get(key)
         found = conv.calls.get(call_id) if conv is not None else None
         return found[1] if found is not None and found[0] == view else None
+
+    def first_note(self, key: str, note: str) -> bool:
+        """True the first time ``note`` is made about conversation ``key`` (a log line once, not per call)."""
+        notes = self._conversation(key).notes
+        if note in notes or len(notes) >= 64:
+            return False
+        notes.add(note)
+        return True
 
     def forget(self, key: str) -> None:
         conv = self._keys.pop(key, None)

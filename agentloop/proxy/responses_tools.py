@@ -19,7 +19,8 @@ Codex CLI declares more than plain functions. Each tool type becomes (``ToolMap.
   ledger still extends;
 - what runs on OpenAI's servers (``web_search*``, ``file_search``, ``code_interpreter``,
   ``image_generation``, ``computer_use*``, ``mcp``, a ``tool_search`` run by the server) and any type
-  this module does not know: not offered to the model, logged (``hosted tools not offered``).
+  this module does not know: not offered to the model (``ToolMap.dropped``; the request parser logs
+  them once per conversation: ``hosted tools not offered to the model``).
 
 A call's arguments are what the model wrote; ``chat_call`` turns the item the client sends back into
 the chat tool call again, with the model's own arguments when the client's item is the one the proxy
@@ -33,11 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from agentloop.proxy.schemas import JSONDict, ProxyError, bad_request
-
-log = structlog.get_logger("agentloop.proxy")
 
 SEPARATOR = "__"  # <namespace>__<name>: the flat name of a namespaced tool (MCP's convention)
 LOCAL_SHELL, TOOL_SEARCH = "local_shell", "tool_search"
@@ -125,9 +122,10 @@ class ToolMap:
         for i, tool in enumerate(tools or []):
             out._add(tool, f"tools.{i}", offer=True)
         for tool in discovered:
-            out._add(tool, "tool_search_output", offer=False)
-        if out.dropped:
-            log.info("hosted tools not offered to the model", tools=sorted(set(out.dropped)))
+            try:
+                out._add(tool, "tool_search_output", offer=False)
+            except ProxyError:  # the model reads it as text; a malformed one is just not callable
+                continue
         return out
 
     def _add(self, tool: Any, where: str, offer: bool, namespace: str | None = None) -> None:
