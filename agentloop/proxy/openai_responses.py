@@ -23,11 +23,12 @@ Conversion (what the template renders, and what the LLMCall records as ``message
 - ``tools`` and ``tool_choice``: responses_tools.py; ``max_output_tokens`` -> max_tokens.
 
 The output items a response returned, sent back as they came, extend the token ledger (delta
-tokenization). Accepted and echoed: ``store`` (false: not kept for ``previous_response_id``),
-``include``, ``reasoning`` (effort and summary change nothing here), ``text`` (``verbosity``; a
-``json_schema`` / ``json_object`` format is not enforced: logged, the model's text is returned as it
-is), ``parallel_tool_calls``, ``metadata``, ``truncation``, ``user``, ``prompt_cache_key``, Codex's
-``client_metadata``. Refused with a 400 in OpenAI's error shape: ``conversation`` objects,
+tokenization). Accepted (echoed on the response where it has a field): ``store`` (false: not kept
+for ``previous_response_id``), ``include`` (a reasoning item always carries ``encrypted_content``),
+``reasoning`` (effort and summary change nothing here), ``text`` (``verbosity``; a ``json_schema`` /
+``json_object`` format is not enforced: logged, the model's text is returned as it is),
+``parallel_tool_calls`` (the calls a turn holds are returned as the model wrote them), ``metadata``,
+``truncation``, ``user``, ``prompt_cache_key``, Codex's ``client_metadata``. Refused with a 400 in OpenAI's error shape: ``conversation`` objects,
 ``background: true``, ``prompt`` templates, a malformed item or tool (naming its place).
 """
 

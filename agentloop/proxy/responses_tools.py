@@ -106,9 +106,8 @@ def _custom_parameters() -> JSONDict:
 class ToolMap:
     """The functions offered to the model and, per flat name, what the client calls it."""
 
-    functions: list[JSONDict] = field(
-        default_factory=list
-    )  # chat tools: {"type": "function", "function": ...}
+    # the chat tools, {"type": "function", "function": {...}}, in the order the request declared them
+    functions: list[JSONDict] = field(default_factory=list)
     refs: dict[str, ToolRef] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)  # hosted or unknown tool types, not offered
 
@@ -175,7 +174,8 @@ class ToolMap:
         """The client's name for a flat name the model called (an undeclared name: a plain function)."""
         return self.refs.get(name) or ToolRef("function", name)
 
-    def discovered_text(self, tools: Any) -> str:
+    @staticmethod
+    def discovered_text(tools: Any) -> str:
         """A ``tool_search_output``'s tools as the model reads them: one JSON function per line."""
         found = ToolMap()
         for tool in tools if isinstance(tools, list) else []:
