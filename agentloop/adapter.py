@@ -322,7 +322,7 @@ def _attempt_key(metadata: dict[str, Any], index: int) -> str:
     return f"triplet:{index}"
 
 
-def merge_turns(triplets: Sequence[Triplet]) -> list[Triplet]:
+def merge_turns(triplets: Sequence[Triplet], max_tokens: int | None = None) -> list[Triplet]:
     """Each attempt's consecutive calls merged into one sample where each prompt extends the last.
 
     Calls are grouped by attempt (``group_by_attempt``; attempts in order of first appearance, calls in
@@ -334,13 +334,21 @@ def merge_turns(triplets: Sequence[Triplet]) -> list[Triplet]:
     ``length``, ``reward``; one entry per call, in order): the trainer (``build_batch(merge=True)``)
     gives each call its own return. Metadata is otherwise the first call's updated by the last's, with
     ``merged_calls`` (the number of calls).
+
+    ``max_tokens`` bounds a merged sample (prompt + response, tool tokens included): a call that would
+    take it over starts a new sample from its own prompt (a single call longer than it stays whole).
     """
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     out: list[Triplet] = []
     for attempt in group_by_attempt(triplets):
         samples: list[_Merged] = []
         for i in attempt:
             t = triplets[i]
-            if samples and samples[-1].extends(t):
+            fits = max_tokens is None or len(t.prompt_ids) + len(t.response_ids) <= max_tokens
+            if samples and fits and samples[-1].extends(t):
                 samples[-1].add(t)
             else:
                 samples.append(_Merged(t))

@@ -45,13 +45,17 @@ class Row:
 
 
 def attempt_rows(
-    triplets: Sequence[Triplet], attempt: list[int], merge: bool, default_temperature: float
+    triplets: Sequence[Triplet],
+    attempt: list[int],
+    merge: bool,
+    default_temperature: float,
+    max_row_tokens: int | None = None,
 ) -> list[Row]:
     """The rows of one attempt's calls (positions ``attempt`` in ``triplets``, in order): one per call,
-    or consecutive extending calls merged into one."""
+    or consecutive extending calls merged into one of at most ``max_row_tokens`` tokens."""
     calls = [triplets[i] for i in attempt]
     if merge:
-        samples = merge_turns(calls)
+        samples = merge_turns(calls, max_row_tokens)
         places = [_places(s) for s in samples]
     else:
         samples = calls
@@ -121,12 +125,11 @@ def _step_reward(t: Triplet, last_call: bool) -> float:
     return triplet_reward(t) if last_call else 0.0
 
 
-def unusable(t: Triplet, max_prompt_length: int) -> str | None:
-    """Why a call makes its whole attempt unusable (None when it is fine)."""
+def unusable(t: Triplet) -> str | None:
+    """Why a call makes its whole attempt unusable (None when it is fine). A prompt over the limit is
+    not one: that call is not trained, and its attempt keeps its vote and its other calls."""
     if not t.prompt_ids or not t.response_ids:
         return "dropped_attempts_empty"
-    if len(t.prompt_ids) > max_prompt_length:
-        return "dropped_attempts_prompt_too_long"
     if t.reward is None:
         return "dropped_attempts_no_reward"
     return None

@@ -24,11 +24,34 @@ class DataConfig(_Section):
         default=8, ge=1, description="Prompts per training step (each gives rollout.n samples)."
     )
     max_prompt_length: int = Field(
-        default=1024, ge=1, description="An attempt with a longer prompt leaves the batch whole (counted)."
+        default=1024,
+        ge=1,
+        description="A call with a longer prompt is not trained; its attempt keeps its vote (counted).",
     )
     max_response_length: int = Field(
         default=1024, ge=1, description="Longer samples are truncated (kept, flagged); max_tokens per call."
     )
+    max_trajectory_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens of one merged row (adapter.trajectory); None: max_prompt + max_response.",
+    )
+
+    @model_validator(mode="after")
+    def _row_fits_a_call(self) -> DataConfig:
+        one_call = self.max_prompt_length + self.max_response_length
+        if self.max_trajectory_length is not None and self.max_trajectory_length < one_call:
+            raise ValueError(
+                f"data.max_trajectory_length ({self.max_trajectory_length}) must be at least "
+                f"max_prompt_length + max_response_length ({one_call}): one call must fit a row; "
+                "raise it or leave it out"
+            )
+        return self
+
+    @property
+    def row_tokens(self) -> int:
+        """The most tokens of one batch row: a merged trajectory's budget, or one call's."""
+        return self.max_trajectory_length or self.max_prompt_length + self.max_response_length
 
 
 class TimeoutsConfig(_Section):

@@ -133,7 +133,7 @@ class Actor:
         returns the passes run."""
         cfg = self.config
         budget = cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        longest = cfg.data.row_tokens
 
         def policy(mb: Batch, grad: bool) -> list[torch.Tensor]:
             logprobs, entropy = self._forward(self.model, mb, grad)  # the update computes entropy

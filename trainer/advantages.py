@@ -138,8 +138,9 @@ def sample_advantages(
     """The mean advantage over each triplet's trained response tokens, in input order, exactly as the
     loss would see it (merging, truncation, attempt grouping, overlong filtering as configured).
 
-    None for a triplet that gets no training signal: its attempt left the batch (no reward, a prompt
-    over ``data.max_prompt_length``), or none of its tokens is trained on. Rejection masks need the
+    None for a triplet that gets no training signal: its attempt left the batch (no reward, empty ids),
+    its prompt is over ``data.max_prompt_length`` (its attempt still votes), or none of its tokens is
+    trained on. Rejection masks need the
     policy's log-probs and are not applied here; ``use_kl_in_reward`` needs the reference model's and
     is refused.
     """
@@ -156,6 +157,7 @@ def sample_advantages(
         max_prompt_length=cfg.data.max_prompt_length,
         max_response_length=cfg.data.max_response_length,
         merge=cfg.adapter.trajectory,
+        max_row_tokens=cfg.data.row_tokens,
         default_temperature=cfg.actor_rollout_ref.rollout.temperature,
     )
     out: list[float | None] = [None] * len(triplets)

@@ -21,7 +21,15 @@ import torch
 from agentloop.adapter import group_by_attempt
 from agentloop.errors import EmptyBatchError
 from agentloop.types import Triplet
-from trainer._batch_rows import Row, attempt_rows, call_positions, group_key, triplet_reward, unusable
+from trainer._batch_rows import (
+    Row,
+    Span,
+    attempt_rows,
+    call_positions,
+    group_key,
+    triplet_reward,
+    unusable,
+)
 from trainer._wire import reduce_fields
 
 log = structlog.get_logger(__name__)
@@ -271,17 +279,22 @@ def build_batch(
     require_nonempty: bool = False,
     merge: bool = False,
     default_temperature: float = 1.0,
+    max_row_tokens: int | None = None,
 ) -> tuple[Batch, dict[str, int]]:
     """Pad triplets (one per LLM call) into a Batch; returns it with counts of what was kept and dropped.
 
     Calls belong to attempts (``agentloop.adapter.group_by_attempt``: ``metadata["attempt_id"]``, else
     ``rollout_id``, else each call alone) and attempts to groups (``metadata["group_id"]``, else ``metadata["input"]``, else the attempt alone).
-    Nothing removes *part* of an attempt: an attempt with a call that cannot be used (a prompt over
-    ``max_prompt_length``, empty ids, no reward) leaves as a whole and is counted; a response over
+    No attempt leaves for being long: a call whose prompt is over ``max_prompt_length`` (the grown
+    conversation of a long attempt) is not trained, but it keeps its place in its attempt's vote and the
+    attempt's other calls train (counted: ``calls_prompt_too_long``, and
+    ``attempts_untrained_prompt_too_long`` when none of an attempt's calls fit). An attempt that cannot
+    vote (empty ids, no reward) leaves whole and is counted. A call's response over
     ``max_response_length`` is truncated to it, kept and flagged (``truncated``, like a call the engine
     stopped at max_tokens). ``merge=True`` merges the consecutive calls of an attempt whose prompt extends
-    the previous call's prompt + response into one row (``agentloop.adapter.merge_turns``: tool tokens
-    between them get mask 0).
+    the previous call's prompt + response into one row of at most ``max_row_tokens`` tokens (default
+    ``max_prompt_length + max_response_length``; ``agentloop.adapter.merge_turns``: tool tokens between
+    them get mask 0); a call that would take a row over it starts the next row from its own prompt.
     Each token records its call's sampling temperature (``metadata["temperature"]``, else
     ``default_temperature``). Raises EmptyBatchError only when ``require_nonempty`` and nothing is left.
     """
@@ -290,11 +303,18 @@ def build_batch(
             f"max_prompt_length and max_response_length must be >= 1, got {max_prompt_length}, "
             f"{max_response_length}"
         )
+    budget = max_prompt_length + max_response_length if max_row_tokens is None else max_row_tokens
+    if budget < max_prompt_length + max_response_length:
+        raise ValueError(
+            f"max_row_tokens ({budget}) must be at least max_prompt_length + max_response_length "
+            f"({max_prompt_length + max_response_length}): one call must fit a row"
+        )
     stats = {
         "num_triplets": len(triplets),
         "num_samples": 0,
         "num_attempts": 0,
-        "dropped_attempts_prompt_too_long": 0,
+        "calls_prompt_too_long": 0,
+        "attempts_untrained_prompt_too_long": 0,
         "dropped_attempts_empty": 0,
         "dropped_attempts_no_reward": 0,
         "dropped_calls": 0,
@@ -306,11 +326,12 @@ def build_batch(
         if not isinstance(t, Triplet):
             raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
     rows: list[tuple[int, Row]] = []  # (attempt number, row)
+    voters: list[tuple[int, Span]] = []  # calls not trained (prompt too long) that keep their place
     attempts = 0
     group_keys: list[str] = []
     positions: dict[int, int] = {}  # triplet index -> the call's place in its attempt
     for members in group_by_attempt(triplets):
-        reasons = [r for i in members if (r := unusable(triplets[i], max_prompt_length)) is not None]
+        reasons = [r for i in members if (r := unusable(triplets[i])) is not None]
         if reasons:
             stats[reasons[0]] += 1
             stats["dropped_calls"] += len(members)
@@ -322,11 +343,26 @@ def build_batch(
             stats["ungrouped"] += 1
             key = f"attempt:{number}"
         group_keys.append(key)
-        rows.extend((number, row) for row in attempt_rows(triplets, members, merge, default_temperature))
+        trained = 0
+        for row in attempt_rows(triplets, members, merge, default_temperature, budget if merge else None):
+            if len(row.sample.prompt_ids) > max_prompt_length:
+                stats["calls_prompt_too_long"] += len(row.spans)
+                voters.extend((number, span) for span in row.spans)
+            else:
+                rows.append((number, row))
+                trained += 1
+        stats["attempts_untrained_prompt_too_long"] += int(trained == 0)
     stats["num_samples"], stats["num_attempts"] = len(rows), attempts
     dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
     if dropped:
         log.warning("batch.dropped_attempts", **dropped)
+    if stats["calls_prompt_too_long"]:
+        log.warning(
+            "batch.calls_prompt_too_long",
+            calls=stats["calls_prompt_too_long"],
+            attempts_untrained=stats["attempts_untrained_prompt_too_long"],
+            max_prompt_length=max_prompt_length,
+        )
     if not rows and require_nonempty:
         raise EmptyBatchError(
             f"no usable training sample out of {len(triplets)} triplets "
@@ -336,7 +372,13 @@ def build_batch(
 
     b = len(rows)
     p = max((len(r.sample.prompt_ids) for _, r in rows), default=0)  # P
-    r_len = min(max((len(r.sample.response_ids) for _, r in rows), default=0), max_response_length)  # R
+    # a row of one call is cut at max_response_length; a merged row fits the budget by construction
+    limits = [
+        max_response_length if len(r.spans) == 1 else budget - len(r.sample.prompt_ids) for _, r in rows
+    ]
+    r_len = max(
+        (min(len(r.sample.response_ids), n) for (_, r), n in zip(rows, limits, strict=True)), default=0
+    )
     input_ids = torch.full((b, p + r_len), pad_token_id, dtype=torch.long)  # (B, P+R)
     attention_mask = torch.zeros((b, p + r_len), dtype=torch.long)  # (B, P+R)
     response_mask = torch.zeros((b, r_len), dtype=torch.long)  # (B, R)
@@ -351,15 +393,24 @@ def build_batch(
         k: [] for k in ("row", "start", "length", "reward", "step", "source", "position")
     }
     call_attempts: list[int] = []
+
+    def add_call(row: int, start: int, length: int, span: Span, attempt: int) -> None:
+        for k, v in (("row", row), ("start", start), ("length", length), ("reward", span.reward)):
+            call_cols[k].append(v)
+        call_cols["step"].append(span.step_reward)
+        call_cols["source"].append(span.source)
+        call_cols["position"].append(positions[span.source])
+        call_attempts.append(attempt)
+
     prompt_tokens: list[int] = []
     response_tokens: list[int] = []
     for i, (attempt, row) in enumerate(rows):
         sample = row.sample
         resp = sample.response_ids
-        np_, nr = len(sample.prompt_ids), min(len(resp), max_response_length)
+        np_, nr = len(sample.prompt_ids), min(len(resp), limits[i])
         prompt_tokens.append(np_)
         response_tokens.append(nr)
-        truncated[i] = len(resp) > max_response_length or row.hit_max_tokens
+        truncated[i] = len(resp) > limits[i] or row.hit_max_tokens
         input_ids[i, p - np_ : p] = torch.tensor(sample.prompt_ids)
         input_ids[i, p : p + nr] = torch.tensor(resp[:nr])
         attention_mask[i, p - np_ : p + nr] = 1
@@ -372,17 +423,11 @@ def build_batch(
             logprobs[i, :nr] = lp.masked_fill(mask == 0, 0.0)
         stats["no_trainable_tokens"] += int(not bool(mask.any()))
         for span in row.spans:
-            for k, v in (
-                ("row", i),
-                ("start", min(span.start, nr)),
-                ("reward", span.reward),
-                ("step", span.step_reward),
-            ):
-                call_cols[k].append(v)
-            call_cols["length"].append(max(0, min(span.start + span.length, nr) - span.start))
-            call_cols["source"].append(span.source)
-            call_cols["position"].append(positions[span.source])
-            call_attempts.append(attempt)
+            add_call(
+                i, min(span.start, nr), max(0, min(span.start + span.length, nr) - span.start), span, attempt
+            )
+    for attempt, span in voters if b else []:  # no tokens (length 0) but a place in the attempt's vote
+        add_call(0, 0, 0, span, attempt)
     stats["truncated_samples"] = int(truncated.sum())
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
     rewards = torch.tensor([triplet_reward(r.sample) for _, r in rows], dtype=torch.float32)  # (B,)
@@ -397,7 +442,7 @@ def build_batch(
         length=longs["length"],
         reward=torch.tensor(call_cols["reward"], dtype=torch.float32),
         step_reward=torch.tensor(call_cols["step"], dtype=torch.float32),
-        group=group_ids[longs["row"]] if b else torch.zeros(0, dtype=torch.long),
+        group=torch.tensor([group_numbers[group_keys[a]] for a in call_attempts], dtype=torch.long),
         attempt=attempt_of_call,
         position=longs["position"],
         source=longs["source"],

@@ -30,7 +30,7 @@ KINDS = (
         "ended without a reward (return it from the agent, or call al.emit_reward)",
     ),
     ("rollout/failed", "failed (the agent raised or timed out{errors})"),
-    ("batch/dropped_attempts_prompt_too_long", "had a prompt over data.max_prompt_length"),
+    ("batch/attempts_untrained_prompt_too_long", "had every prompt over data.max_prompt_length"),
     ("batch/dropped_attempts_empty", "had empty prompt or response token ids"),
     ("rollout/without_calls", "made no LLM call through llm.base_url (the proxy records the tokens)"),
 )

@@ -342,6 +342,7 @@ class OnlineTrainer:
                 max_prompt_length=cfg.data.max_prompt_length,
                 max_response_length=cfg.data.max_response_length,
                 merge=cfg.adapter.trajectory,
+                max_row_tokens=cfg.data.row_tokens,
                 default_temperature=cfg.actor_rollout_ref.rollout.temperature,
                 require_nonempty=False,
             )

@@ -95,6 +95,7 @@ async def train_step(
         max_response_length=cfg.data.max_response_length,
         pad_token_id=pad_id(engine),
         merge=cfg.adapter.trajectory,
+        max_row_tokens=cfg.data.row_tokens,
         default_temperature=cfg.actor_rollout_ref.rollout.temperature,
     )
     metrics: dict[str, float] = {

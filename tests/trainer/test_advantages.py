@@ -125,16 +125,38 @@ def test_long_responses_are_truncated_and_keep_their_vote() -> None:
     assert filtered[0] is None and filtered[1:] == pytest.approx(adv[1:], abs=FP32_TOL)
 
 
-def test_an_unusable_attempt_leaves_whole_and_the_group_uses_the_rest() -> None:
+def test_an_attempt_without_a_reward_leaves_whole_and_a_long_call_keeps_its_attempts_vote() -> None:
+    """a's second call has a prompt over max_prompt_length: it is not trained (None), but a keeps its
+    vote and its first call trains; e has no reward and leaves whole. Group a 1.0, b 0.5, c 0.0: mean
+    0.5, std 0.5 -> a +1, b 0, c -1 (over std + 1e-6)."""
     long_prompt = attempt("a", [1.0, 1.0])
     long_prompt[1] = long_prompt[1].model_copy(update={"prompt_ids": [1] * 100})
     no_reward = [t.model_copy(update={"reward": None}) for t in attempt("e", [0.0])]
     triplets = long_prompt + attempt("b", [0.5]) + attempt("c", [0.0]) + no_reward
     adv = sample_advantages(triplets, config(adv_estimator="grpo"))
-    votes = [0.5, 0.0]
-    mean, s = sum(votes) / 2, std(votes)
-    assert adv[:2] == [None, None] and adv[4] is None  # the whole attempt, not just the long call
-    assert adv[2:4] == pytest.approx([(v - mean) / (s + 1e-6) for v in votes], abs=FP32_TOL)
+    votes = [1.0, 0.5, 0.0]
+    mean, s = sum(votes) / 3, std(votes)
+    assert adv[1] is None and adv[4] is None
+    expected = [(v - mean) / (s + 1e-6) for v in votes]
+    assert [adv[0], adv[2], adv[3]] == pytest.approx(expected, abs=FP32_TOL)
+
+
+@pytest.mark.parametrize("trajectory", [False, True])
+def test_a_long_failing_attempt_is_penalised_not_dropped(trajectory: bool) -> None:
+    """Survivorship bias (issue 43): a short success (1 call, reward 1) and a long failure (3 calls,
+    reward 0) whose third prompt, the grown conversation, is over max_prompt_length (64). That attempt
+    left the batch whole, the success was alone in its group, and nothing trained. Now the long call is
+    not trained and the failure votes: at every call the group is (1, 0), mean 0.5, std 0.7071 ->
+    success +0.7071, the failure's first two calls -0.7071 and its third None. Merged
+    (``adapter.trajectory``), the row's prompt is the first call's and the row (76 tokens) fits its
+    budget (64 + 64): the third call trains too."""
+    success = attempt("s", [1.0])
+    failure = attempt("f", [0.0, 0.0, 0.0])
+    failure[2] = failure[2].model_copy(update={"prompt_ids": failure[2].prompt_ids + [98] * 64})
+    adv = sample_advantages(success + failure, config(adv_estimator="grpo", trajectory=trajectory))
+    a = 0.5 / (std([1.0, 0.0]) + 1e-6)
+    assert adv[:3] == pytest.approx([a, -a, -a], abs=FP32_TOL)
+    assert adv[3] == (pytest.approx(-a, abs=FP32_TOL) if trajectory else None)
 
 
 def test_tasks_are_separate_groups_and_a_lone_attempt_gets_zero() -> None:

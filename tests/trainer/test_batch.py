@@ -72,7 +72,7 @@ def test_unusable_attempts_leave_whole_and_long_responses_are_truncated() -> Non
 
     triplets = [
         of("a", [1], [2], 1.0),
-        of("a", [1, 2, 3, 4, 5], [6], 1.0),  # prompt too long: the whole attempt "a" leaves
+        of("a", [1, 2, 3, 4, 5], [6], 1.0),  # prompt too long: not trained, "a" keeps its vote
         of("b", [1], [2, 3, 4, 5, 6], 0.5, response_logprobs=[-1.0] * 5),  # response too long: truncated
         of("c", [], [2]),  # empty prompt
         of("d", [1], [2], reward=None),  # no reward
@@ -80,33 +80,42 @@ def test_unusable_attempts_leave_whole_and_long_responses_are_truncated() -> Non
         trip([7, 8], [9], 0.25, metadata={"finish_reason": "length"}),  # stopped by max_tokens: flagged
     ]
     batch, stats = build_batch(triplets, max_prompt_length=4, max_response_length=4)
-    assert batch.responses.tolist() == [[2, 3, 4, 5], [2, 3, 0, 0], [9, 0, 0, 0]]
-    assert batch.truncated is not None and batch.truncated.tolist() == [True, False, True]
-    assert batch.rewards.tolist() == [0.5, 1.0, 0.25]
+    assert batch.responses.tolist() == [[2, 0, 0, 0], [2, 3, 4, 5], [2, 3, 0, 0], [9, 0, 0, 0]]
+    assert batch.truncated is not None and batch.truncated.tolist() == [False, True, False, True]
+    assert batch.rewards.tolist() == [1.0, 0.5, 1.0, 0.25]
     assert batch.engine_logprobs is None  # not every sample had logprobs
     assert stats == {
         "num_triplets": 7,
-        "num_samples": 3,
-        "num_attempts": 3,
-        "dropped_attempts_prompt_too_long": 1,
+        "num_samples": 4,
+        "num_attempts": 4,
+        "calls_prompt_too_long": 1,
+        "attempts_untrained_prompt_too_long": 0,
         "dropped_attempts_empty": 1,
         "dropped_attempts_no_reward": 1,
-        "dropped_calls": 4,
+        "dropped_calls": 2,
         "truncated_samples": 2,
         "no_trainable_tokens": 1,
         "ungrouped": 1,
     }
-    assert batch.calls is not None and batch.calls.source.tolist() == [2, 5, 6]
-    assert batch.calls.length.tolist() == [4, 2, 1]  # the truncated call keeps its first 4 tokens
+    # the long call last: no tokens (length 0), in its attempt's vote at its place
+    assert batch.calls is not None and batch.calls.source.tolist() == [0, 2, 5, 6, 1]
+    assert batch.calls.length.tolist() == [1, 4, 2, 1, 0]  # the truncated call keeps its first 4 tokens
+    assert batch.calls.attempt.tolist() == [0, 1, 2, 3, 0] and batch.calls.position.tolist() == [
+        0,
+        0,
+        0,
+        0,
+        1,
+    ]
 
 
 def test_empty_batch_raises_only_when_asked() -> None:
     batch, stats = build_batch([trip([1, 2, 3], [4])], max_prompt_length=2, max_response_length=2)
     assert len(batch) == 0 and batch.input_ids.shape == (0, 0)
-    assert stats["dropped_attempts_prompt_too_long"] == 1
+    assert stats["calls_prompt_too_long"] == 1 and stats["attempts_untrained_prompt_too_long"] == 1
     with pytest.raises(
         EmptyBatchError,
-        match=r"no usable training sample out of 1 triplets \(dropped: dropped_attempts_prompt",
+        match=r"no usable training sample out of 1 triplets .*is max_prompt_length large enough",
     ):
         build_batch([trip([1, 2, 3], [4])], max_prompt_length=2, max_response_length=2, require_nonempty=True)
     with pytest.raises(EmptyBatchError, match=r"out of 0 triplets .*did the agent call the LLM") as e:
@@ -242,3 +251,31 @@ def test_token_budget_counts_a_shared_prompt_once() -> None:
     # packed: each distinct prompt's tokens once plus the responses' own; prompt 2's rows cost 4 + 2 + 1
     packed = split_by_token_budget(batch, 4 + 3, shared_prompts=True)
     assert [sorted(m.metadata[j]["i"] for j in range(len(m))) for m in packed][-1] == [3, 6]
+
+
+def test_merged_rows_are_budgeted_by_max_trajectory_length_and_never_cut_a_call_away() -> None:
+    """Four calls of one attempt, each prompt = the last prompt + response + a tool token (99);
+    max_prompt_length 8, max_response_length 4: a row holds at most 12 tokens. Calls 0-2 merge into one
+    row (prompt [1, 2], response 10 11 99 12 13 99 14 15: 10 tokens). Call 3 would make it 13: it starts a
+    new row from its own prompt, 11 tokens, over max_prompt_length: not trained, kept in the vote. Before,
+    the merged row was cut at max_response_length (4 tokens): calls 1-3 trained nothing."""
+    prompt: list[int] = [1, 2]
+    triplets = []
+    for k in range(4):
+        response = [10 + 2 * k, 11 + 2 * k]
+        meta = {"rollout_id": "r", "attempt_id": "a", "call_index": k, "input": "q"}
+        triplets.append(trip(prompt, response, 1.0, metadata=meta))
+        prompt = prompt + response + [99]
+    batch, stats = build_batch(triplets, max_prompt_length=8, max_response_length=4, merge=True)
+    assert batch.responses.tolist() == [[10, 11, 99, 12, 13, 99, 14, 15]]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 1, 1, 0, 1, 1]]
+    assert batch.truncated is not None and batch.truncated.tolist() == [False]
+    assert batch.calls is not None
+    assert batch.calls.start.tolist() == [0, 3, 6, 0] and batch.calls.length.tolist() == [2, 2, 2, 0]
+    assert batch.calls.position.tolist() == [0, 1, 2, 3]
+    assert stats["calls_prompt_too_long"] == 1 and stats["attempts_untrained_prompt_too_long"] == 0
+    # a longer budget takes call 3 into the row as well
+    more, _ = build_batch(triplets, max_prompt_length=8, max_response_length=4, merge=True, max_row_tokens=13)
+    assert more.responses.tolist() == [[10, 11, 99, 12, 13, 99, 14, 15, 99, 16, 17]]
+    with pytest.raises(ValueError, match=r"max_row_tokens \(11\) must be at least"):
+        build_batch(triplets, max_prompt_length=8, max_response_length=4, max_row_tokens=11)

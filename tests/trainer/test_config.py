@@ -381,3 +381,12 @@ def test_replicas_without_fsdp_need_a_whole_copy_a_rank_and_fp32_parameters() ->
     assert not without_fsdp([f"{fsdp}.fsdp_size=1"], 4)  # off by default
     # bf16 parameters are FSDP2's copies: it stays
     assert not without_fsdp([on, f"{fsdp}.fsdp_size=1", f"{fsdp}.mixed_precision.param_dtype=bf16"], 4)
+
+
+def test_max_trajectory_length_must_hold_one_call() -> None:
+    cfg = TrainerConfig.from_dict({"data": {"max_prompt_length": 100, "max_response_length": 20}})
+    assert cfg.data.row_tokens == 120  # default: one call's prompt + response
+    wide = {"data": {"max_prompt_length": 100, "max_response_length": 20, "max_trajectory_length": 4096}}
+    assert TrainerConfig.from_dict(wide).data.row_tokens == 4096
+    with pytest.raises(ConfigError, match=r"max_trajectory_length \(119\) must be at least .* \(120\)"):
+        TrainerConfig.from_dict({"data": {**wide["data"], "max_trajectory_length": 119}})

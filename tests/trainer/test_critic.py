@@ -77,10 +77,13 @@ def test_gae_runs_over_the_whole_attempt_with_each_turns_reward_on_its_last_toke
     torch.testing.assert_close(returns[model_tokens], torch.tensor([1.5, 1.5, 1.0]))
 
 
-def test_a_call_cut_away_by_truncation_hands_its_reward_to_the_last_kept_token() -> None:
-    triplets, _ = _attempt(merge=True)
-    # max_response_length 2: the merged row keeps a1 a2 only; call 2 (b1) and its reward 1.0 are cut
-    batch, _ = build_batch(triplets, max_prompt_length=16, max_response_length=2, merge=True)
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_call_that_is_not_trained_hands_its_reward_to_the_last_kept_token(merge: bool) -> None:
+    triplets, _ = _attempt(merge=merge)
+    # max_prompt_length 5 and a row of at most 5 + 2 tokens: call 2's prompt (7 tokens) is over the
+    # limit, merged or not; it trains nothing, and its reward 1.0 goes on a2 with call 1's 0.5
+    batch, stats = build_batch(triplets, max_prompt_length=5, max_response_length=2, merge=merge)
+    assert stats["calls_prompt_too_long"] == 1 and batch.responses.tolist() == [[30, 31]]
     values = torch.zeros(batch.response_mask.shape)
     _, returns = attempt_gae(batch, values, _config())
     torch.testing.assert_close(returns[0], torch.tensor([1.5, 1.5]))  # 0.5 + 1.0 on a2, nothing lost

@@ -93,7 +93,7 @@ def test_the_watch_counts_rollouts_by_kind_over_the_steps_in_a_row(tmp_path: Pat
     assert trained["batch/skipped_without_signal"] == 1.0 and watch.in_a_row == 0 and not watch.counts
     assert watch.observe(dict(a), ["r1", "r2", "r3", "r4"]) is False
     b = {"batch/samples": 0.0, "batch/dropped_attempts_no_reward": 2.0,
-         "batch/dropped_attempts_prompt_too_long": 1.0, "rollout/without_calls": 1.0,
+         "batch/attempts_untrained_prompt_too_long": 1.0, "rollout/without_calls": 1.0,
          "judge/failed_groups": 1.0}  # fmt: skip
     assert watch.observe(b, ["r9", "r10", "r11", "r12"]) is False and watch.exhausted
     assert watch.rollout_ids == ["r1", "r2", "r3", "r4", "r9", "r10", "r11", "r12"]
@@ -103,7 +103,7 @@ def test_the_watch_counts_rollouts_by_kind_over_the_steps_in_a_row(tmp_path: Pat
         "none of 8 rollouts gave a usable attempt: "
         "5 ended without a reward (return it from the agent, or call al.emit_reward), "
         "1 failed (the agent raised or timed out; their attempts' errors: 2 x ValueError: boom), "
-        "1 had a prompt over data.max_prompt_length, "
+        "1 had every prompt over data.max_prompt_length, "
         "1 made no LLM call through llm.base_url (the proxy records the tokens), "
         "the judge failed on 1 groups of attempts (judge.jsonl; on_failure='skip'); "
         "the model was not updated by them and no final model was written; "

@@ -214,7 +214,8 @@ def test_group_estimators_are_refused_online(tiny_model_dir: Path, estimator: st
         online_trainer_config(raw, str(tiny_model_dir), "cpu")
     message = str(info.value)
     assert f"algorithm.adv_estimator={estimator!r}" in message and "no groups" in message, message
-    assert "set algorithm.adv_estimator to one of gae, reinforce_plus_plus, or leave it out" in message
+    assert "set algorithm.adv_estimator to one of" in message and "or leave it out" in message
+    assert "gae" in message and "reinforce_plus_plus," in message  # others registered by tests may join
     for usable in ("reinforce_plus_plus", "gae"):
         config, _ = online_trainer_config(
             {"algorithm": {"adv_estimator": usable}}, str(tiny_model_dir), "cpu"
