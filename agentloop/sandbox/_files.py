@@ -187,6 +187,8 @@ def _open_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: Owner,
             try:
                 step = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
+                if exc.errno == errno.ENOTDIR and _is_link(part, fd):  # O_DIRECTORY wins over ELOOP
+                    exc = OSError(errno.ELOOP, exc.strerror)
                 raise _path_error(exc, shown) from None
             os.close(fd)
             fd = step
@@ -194,6 +196,13 @@ def _open_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: Owner,
         os.close(fd)
         raise
     return fd
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _path_error(exc: OSError, shown: str) -> Exception:

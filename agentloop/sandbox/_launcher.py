@@ -172,8 +172,8 @@ def _kill_tree() -> None:
 
 def _child(spec: dict, extra_nproc: int) -> None:  # type: ignore[type-arg]
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        for sig in (signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores the last two;
+            signal.signal(sig, signal.SIG_DFL)  # an ignored signal stays ignored across exec
         os.chdir(spec["cwd"])
         for name, (soft, hard) in spec["rlimits"].items():
             if name == "NPROC":

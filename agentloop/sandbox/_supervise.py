@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process
@@ -32,11 +33,19 @@ from agentloop.sandbox.config import Limits
 from agentloop.sandbox.errors import SandboxError
 from agentloop.sandbox.result import LimitHit, ResourceUsage, RunResult
 
-__all__ = ["Launch", "supervise"]
+__all__ = ["KillHow", "Launch", "supervise"]
 
 EXIT_GRACE_S = (
     2.0  # after the launcher exits, how long the pipes may stay open; after SIGTERM, how long to die
 )
+
+
+# How a launch's tree dies. "launcher": SIGTERM to the launcher, which SIGKILLs its descendants and
+# reports. "namespace": SIGKILL to the child of the process (bwrap's pid 1 in the sandbox): the kernel
+# kills everything in the pid namespace before pid 1 is reaped, and bwrap exits after it, so waiting
+# for bwrap waits for the whole sandbox (SIGKILL to bwrap itself would return before the namespace
+# is empty). Either way the process group and the process are SIGKILLed last.
+KillHow = Literal["launcher", "namespace"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class Launch:
     env: dict[str, str]
     cwd: str
     user: int | None  # setuid/setgid to it before exec (agentloop runs as root), or None
-    graceful: bool  # SIGTERM first (the launcher kills its tree), or SIGKILL at once (bwrap)
+    kill: KillHow
     isolation: str
 
 
@@ -95,14 +104,34 @@ async def _feed(stream: ByteSendStream, data: bytes) -> None:
         await stream.aclose()
 
 
-async def _kill(proc: Process, graceful: bool) -> None:
-    if proc.returncode is None and graceful:
-        try:
-            proc.terminate()  # the launcher SIGKILLs every descendant, reports, exits
-        except ProcessLookupError:
-            pass
-        with anyio.move_on_after(EXIT_GRACE_S):
-            await proc.wait()
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+async def _kill(proc: Process, how: KillHow) -> None:
+    """Kill a launch's whole tree and wait for it (see ``Launch.kill``)."""
+    if proc.returncode is None:
+        if how == "launcher":
+            try:
+                proc.terminate()  # the launcher SIGKILLs every descendant, reports, exits
+            except ProcessLookupError:
+                pass
+            waits = True
+        else:  # pid 1 of bwrap's namespace: the kernel empties the namespace before it is reaped
+            waits = False
+            for child in _children(proc.pid):
+                try:
+                    os.kill(child, signal.SIGKILL)
+                    waits = True
+                except ProcessLookupError:
+                    pass
+        if waits:
+            with anyio.move_on_after(EXIT_GRACE_S):
+                await proc.wait()
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader while members remain
     except (ProcessLookupError, PermissionError):
@@ -203,7 +232,7 @@ async def supervise(
                 if deadline.cancelled_caught and not hit:
                     hit.append("timeout")
                 if hit:
-                    await _kill(proc, launch.graceful)
+                    await _kill(proc, launch.kill)
                 with anyio.move_on_after(EXIT_GRACE_S):
                     await out.done.wait()
                     await err.done.wait()
@@ -211,7 +240,7 @@ async def supervise(
         finally:
             with anyio.CancelScope(shield=True):
                 if proc.returncode is None:
-                    await _kill(proc, launch.graceful)
+                    await _kill(proc, launch.kill)
                 await proc.aclose()
         wall_s = time.monotonic() - start
         report = _read_status(read_fd)

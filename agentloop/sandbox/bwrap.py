@@ -126,7 +126,8 @@ def _probe(bwrap: str, uid: int | None, python: str, python_dir: Path | None) ->
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{bwrap} could not run: {exc}"
+        who = f" as uid {uid}" if uid is not None else ""
+        return f"{bwrap} could not run{who}: {exc}"
     if done.returncode != 0:
         message = done.stderr.decode(errors="replace").strip()[:500]
         problem = f"{bwrap} failed (exit {done.returncode}): {message}"
@@ -200,7 +201,7 @@ class BwrapWorkspace(HostWorkspace):
             env=self.environment(env, "/tmp"),
             cwd=str(self.base),
             user=self.owner.uid,
-            graceful=False,  # SIGKILL to bwrap: --die-with-parent and the pid namespace take the rest
+            kill="namespace",
             isolation=self.isolation,
         )
 

@@ -45,7 +45,7 @@ class SubprocessWorkspace(HostWorkspace):
             env=self.environment(env, str(self.base / "tmp")),
             cwd=str(self.root),
             user=self.owner.uid,
-            graceful=True,  # SIGTERM: the launcher kills the descendants it reaped (no pid namespace here)
+            kill="launcher",  # no pid namespace here: the launcher (a subreaper) kills its descendants
             isolation=self.isolation,
         )
 

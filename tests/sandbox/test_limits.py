@@ -1,0 +1,143 @@
+"""Every limit, on both backends: a fork bomb, a memory hog, an endless loop with children, a flood
+of output, a disk filler, an oversized file, a CPU burner. Real processes, small limits."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import anyio
+import pytest
+
+from agentloop.sandbox import Limits, Sandbox
+from tests.sandbox.helpers import FAST, PYTHON, config, needs_bwrap, running_with
+
+BACKENDS = [pytest.param("bwrap", marks=needs_bwrap), "subprocess"]
+
+FORK_UNTIL_REFUSED = """
+import os, time
+n = 0
+try:
+    for _ in range(10000):
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        n += 1
+except OSError as exc:
+    print("refused", n, exc.errno)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_fork_loop_stops_at_the_process_limit_and_leaves_nothing(backend: str) -> None:
+    limits = FAST.model_copy(update={"processes": 24})
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        result = await sb.run([PYTHON, "-c", FORK_UNTIL_REFUSED, "fork-marker-7731"])
+    assert result.exit_code == 0, result
+    words = result.stdout.split()
+    assert words[0] == "refused" and words[2] == str(11), result.stdout  # EAGAIN
+    # bwrap: only the sandbox's processes count; subprocess: the user's count at start is added
+    assert 0 < int(words[1]) < 24, result.stdout
+    # the sleeping children were killed when the command exited
+    assert running_with("fork-marker-7731") == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_shell_fork_bomb_is_bounded_and_killed_at_the_deadline(backend: str) -> None:
+    limits = FAST.model_copy(update={"processes": 32})
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        start = time.monotonic()
+        result = await sb.run("bomb() { bomb | bomb & }; bomb; sleep 60", timeout_s=1.5)
+        elapsed = time.monotonic() - start
+        after = await sb.run("echo alive")  # the sandbox still works; the bomb is gone
+    assert result.timed_out and result.limit_hit == "timeout"
+    assert elapsed < 6, elapsed
+    assert after.ok and after.stdout == "alive\n"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_memory_hog_fails_to_allocate(backend: str) -> None:
+    limits = FAST.model_copy(update={"memory_mb": 256})
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        hog = await sb.run([PYTHON, "-c", "x = bytearray(1 << 30); print('allocated')"])
+        fits = await sb.run([PYTHON, "-c", "x = bytearray(32 << 20); print('allocated')"])
+    assert hog.exit_code != 0 and "MemoryError" in hog.stderr and "allocated" not in hog.stdout
+    assert fits.ok and fits.stdout == "allocated\n"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_the_deadline_kills_the_whole_tree(backend: str) -> None:
+    # children in the background, one in a session of its own, and the shell spinning
+    script = "sleep 1001.25 & setsid sleep 1001.25 & (sleep 1001.25 &) ; while :; do :; done"
+    async with Sandbox.open(config=config(backend)) as sb:
+        start = time.monotonic()
+        result = await sb.run(script, timeout_s=1)
+        elapsed = time.monotonic() - start
+    assert result.timed_out and result.limit_hit == "timeout" and not result.ok
+    assert result.signal == signal.SIGKILL and result.exit_code == 128 + signal.SIGKILL
+    assert 1 <= elapsed < 5, elapsed
+    assert running_with("1001.25") == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_background_processes_die_when_the_command_exits(backend: str) -> None:
+    async with Sandbox.open(config=config(backend)) as sb:
+        result = await sb.run("setsid sleep 1002.5 > /dev/null 2>&1 & echo started")
+    assert result.ok and result.stdout == "started\n"
+    assert running_with("1002.5") == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_cancelling_a_run_kills_its_tree(backend: str) -> None:
+    async with Sandbox.open(config=config(backend)) as sb:
+        with anyio.move_on_after(0.5):
+            await sb.run("sleep 1003.5 & sleep 1003.5")
+    assert running_with("1003.5") == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_huge_output_is_cut_counted_and_said(backend: str) -> None:
+    limits = FAST.model_copy(update={"output_bytes": 1000})
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        result = await sb.run("head -c 5000000 /dev/zero | tr '\\0' a; echo tail >&2")
+    assert result.ok and result.truncated and result.stdout_truncated and not result.stderr_truncated
+    assert result.stdout_bytes == 5_000_000 and result.stderr == "tail\n"
+    kept, note = result.stdout[:1000], result.stdout[1000:]
+    assert kept == "a" * 1000
+    assert "truncated" in note and "5000000" in note
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_the_disk_quota_kills_a_filler(backend: str) -> None:
+    limits = FAST.model_copy(update={"disk_mb": 4, "disk_poll_s": 0.1})
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        start = time.monotonic()
+        result = await sb.run("while :; do head -c 500000 /dev/zero >> fill; sleep 0.02; done", timeout_s=8)
+        elapsed = time.monotonic() - start
+        burst = await sb.run("rm fill; head -c 6000000 /dev/zero > burst")  # may end before a poll
+    assert result.limit_hit == "disk" and not result.timed_out and elapsed < 5, (result, elapsed)
+    assert result.usage.workspace_bytes is not None and result.usage.workspace_bytes > 4 << 20
+    assert burst.limit_hit == "disk"  # by a poll, or else by the check after the run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_file_over_file_mb_is_stopped(backend: str) -> None:
+    limits = FAST.model_copy(update={"file_mb": 1})
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        result = await sb.run("head -c 2000000 /dev/zero > big")
+        size = len(await sb.read_file("big"))
+        python = await sb.run([PYTHON, "-c", "open('big', 'wb').write(bytes(2 << 20))"])
+    assert result.limit_hit == "file_size" and result.exit_code == 128 + signal.SIGXFSZ, result
+    assert size == 1 << 20
+    # Python ignores SIGXFSZ: the write fails instead, and the program decides
+    assert python.exit_code == 1 and "File too large" in python.stderr and python.limit_hit is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_cpu_seconds_are_bounded(backend: str) -> None:
+    limits = Limits(cpu_s=1, timeout_s=20)
+    async with Sandbox.open(config=config(backend, limits=limits)) as sb:
+        result = await sb.run([PYTHON, "-c", "while True: pass"])
+    assert result.limit_hit == "cpu_time" and result.signal == signal.SIGXCPU and not result.timed_out
+    used = (result.usage.cpu_user_s or 0) + (result.usage.cpu_system_s or 0)
+    assert used >= 0.8, result.usage  # RLIMIT_CPU counts both, in scheduler ticks
