@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-fast test-slow demo test bench lint venv clean
+.PHONY: test-fast test-slow demo test bench lint venv clean sandbox-deps
 
 venv: $(STAMP)
 
@@ -22,15 +22,15 @@ demo: $(STAMP)
 	$(BIN)/agentloop demo
 
 # CI gate (.ci/run): lint first (ruff check, ruff format --check, mypy), then every test but `slow`.
-test: lint
+test: lint sandbox-deps
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=15  # under 15 min on 2 cores
 
 # The inner loop: every test but slow and e2e, in two pytest-xdist workers of one OpenMP thread each
 # (a second thread per process spin-waits against the other worker: 5x slower tiny-model engine tests).
-test-fast: $(STAMP)
+test-fast: $(STAMP) sandbox-deps
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x -n 2 -m "not slow and not e2e" --durations=10
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) sandbox-deps
 	# The Codex CLI the harness test runs (tests/proxy/test_codex_cli.py; it skips without npm or the binary).
 	if command -v npm >/dev/null; then npm install --no-audit --no-fund --prefix $(VENV)/harness @openai/codex@0.169.0 \
 	  || echo "npm install failed: the Codex CLI test skips"; else echo "npm not found: the Codex CLI test skips"; fi
@@ -38,6 +38,15 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/agentloop bench
+
+# bubblewrap for agentloop.sandbox: apt-get installs it where it is missing and we are root (or have
+# password-less sudo); it never fails the build: tests that need bwrap skip and say why.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  command -v apt-get >/dev/null 2>&1 && { timeout 300 $$SUDO apt-get install -y -q bubblewrap || \
+	    { timeout 300 $$SUDO apt-get update -q && timeout 300 $$SUDO apt-get install -y -q bubblewrap; }; } >/dev/null 2>&1; \
+	  command -v bwrap >/dev/null 2>&1 || echo "sandbox-deps: bubblewrap not installed (as root: apt-get install bubblewrap); sandbox tests that need it skip"; }
 
 # The same checks as .pre-commit-config.yaml.
 lint: $(STAMP)
