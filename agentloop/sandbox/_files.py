@@ -350,10 +350,14 @@ def disk_usage(root: Path) -> int:
     return total
 
 
-def snapshot(root: Path, dest: Path) -> Path:
-    """The workspace as a gzip tarball at ``dest`` (links as links; FIFOs and devices skipped)."""
+def snapshot(root: Path, dest: Path, exclude: tuple[str, ...] = ()) -> Path:
+    """The workspace as a gzip tarball at ``dest`` (links as links; FIFOs and devices skipped;
+    ``exclude``: workspace-relative paths left out with everything under them)."""
+    left_out = {f"./{path}" for path in exclude}
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if info.name in left_out:
+            return None
         return info if info.isfile() or info.isdir() or info.issym() or info.islnk() else None
 
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -194,8 +194,8 @@ class HostWorkspace(ABC):
     async def copy_out(self, src: str, dest: Path) -> None:
         await anyio.to_thread.run_sync(_files.copy_out, self.root, src, dest)
 
-    async def snapshot(self, dest: Path) -> Path:
-        return await anyio.to_thread.run_sync(_files.snapshot, self.root, dest)
+    async def snapshot(self, dest: Path, exclude: tuple[str, ...] = ()) -> Path:
+        return await anyio.to_thread.run_sync(_files.snapshot, self.root, dest, exclude)
 
     async def destroy(self) -> None:
         await anyio.to_thread.run_sync(_files.remove_tree, self.base)

@@ -40,6 +40,7 @@ import sys
 import threading
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -174,7 +175,12 @@ def _child(spec: dict, extra_nproc: int) -> None:  # type: ignore[type-arg]
     try:
         for sig in (signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores the last two;
             signal.signal(sig, signal.SIG_DFL)  # an ignored signal stays ignored across exec
-        os.chdir(spec["cwd"])
+        try:
+            os.chdir(spec["cwd"])
+        except OSError as exc:
+            sys.stderr.write(f"agentloop.sandbox: cannot enter {spec['cwd']!r}: {exc.strerror}\n")
+            sys.stderr.flush()
+            os._exit(126)
         for name, (soft, hard) in spec["rlimits"].items():
             if name == "NPROC":
                 soft, hard = soft + extra_nproc, hard + extra_nproc
@@ -199,6 +205,9 @@ def main() -> None:
     if spec.get("parent_death"):  # subprocess backend: the host process dying is a deadline too
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # Not dumpable: the command (same uid) cannot ptrace this process or open its /proc/PID/fd (the
+    # status pipe). The command's own exec makes it dumpable again.
+    _prctl(_PR_SET_DUMPABLE, 0)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _start_relays(spec.get("relay", []))
     extra = _user_process_count() if spec.get("nproc_user") else 0

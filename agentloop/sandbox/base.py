@@ -51,7 +51,7 @@ A Docker backend, sketched (``docker`` CLI; names are illustrative, not shipped)
         async def read_file(self, path, max_bytes): ...           # docker cp CID:/workspace/path -
         async def copy_in(self, src, dest): ...                   # docker cp src CID:/workspace/dest
         async def copy_out(self, src, dest): ...                  # docker cp CID:/workspace/src dest
-        async def snapshot(self, dest): ...                       # docker cp CID:/workspace - > dest
+        async def snapshot(self, dest, exclude=()): ...           # docker cp CID:/workspace - > dest
         async def destroy(self): ...                              # docker rm -f CID
 
 The loopback proxy: a container reaches the rollout's proxy through a published port or the host
@@ -108,8 +108,9 @@ class Workspace(Protocol):
         """Copy the workspace file or directory ``src`` to the host path ``dest``."""
         ...
 
-    async def snapshot(self, dest: Path) -> Path:
-        """The whole workspace as a gzip tarball at the host path ``dest``; returns ``dest``."""
+    async def snapshot(self, dest: Path, exclude: tuple[str, ...] = ()) -> Path:
+        """The workspace as a gzip tarball at the host path ``dest``, without the workspace paths in
+        ``exclude`` (and what is under them); returns ``dest``."""
         ...
 
     async def destroy(self) -> None:

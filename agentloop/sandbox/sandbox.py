@@ -210,7 +210,10 @@ class Sandbox:
         self._check_open()
         await self._workspace.copy_out(self._path(src), Path(dest))
 
-    async def snapshot(self, dest: str | os.PathLike[str]) -> Path:
-        """The whole workspace as a .tar.gz at the host path ``dest`` (collect it before the block ends)."""
+    async def snapshot(self, dest: str | os.PathLike[str], *, include_home: bool = False) -> Path:
+        """The workspace as a .tar.gz at the host path ``dest`` (collect it before the block ends).
+        HOME (``config.home``) is left out unless ``include_home``: it holds the harness's config
+        (the proxy key among it) and caches, not the task's work."""
         self._check_open()
-        return await self._workspace.snapshot(Path(dest))
+        exclude = () if include_home else (self._path(self.config.home),)
+        return await self._workspace.snapshot(Path(dest), exclude)

@@ -51,6 +51,12 @@ async def test_bad_run_arguments(kwargs: dict[str, object], message: str) -> Non
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, AgentLoopError)
 
 
+async def test_a_missing_working_directory_is_said() -> None:
+    async with Sandbox.open(config=config("subprocess")) as sb:
+        result = await sb.run("ls", cwd="no/such/dir")
+    assert result.exit_code == 126 and "cannot enter" in result.stderr and "no/such/dir" in result.stderr
+
+
 async def test_bad_file_arguments(tmp_path: Path) -> None:
     async with Sandbox.open(config=config("subprocess")) as sb:
         with pytest.raises(SandboxArgumentError, match=r"may not contain '..'"):

@@ -99,7 +99,7 @@ async def test_links_made_in_the_sandbox_are_not_followed_from_the_host(tmp_path
     target.mkdir()
     async with Sandbox.open(config=config(backend)) as sb:
         await sb.run(f"ln -s {secret} leak && ln -s {target} dir && mkdir out && ln -s {secret} out/leak")
-        await sb.run("mkfifo pipe")
+        await sb.run("mkfifo pipe && echo key > .home/config")
         with pytest.raises(SandboxArgumentError, match="symbolic link"):
             await sb.read_file("leak")
         with pytest.raises(SandboxArgumentError, match="symbolic link"):
@@ -110,11 +110,15 @@ async def test_links_made_in_the_sandbox_are_not_followed_from_the_host(tmp_path
             await sb.read_file("pipe")  # does not hang
         await sb.copy_out("out", tmp_path / "collected")
         snap = await sb.snapshot(tmp_path / "ws.tar.gz")
+        with_home = await sb.snapshot(tmp_path / "home.tar.gz", include_home=True)
     assert secret.read_text() == "hunter2" and list(target.iterdir()) == []
     assert os.readlink(tmp_path / "collected" / "leak") == str(secret), "copied as a link, not followed"
     with tarfile.open(snap) as tar:
         names = {m.name: m for m in tar.getmembers()}
     assert names["./leak"].issym() and "./pipe" not in names
+    assert "./out/leak" in names and not any(name.startswith("./.home") for name in names)
+    with tarfile.open(with_home) as tar:
+        assert "./.home/config" in tar.getnames()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
