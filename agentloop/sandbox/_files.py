@@ -90,19 +90,48 @@ def materialize(source: Source, dest: Path, *, max_bytes: int, git_timeout_s: fl
 
 
 def _extract(archive: Path, dest: Path, max_bytes: int) -> None:
-    if not hasattr(tarfile, "data_filter"):  # Python 3.11.4+, 3.12+
-        raise SandboxUnavailableError(
-            "tarball workspaces need tarfile's extraction filters (Python >= 3.11.4)"
-        )
     with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        size = sum(m.size for m in members if m.isfile())
-        if size > max_bytes:  # a tar bomb stops before it fills the disk
-            raise SandboxError(
-                f"{archive} holds {size / 2**20:.1f} MiB of files, over limits.disk_mb "
-                f"({max_bytes / 2**20:.0f} MiB); raise limits.disk_mb"
-            )
+        _extract_from(tar, dest, max_bytes, str(archive))
+
+
+def _extract_from(tar: tarfile.TarFile, dest: Path, max_bytes: int, shown: str) -> None:
+    """Extract what stays inside ``dest``: regular files, directories and links that point inside;
+    FIFOs and devices are skipped; an archive over ``max_bytes`` (a tar bomb) stops first."""
+    members = [m for m in tar.getmembers() if m.isfile() or m.isdir() or m.issym() or m.islnk()]
+    size = sum(m.size for m in members if m.isfile())
+    if size > max_bytes:
+        raise SandboxError(
+            f"{shown} holds {size / 2**20:.1f} MiB of files, over limits.disk_mb "
+            f"({max_bytes / 2**20:.0f} MiB); raise limits.disk_mb"
+        )
+    for member in members:
+        _check_member(member, shown)
+    if hasattr(tarfile, "data_filter"):  # Python 3.11.4+: the standard filter checks again
         tar.extractall(dest, members=members, filter="data")
+    else:
+        for member in members:
+            member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
+            member.uid = member.gid = 0
+            member.uname = member.gname = ""
+        tar.extractall(dest, members=members)
+
+
+def _check_member(member: tarfile.TarInfo, shown: str) -> None:
+    name = PurePosixPath(member.name)
+    inside = not name.is_absolute() and ".." not in name.parts
+    if inside and member.issym():  # a relative target, resolved from the link's own directory
+        target = PurePosixPath(os.path.normpath(name.parent / member.linkname))
+        inside = not PurePosixPath(member.linkname).is_absolute() and not target.parts[:1] == ("..",)
+    elif inside and member.islnk():  # a hard link names a member of the archive
+        target = PurePosixPath(os.path.normpath(member.linkname))
+        inside = not target.is_absolute() and not target.parts[:1] == ("..",)
+    if not inside:
+        what = (
+            f"{member.name!r} -> {member.linkname!r}"
+            if member.issym() or member.islnk()
+            else repr(member.name)
+        )
+        raise SandboxArgumentError(f"{shown}: member {what} points outside the workspace; refused")
 
 
 def _from_git(snap: GitSnapshot, dest: Path, max_bytes: int, timeout_s: float) -> None:
@@ -124,14 +153,7 @@ def _from_git(snap: GitSnapshot, dest: Path, max_bytes: int, timeout_s: float) -
             )
         archive.seek(0)
         with tarfile.open(fileobj=archive) as tar:
-            members = tar.getmembers()
-            size = sum(m.size for m in members if m.isfile())
-            if size > max_bytes:
-                raise SandboxError(
-                    f"{repo}@{snap.rev} holds {size / 2**20:.1f} MiB, over limits.disk_mb "
-                    f"({max_bytes / 2**20:.0f} MiB); raise limits.disk_mb"
-                )
-            tar.extractall(dest, members=members, filter="data")
+            _extract_from(tar, dest, max_bytes, f"{repo}@{snap.rev}")
 
 
 def _copy_regular(src: str, dst: str) -> None:

@@ -58,14 +58,32 @@ async def test_a_tarball_is_extracted_and_a_bomb_refused(tmp_path: Path) -> None
         async with Sandbox.open(bomb, config=config("subprocess")):
             pass
 
-    evil = tmp_path / "evil.tar"
-    with tarfile.open(evil, "w") as tar:
-        info = tarfile.TarInfo("../escaped")
-        tar.addfile(info, io.BytesIO(b""))
-    with pytest.raises(tarfile.OutsideDestinationError):
-        async with Sandbox.open(evil, config=config("subprocess")):
-            pass
+    for name, kind, link in [
+        ("../escaped", tarfile.REGTYPE, ""),
+        ("/abs", tarfile.REGTYPE, ""),
+        ("up", tarfile.SYMTYPE, "../../etc"),
+        ("abs", tarfile.SYMTYPE, "/etc/passwd"),
+        ("d/deep", tarfile.SYMTYPE, "../../x"),
+        ("hard", tarfile.LNKTYPE, "../outside"),
+    ]:
+        evil = tmp_path / "evil.tar"
+        with tarfile.open(evil, "w") as tar:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            tar.addfile(info, io.BytesIO(b""))
+        with pytest.raises(SandboxArgumentError, match="points outside the workspace; refused"):
+            async with Sandbox.open(evil, config=config("subprocess")):
+                pass
     assert not (tmp_path / "escaped").exists()
+
+    fine = tmp_path / "fine.tar"  # links that stay inside are kept
+    with tarfile.open(fine, "w") as tar:
+        for name, kind, link in [("d/lib", tarfile.SYMTYPE, "../lib"), ("lib", tarfile.REGTYPE, "")]:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            tar.addfile(info, io.BytesIO(b""))
+    async with Sandbox.open(fine, config=config("subprocess")) as sb:
+        assert (await sb.run("readlink d/lib")).stdout == "../lib\n"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
