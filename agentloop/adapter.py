@@ -2,9 +2,30 @@
 
 ``spans_to_triplets`` turns the spans of one attempt into Triplets, one per LLM call;
 ``triplets_for_rollouts`` does it for the latest attempt of each succeeded rollout in a store.
-``group_by_attempt`` says which triplets belong to one attempt, and ``merge_turns`` merges the
-consecutive calls of each attempt into one sample where each prompt extends the last (what the
-trainer's ``adapter.trajectory`` trains on, and what ``agentloop inspect`` shows).
+``group_by_attempt`` says which triplets belong to one attempt, and ``merge_turns`` merges each
+branch of an attempt into one sample where each call extends the one before it (what the trainer's
+``adapter.trajectory`` trains on, and what ``agentloop inspect`` shows).
+
+Branches. One attempt can hold several conversations, so its calls form a tree: each call's parent is
+the call whose prompt + response its prompt starts with (``LLMCall.parent_call_id``, recorded by the
+proxy's token ledger; for spans recorded before call ids, the earlier call with the longest such
+prefix, and ``call_id`` is then ``call_index + 1``). A root whose messages start with all of an earlier
+call's messages continues that conversation where its tokens could not (a ledger break). Each call's
+``branch`` is the one recorded when it is set (agentloop/proxy/ledger.py), else its parent's (or the
+call's it continues), else, for a root:
+
+- ``main``: the main root: the first root recorded as main, else the first root that offers tools
+  (Claude Code sends title and quota calls without tools beside its first main call), else the first
+  root with more than one call, else the first root;
+- ``compaction``: a later root with the main conversation's system prompt and tools (those of the
+  latest main or compaction call before it) that restates it: fewer messages than that call, a
+  ``history edited`` / ``history truncated`` ledger break, or a user message that speaks of a summary
+  or of a conversation continued (Claude Code continues a compacted session with the same system
+  prompt and tools and one user message holding the summary);
+- ``side``: a root whose calls offer no tools and that is one call or names another model than the main
+  root (titles, summaries, quota checks: Claude Code's small fast model);
+- ``subagent``: any other root: its own conversation (Claude Code's Task tool: another system prompt,
+  tools, several calls; sometimes another model).
 
 Strategies (``strategy=``):
 
@@ -21,7 +42,9 @@ A reward that belongs to a call without token ids (it failed, e.g. ``context_len
 the nearest earlier call that has them (else the first later one), under either strategy: no reward is
 lost with a failed call.
 
-Every triplet's metadata names its attempt (``rollout_id``, ``attempt_id``, ``call_index``, ``num_calls``),
+Every triplet's metadata names its attempt (``rollout_id``, ``attempt_id``, ``call_index``: the call's
+place among the attempt's calls in time, ``num_calls``), its place in the tree (``call_id``,
+``parent_call_id``, ``branch``),
 the attempt's total reward (``attempt_reward``: the sum of its Reward spans, whatever the strategy; the
 trainer's group baselines give each attempt one vote with it), the call's own reward (``call_reward``:
 the Reward spans that follow it before the next call, whatever the strategy; a value model's GAE places
@@ -36,7 +59,9 @@ An attempt without any Reward span yields triplets with ``reward=None`` and is c
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, Field
@@ -181,6 +206,122 @@ def _assign(
     return per_call, early
 
 
+# ---------------------------------------------------------------- the call tree and its branches
+
+_SUMMARY = re.compile(r"summar(?:y|ies|ize|ized|ise|ised)|continued from a previous conversation", re.I)
+_REWRITTEN = ("history edited", "history truncated")  # ledger breaks of a rewritten history (ledger.py)
+
+
+@dataclass(frozen=True)
+class _Node:
+    """One call's place in its attempt's tree."""
+
+    call_id: int
+    parent_call_id: int | None
+    branch: str
+
+
+def _call_tree(calls: list[LLMCall]) -> list[_Node]:
+    """Each call's id, parent id and branch, calls in time order (rules: the module docstring)."""
+    recorded = [c.call_id for c in calls]
+    free = max((i for i in recorded if i is not None), default=len(calls)) + 1
+    ids: list[int] = []
+    for k, cid in enumerate(recorded):  # spans without ids: call_index + 1 (or past the recorded ones)
+        ids.append(cid if cid is not None else (k + 1 if all(r is None for r in recorded) else free))
+        free += cid is None
+    parent: list[int | None] = []  # the parent's position in ``calls``
+    for k, c in enumerate(calls):
+        if c.call_id is not None:
+            pid = c.parent_call_id
+            parent.append(next((j for j in range(k - 1, -1, -1) if ids[j] == pid), None) if pid else None)
+        else:
+            parent.append(_extended(calls, k))
+    # the call each call takes its branch from: its parent, else the call whose messages it continues
+    anchor = [
+        p if p is not None or c.branch else _continued(calls, k)
+        for k, (c, p) in enumerate(zip(calls, parent, strict=True))
+    ]
+    top = list(range(len(calls)))  # the root of each call's tree
+    for k, a in enumerate(anchor):
+        if a is not None:
+            top[k] = top[a]
+    roots = [k for k, a in enumerate(anchor) if a is None]  # calls[0] is always one
+    size = {r: top.count(r) for r in roots}
+    tools = {r: any(calls[k].tools for k in range(len(calls)) if top[k] == r) for r in roots}
+    main = next(
+        (r for r in roots if calls[r].branch == "main"),
+        next((r for r in roots if calls[r].tools), next((r for r in roots if size[r] > 1), 0)),
+    )
+    branches: list[str] = []
+    for k, c in enumerate(calls):
+        a = anchor[k]
+        if c.branch is not None:
+            branches.append(c.branch)
+        elif a is not None:
+            branches.append(branches[a])
+        elif k == main:
+            branches.append("main")
+        else:
+            latest = next((j for j in range(k - 1, -1, -1) if branches[j] in ("main", "compaction")), None)
+            if latest is not None and _restates(c, calls[latest]):
+                branches.append("compaction")
+            elif not tools[k] and (size[k] == 1 or c.model != calls[main].model):
+                branches.append("side")
+            else:
+                branches.append("subagent")
+    return [
+        _Node(ids[k], c.parent_call_id if c.call_id is not None else (None if p is None else ids[p]), b)
+        for k, (c, p, b) in enumerate(zip(calls, parent, branches, strict=True))
+    ]
+
+
+def _extended(calls: list[LLMCall], k: int) -> int | None:
+    """For spans without ids: the earlier call with the longest prompt + response that call k's prompt
+    starts with (the most recent of equals), as the token ledger builds a delta."""
+    prompt, best, best_len = calls[k].prompt_ids, None, 0
+    for j in range(k - 1, -1, -1):
+        c = calls[j]
+        n = len(c.prompt_ids) + len(c.response_ids)
+        if c.response_ids and best_len < n <= len(prompt) and prompt[: len(c.prompt_ids)] == c.prompt_ids:
+            if prompt[len(c.prompt_ids) : n] == c.response_ids:
+                best, best_len = j, n
+    return best
+
+
+def _continued(calls: list[LLMCall], k: int) -> int | None:
+    """The earlier call whose messages call k's messages start with (the longest, then the latest):
+    the conversation call k continues where the ledger could not extend its tokens."""
+    messages, best, best_len = calls[k].messages, None, 0
+    for j in range(k - 1, -1, -1):
+        n = len(calls[j].messages)
+        if best_len < n <= len(messages) and messages[:n] == calls[j].messages:
+            best, best_len = j, n
+    return best
+
+
+def _system(call: LLMCall) -> Any:
+    first = call.messages[0] if call.messages else {}
+    return first.get("content") if first.get("role") in ("system", "developer") else None
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _restates(root: LLMCall, main: LLMCall) -> bool:
+    """Whether a later root restates the main conversation (``main``: its latest call): a compaction."""
+    if not root.messages or _system(root) != _system(main) or root.tools != main.tools:
+        return False
+    return (
+        len(root.messages) < len(main.messages)
+        or (root.ledger_break or "").startswith(_REWRITTEN)
+        or any(m.get("role") == "user" and _SUMMARY.search(_text(m)) for m in root.messages)
+    )
+
+
 def spans_to_triplets(
     spans: Sequence[Span | dict[str, Any]],
     strategy: Strategy = "identical",
@@ -217,6 +358,7 @@ def spans_to_triplets(
         rewards_before_first_call=early if calls else 0,
         attempts_without_reward=0 if rewards else 1,
     )
+    tree = _call_tree([call for _, call in calls])
     triplets: list[Triplet] = []
     for index, ((span, call), reward) in enumerate(zip(calls, values, strict=True)):
         reason = _missing_ids(call)
@@ -249,6 +391,9 @@ def spans_to_triplets(
             "attempt_reward": attempt_reward,
             "call_reward": own[index] if rewards else None,
             "temperature": _temperature(call),
+            "call_id": tree[index].call_id,
+            "parent_call_id": tree[index].parent_call_id,
+            "branch": tree[index].branch,
         }
         if rollout is not None:
             meta["input"] = rollout.input
@@ -323,17 +468,26 @@ def _attempt_key(metadata: dict[str, Any], index: int) -> str:
 
 
 def merge_turns(triplets: Sequence[Triplet], max_tokens: int | None = None) -> list[Triplet]:
-    """Each attempt's consecutive calls merged into one sample where each prompt extends the last.
+    """Each branch of each attempt merged into one sample where each call extends the one before it.
 
     Calls are grouped by attempt (``group_by_attempt``; attempts in order of first appearance, calls in
-    the order given). When call k's prompt starts with the merged sample's prompt + response, the
-    sample's response grows by the extra prompt tokens (tool results, chat template: mask 0, logprob 0)
-    and then call k's response (its own mask and logprobs). A call that does not extend starts a new
-    sample. The sample's ``reward`` is the last call's non-None reward, and its logprobs are None when
-    a call has none. Every call's own reward and place stay in ``metadata["calls"]`` (``start``,
-    ``length``, ``reward``; one entry per call, in order): the trainer (``build_batch(merge=True)``)
-    gives each call its own return. Metadata is otherwise the first call's updated by the last's, with
-    ``merged_calls`` (the number of calls).
+    the order given). A call joins the sample of the call it extends: the one its ``parent_call_id``
+    names when its metadata has a ``call_id`` (``spans_to_triplets`` writes both), else the sample
+    whose prompt + response its prompt starts with, the longest of the attempt's samples first. It
+    joins only when that call is still the sample's last one and the prompt does start with the
+    sample's tokens: a fork (a second call extending the same call, such as parallel tool branches)
+    and a root (a subagent, a compaction, a side call) start a new sample from their own prompt. So
+    main call 1, subagent call A, main call 2 give the samples [1, 2] and [A].
+
+    Joining, the sample's response grows by the extra prompt tokens (tool results, chat template: mask
+    0, logprob 0) and then the call's response (its own mask and logprobs). The sample's ``reward`` is
+    its last call's non-None reward, and its logprobs are None when a call has none. Every call's own
+    reward and place stay in ``metadata["calls"]`` (``start``, ``length``, ``reward``, and ``source``:
+    the call's position in ``triplets``; one entry per call, in order): the trainer
+    (``build_batch(merge=True)``) gives each call its own return. Samples come in the order of their
+    first calls, so with several branches the calls of all samples, read in turn, are no longer in the
+    order given: ``source`` says which each is. Metadata is otherwise the first call's updated by the
+    last's, with ``merged_calls`` (the number of calls).
 
     ``max_tokens`` bounds a merged sample (prompt + response, tool tokens included): a call that would
     take it over starts a new sample from its own prompt (a single call longer than it stays whole).
@@ -345,40 +499,74 @@ def merge_turns(triplets: Sequence[Triplet], max_tokens: int | None = None) -> l
     out: list[Triplet] = []
     for attempt in group_by_attempt(triplets):
         samples: list[_Merged] = []
+        holder: dict[int, _Merged] = {}  # call_id -> the sample that holds the call (the latest such call)
         for i in attempt:
             t = triplets[i]
             fits = max_tokens is None or len(t.prompt_ids) + len(t.response_ids) <= max_tokens
-            if samples and fits and samples[-1].extends(t):
-                samples[-1].add(t)
+            call_id, parent = _tree_ids(t)
+            if call_id is not None:
+                found = holder.get(parent) if parent is not None else None
+                into = found if found is not None and found.last_id == parent and found.extends(t) else None
             else:
-                samples.append(_Merged(t))
+                into = max(
+                    (m for m in reversed(samples) if m.extends(t)), key=lambda m: m.length(), default=None
+                )
+            if into is not None and fits:
+                into.add(t, i)
+            else:
+                into = _Merged(t, i)
+                samples.append(into)
+            if call_id is not None:
+                holder[call_id] = into
         out.extend(s.triplet() for s in samples)
     return out
+
+
+def _tree_ids(t: Triplet) -> tuple[int | None, int | None]:
+    """The call's ``call_id`` and ``parent_call_id`` from its metadata (None where absent or not ints)."""
+
+    def whole(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return whole(t.metadata.get("call_id")), whole(t.metadata.get("parent_call_id"))
 
 
 class _Merged:
     """One sample under construction: consecutive calls of one attempt."""
 
-    def __init__(self, t: Triplet) -> None:
+    def __init__(self, t: Triplet, source: int) -> None:
         self.prompt = list(t.prompt_ids)
         self.resp = list(t.response_ids)
         self.mask = _call_mask(t)
         self.logp = _call_logp(t)
-        self.calls: list[dict[str, Any]] = [{"start": 0, "length": len(t.response_ids), "reward": _reward(t)}]
+        self.calls: list[dict[str, Any]] = [
+            {"start": 0, "length": len(t.response_ids), "reward": _reward(t), "source": source}
+        ]
         self.reward = t.reward
         self.first_meta = t.metadata
         self.last_meta = t.metadata
+        self.last_id = _tree_ids(t)[0]  # the call_id of the sample's last call
+
+    def length(self) -> int:
+        return len(self.prompt) + len(self.resp)
 
     def extends(self, t: Triplet) -> bool:
-        full = self.prompt + self.resp
-        return t.prompt_ids[: len(full)] == full
+        n = self.length()
+        return (
+            len(t.prompt_ids) >= n
+            and t.prompt_ids[: len(self.prompt)] == self.prompt
+            and (t.prompt_ids[len(self.prompt) : n] == self.resp)
+        )
 
-    def add(self, t: Triplet) -> None:
+    def add(self, t: Triplet, source: int) -> None:
         """Append call ``t`` (which extends this sample): the prompt delta (tool results, template) masked."""
         extra = t.prompt_ids[len(self.prompt) + len(self.resp) :]
         mask, logp = _call_mask(t), _call_logp(t)
         start = len(self.resp) + len(extra)
-        self.calls.append({"start": start, "length": len(t.response_ids), "reward": _reward(t)})
+        self.calls.append(
+            {"start": start, "length": len(t.response_ids), "reward": _reward(t), "source": source}
+        )
+        self.last_id = _tree_ids(t)[0]
         self.resp = self.resp + extra + list(t.response_ids)
         self.mask = self.mask + [0] * len(extra) + mask
         self.logp = None if self.logp is None or logp is None else self.logp + [0.0] * len(extra) + logp

@@ -10,7 +10,7 @@ import math
 import secrets
 import time
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -183,6 +183,15 @@ class AttemptedRollout(Rollout):
 
 # ---------------------------------------------------------------- spans
 
+# The conversation a call belongs to inside its attempt (rules: agentloop/adapter.py's docstring):
+Branch = Literal[
+    "main",  # the attempt's main conversation: its main root and every call that extends it
+    "subagent",  # a later conversation of its own (another system prompt, tools or several calls)
+    "compaction",  # the main conversation restated (a summary, a rewritten history) and continued
+    "side",  # a call beside the conversation: a title, a summary, a quota check (no tools)
+]
+BRANCHES: tuple[str, ...] = get_args(Branch)
+
 
 class LLMCall(_Model):
     """One request to the model: the exact token ids it saw and produced."""
@@ -215,6 +224,23 @@ class LLMCall(_Model):
         default=None, description="Why delta tokenization fell back to a full render."
     )
     tool_call_parse_error: bool = False
+    call_id: int | None = Field(
+        default=None,
+        ge=1,
+        description="The call's number in its attempt or session, from 1 (the token ledger's); "
+        "None: recorded before calls had ids.",
+    )
+    parent_call_id: int | None = Field(
+        default=None,
+        ge=1,
+        description="The call whose prompt + response this call's prompt starts with (delta "
+        "tokenization extended it); None: a root (a new conversation, or a ledger break).",
+    )
+    branch: Branch | None = Field(
+        default=None,
+        description="The conversation the call belongs to, as known when it was recorded (the "
+        "parent's; main for the first root with tools); None: the adapter decides.",
+    )
 
     check_json_fields = field_validator("messages", "tools", "response_message", "sampling")(_json_field)
 

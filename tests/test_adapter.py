@@ -149,6 +149,9 @@ def test_metadata_carries_ids_and_rollout_input() -> None:
         "attempt_reward": 1.0,  # the attempt's total: its one vote in a GRPO group
         "call_reward": 1.0,  # the call's own reward: what GAE places on its last token
         "temperature": 0.7,  # what the trainer computes log-probs at
+        "call_id": 1,  # the span has none (recorded before call ids): call_index + 1
+        "parent_call_id": None,  # a root
+        "branch": "main",
         "input": {"question": "2+2"},
         "mode": "val",
     }
@@ -260,8 +263,9 @@ def test_merge_turns_masks_the_tokens_the_model_did_not_produce() -> None:
     assert first.response_mask == [1, 1, 0, 0, 1, 0, 1]
     assert first.response_logprobs == [-0.3, -0.4, 0.0, 0.0, -0.7, 0.0, -0.1]
     assert first.reward == 1.0  # the last reward that was not None
-    calls_meta = [{"start": 0, "length": 2, "reward": 0.0}, {"start": 4, "length": 2, "reward": 1.0}]
-    calls_meta.append({"start": 6, "length": 1, "reward": 0.0})
+    calls_meta = [{"start": 0, "length": 2, "reward": 0.0, "source": 0}]
+    calls_meta += [{"start": 4, "length": 2, "reward": 1.0, "source": 1}]
+    calls_meta.append({"start": 6, "length": 1, "reward": 0.0, "source": 2})
     assert first.metadata == {**ATT, "call": 2, "input": "x", "merged_calls": 3, "calls": calls_meta}
     assert (second.prompt_ids, second.response_ids, second.reward) == ([9, 9], [11], 0.5)
     assert second.metadata["merged_calls"] == 1
@@ -299,7 +303,12 @@ def test_versions_oldest_and_newest_per_call_and_per_merged_attempt() -> None:
         (5, 6),
         (7, 7),
     ]
-    second = calls[1].model_copy(update={"prompt_ids": [*calls[0].prompt_ids, *calls[0].response_ids, 9]})
+    second = calls[1].model_copy(  # made to extend the first call: its prompt and its parent
+        update={
+            "prompt_ids": [*calls[0].prompt_ids, *calls[0].response_ids, 9],
+            "metadata": {**calls[1].metadata, "parent_call_id": 1},
+        }
+    )
     (merged,) = merge_turns([calls[0], second])
     assert (merged.metadata["weights_version"], merged.metadata["newest_weights_version"]) == (5, 7)
 

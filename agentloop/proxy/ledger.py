@@ -23,6 +23,21 @@ to a full render of the messages and the plan carries ``ledger_break`` with the 
 the history was edited or truncated, the assistant message differs from what was returned, the
 tools changed, or the template renders earlier turns differently once more turns follow (e.g. it
 strips ``<think>`` from past assistant messages).
+
+One key can hold several conversations (a subagent, a compaction, a title call, parallel tool
+branches), so its calls form a tree, not one line. Each call gets an id (``new_call_id``: 1, 2, ...
+per key, also for calls the ledger does not keep, such as text completions) and the plan names its
+parent (``extends_call``: the call whose prompt + response the prompt starts with; None for a root)
+and its ``branch`` as far as it is known now (the adapter decides the rest, agentloop/adapter.py):
+
+- a call that extends another, or continues another's messages where the tokens could not
+  (a ledger break after the whole earlier history: the reply was edited, the tools changed, the
+  template re-renders): that call's branch;
+- a root that offers tools while no earlier call of the key is ``main``: ``"main"``. Not simply
+  the first root: Claude Code sends its title and quota calls (no tools, a small model) beside,
+  and sometimes before, its first main call;
+- any other root: None (a subagent, a compaction or a side call; the adapter tells them apart once
+  all the attempt's calls are known).
 """
 
 from __future__ import annotations
@@ -40,13 +55,15 @@ from agentloop.proxy.schemas import JSONDict
 class LedgerEntry:
     """One finished call of a conversation."""
 
-    call_index: int
+    call_index: int  # the call's id in its key (LLMCall.call_id)
     messages: list[JSONDict]  # canonical messages (see chat.canonical_message)
     tools: list[JSONDict] | None
     prompt_text: str  # template render of ``messages`` with the generation prompt
     prompt_ids: list[int]
     response_ids: list[int]
     response: JSONDict  # canonical assistant message returned
+    parent: int | None = None  # the call this one extends (LLMCall.parent_call_id)
+    branch: str | None = None  # LLMCall.branch (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,7 @@ class PromptPlan:
     ledger_break: str | None = None  # why delta tokenization was not possible
     extends_call: int | None = None  # call index whose prompt + response this prompt starts with
     delta_tokens: int = 0  # tokens encoded for the new messages only
+    branch: str | None = None  # the branch as known now (module docstring); None: the adapter decides
 
 
 class TokenLedger:
@@ -83,6 +101,20 @@ class TokenLedger:
     def calls(self, key: str) -> list[LedgerEntry]:
         return list(self._calls.get(key, ()))
 
+    def new_call_id(self, key: str) -> int:
+        """The next call id of ``key`` (1, 2, ...), taken when a call is recorded: ids stay unique per key
+        for calls the ledger does not keep (text completions, a prompt over the context)."""
+        index = self._counts.get(key, 0) + 1
+        self._counts[key] = index
+        self._calls.setdefault(key, [])  # a key with a count is one the sweep and the LRU bound see
+        self._calls.move_to_end(key)
+        self._trim()
+        return index
+
+    def _trim(self) -> None:
+        while len(self._calls) > self.max_conversations:
+            self.forget(next(iter(self._calls)))
+
     def forget(self, key: str) -> None:
         self._calls.pop(key, None)
         self._counts.pop(key, None)
@@ -95,15 +127,22 @@ class TokenLedger:
         """The prompt ids for ``messages``: delta on an earlier call when possible, else a full render."""
         full = template.render(messages, tools, add_generation_prompt=True)
         entries = self._calls.get(key)
+        reason, continued = None, None
         if entries:
             self._calls.move_to_end(key)
             match = _find_extended(entries, messages, tools)
             if match is not None:
                 return _delta(match, messages, tools, template, full)
-            reason = _why_no_match(entries, messages, tools)
+            reason, continued = _why_no_match(entries, messages, tools)
+        if continued is not None:
+            branch = continued.branch
+        elif tools and not any(e.branch == "main" for e in entries or ()):
+            branch = "main"
         else:
-            reason = None
-        return PromptPlan(prompt_ids=template.encode(full), prompt_text=full, ledger_break=reason)
+            branch = None
+        return PromptPlan(
+            prompt_ids=template.encode(full), prompt_text=full, ledger_break=reason, branch=branch
+        )
 
     def record(
         self,
@@ -113,18 +152,21 @@ class TokenLedger:
         tools: list[JSONDict] | None,
         response_ids: list[int],
         response: JSONDict,
+        call_id: int | None = None,
     ) -> LedgerEntry:
-        """Remember a finished call so later calls can extend it."""
-        index = self._counts.get(key, 0) + 1
-        self._counts[key] = index
-        entry = LedgerEntry(index, messages, tools, plan.prompt_text, plan.prompt_ids, response_ids, response)
+        """Remember a finished call so later calls can extend it; ``call_id``: the id ``new_call_id``
+        gave its span (None: take the next one)."""
+        index = call_id if call_id is not None else self.new_call_id(key)
+        entry = LedgerEntry(
+            index, messages, tools, plan.prompt_text, plan.prompt_ids, response_ids, response,
+            parent=plan.extends_call, branch=plan.branch,
+        )  # fmt: skip
         entries = self._calls.setdefault(key, [])
         self._calls.move_to_end(key)
         entries.append(entry)
         if len(entries) > self.max_calls:
             del entries[0]
-        while len(self._calls) > self.max_conversations:
-            self.forget(next(iter(self._calls)))
+        self._trim()
         return entry
 
 
@@ -152,33 +194,43 @@ def _common_prefix(a: list[Any], b: list[Any]) -> int:
 
 def _why_no_match(
     entries: list[LedgerEntry], messages: list[JSONDict], tools: list[JSONDict] | None
-) -> str | None:
-    """A reason for the fallback, or None when the request is simply a new conversation."""
+) -> tuple[str | None, LedgerEntry | None]:
+    """A reason for the fallback (None when the request is simply a new conversation), and the earlier
+    call whose whole history the request continues (None when it starts or rewrites a history)."""
+    prefixes = [x for x in entries if x.messages == messages[: len(x.messages)]]
+    continued = max(prefixes, key=lambda x: (len(x.messages), x.call_index), default=None)
     if not any(m["role"] == "assistant" for m in messages):
-        return None
+        return None, continued
     e = max(entries, key=lambda x: (_common_prefix(x.messages, messages), x.call_index))
     n, k = len(e.messages), _common_prefix(e.messages, messages)
     if k < n:
         if k == 0 and messages[0] in e.messages[1:]:
             j = e.messages.index(messages[0])
-            return f"history truncated at the front: messages[0] is messages[{j}] of call {e.call_index}"
-        if k == len(messages):
-            return f"history truncated: the request has {len(messages)} messages, call {e.call_index} had {n}"
-        return f"history edited: messages[{k}] differs from what call {e.call_index} saw"
-    if n >= len(messages):
-        return f"the request repeats call {e.call_index}'s messages without its response"
-    if messages[n] != e.response:
-        return f"messages[{n}] differs from the assistant message call {e.call_index} returned"
-    if e.tools != tools:
-        return f"tools changed since call {e.call_index}"
-    return f"the request does not extend any earlier call (closest: call {e.call_index})"  # pragma: no cover
+            reason = f"history truncated at the front: messages[0] is messages[{j}] of call {e.call_index}"
+        elif k == len(messages):
+            reason = (
+                f"history truncated: the request has {len(messages)} messages, call {e.call_index} had {n}"
+            )
+        else:
+            reason = f"history edited: messages[{k}] differs from what call {e.call_index} saw"
+    elif n >= len(messages):
+        reason = f"the request repeats call {e.call_index}'s messages without its response"
+    elif messages[n] != e.response:
+        reason = f"messages[{n}] differs from the assistant message call {e.call_index} returned"
+    elif e.tools != tools:
+        reason = f"tools changed since call {e.call_index}"
+    else:  # pragma: no cover
+        reason = f"the request does not extend any earlier call (closest: call {e.call_index})"
+    return reason, continued
 
 
 def _delta(
     e: LedgerEntry, messages: list[JSONDict], tools: list[JSONDict] | None, template: ChatTemplate, full: str
 ) -> PromptPlan:
-    def fallback(reason: str) -> PromptPlan:
-        return PromptPlan(prompt_ids=template.encode(full), prompt_text=full, ledger_break=reason)
+    def fallback(reason: str) -> PromptPlan:  # the request continues call e's messages: e's branch
+        return PromptPlan(
+            prompt_ids=template.encode(full), prompt_text=full, ledger_break=reason, branch=e.branch
+        )
 
     n = len(e.messages)
     base = template.render(messages[: n + 1], tools, add_generation_prompt=False)
@@ -210,4 +262,5 @@ def _delta(
         prompt_text=full,
         extends_call=e.call_index,
         delta_tokens=len(delta_ids),
+        branch=e.branch,
     )

@@ -294,6 +294,8 @@ class ProxyService:
             "tools": tools,
             "model": req.model,
             "ledger_break": plan.ledger_break,
+            "parent_call_id": plan.extends_call,  # the call tree (ledger.py): call_id is set when recorded
+            "branch": plan.branch,
         }
         if plan.ledger_break:
             log.info("ledger break", key=target.key, reason=plan.ledger_break)
@@ -323,9 +325,10 @@ class ProxyService:
         if client_gone is not None and await _has_left(client_gone):
             log.info("client gone before the answer; not recorded", key=target.key)
             raise client_gone_error()
+        call["call_id"] = call_id = self.ledger.new_call_id(target.key)
         await self.record(target, call)
         self.ledger.record(
-            target.key, plan, messages, tools, out.token_ids, canonical_response(content, tool_calls)
+            target.key, plan, messages, tools, out.token_ids, canonical_response(content, tool_calls), call_id
         )
         return Generation(
             "chatcmpl-" + secrets.token_hex(12), int(time.time()), req.model or self.model_name, plan.prompt_ids,
@@ -361,6 +364,7 @@ class ProxyService:
         if client_gone is not None and await _has_left(client_gone):
             log.info("client gone before the answer; not recorded", key=target.key)
             raise client_gone_error()
+        call["call_id"] = self.ledger.new_call_id(target.key)  # a root: the ledger keeps no text prompts
         await self.record(target, call)
         return Generation(
             "cmpl-" + secrets.token_hex(12), int(time.time()), req.model or self.model_name, prompt_ids,
@@ -385,6 +389,7 @@ class ProxyService:
             # session's is not kept (nothing trains on it, and its messages can be megabytes)
             if exc.code == "context_length_exceeded" and target.session_id is None:
                 call["error"] = "context_length_exceeded"
+                call["call_id"] = self.ledger.new_call_id(target.key)
                 try:
                     await self.record(target, call)
                 except ProxyError as rec_exc:
