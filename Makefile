@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-fast test-slow demo test bench lint venv clean sandbox-deps
+.PHONY: test-fast test-slow demo test bench lint venv clean sandbox-deps harnesses
 
 venv: $(STAMP)
 
@@ -30,10 +30,14 @@ test: lint sandbox-deps
 test-fast: $(STAMP) sandbox-deps
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x -n 2 -m "not slow and not e2e" --durations=10
 
-test-slow: $(STAMP) sandbox-deps
-	# The Codex CLI the harness test runs (tests/proxy/test_codex_cli.py; it skips without npm or the binary).
-	if command -v npm >/dev/null; then npm install --no-audit --no-fund --prefix $(VENV)/harness @openai/codex@0.169.0 \
-	  || echo "npm install failed: the Codex CLI test skips"; else echo "npm not found: the Codex CLI test skips"; fi
+# The real harnesses at pinned versions, under .venv/harness (agentloop.harness finds them there); the
+# tests that run them skip with the reason when npm or a package is missing. Versions: agentloop/harness/specs.py.
+HARNESS_PKGS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.332 opencode-ai@1.18.33
+harnesses: $(STAMP)
+	if command -v npm >/dev/null; then timeout 600 npm install --no-audit --no-fund --prefix $(VENV)/harness \
+	  $(HARNESS_PKGS) || echo "npm install failed: the harness tests skip"; else echo "npm not found: the harness tests skip"; fi
+
+test-slow: $(STAMP) sandbox-deps harnesses
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)
 
 bench: $(STAMP)

@@ -182,7 +182,13 @@ _LAZY: dict[str, str] = {
 }
 
 
+# submodules reached as attributes (``al.harness.run(...)``), imported on first use
+_SUBMODULES = ("harness", "sandbox")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"agentloop.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'agentloop' has no attribute {name!r}")
