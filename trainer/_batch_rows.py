@@ -54,19 +54,17 @@ def attempt_rows(
     """The rows of one attempt's calls (positions ``attempt`` in ``triplets``, in order): one per call,
     or consecutive extending calls merged into one of at most ``max_row_tokens`` tokens."""
     calls = [triplets[i] for i in attempt]
-    if merge:
+    if merge:  # one sample per branch of the attempt's call tree; each call in exactly one
         samples = merge_turns(calls, max_row_tokens)
-        places = [_places(s) for s in samples]
+        places = [_places(s, attempt) for s in samples]
     else:
         samples = calls
-        places = [[(0, len(t.response_ids))] for t in calls]
-    sources = iter(attempt)  # merge_turns keeps the calls in order, each in exactly one sample
+        places = [[(0, len(t.response_ids), i)] for t, i in zip(calls, attempt, strict=True)]
     rows: list[Row] = []
     for sample, where in zip(samples, places, strict=True):
         temps = [1.0] * len(sample.response_ids)
         spans: list[Span] = []
-        for start, length in where:
-            i = next(sources)
+        for start, length, i in where:
             temps[start : start + length] = [_temperature(triplets[i], default_temperature)] * length
             spans.append(
                 Span(
@@ -99,10 +97,11 @@ def call_positions(triplets: Sequence[Triplet], attempt: list[int]) -> dict[int,
     return {i: k for k, i in enumerate(attempt)}
 
 
-def _places(merged: Triplet) -> list[tuple[int, int]]:
-    """(start, length) of each call's response in a sample from merge_turns (``metadata["calls"]``)."""
+def _places(merged: Triplet, attempt: list[int]) -> list[tuple[int, int, int]]:
+    """(start, length, index in build_batch's input) of each call's response in a sample from
+    merge_turns (``metadata["calls"]``; ``source`` is the call's place in ``attempt``)."""
     calls: Any = merged.metadata["calls"]
-    return [(int(c["start"]), int(c["length"])) for c in calls]
+    return [(int(c["start"]), int(c["length"]), attempt[int(c["source"])]) for c in calls]
 
 
 def _temperature(t: Triplet, default: float) -> float:

@@ -279,3 +279,27 @@ def test_merged_rows_are_budgeted_by_max_trajectory_length_and_never_cut_a_call_
     assert more.responses.tolist() == [[10, 11, 99, 12, 13, 99, 14, 15, 99, 16, 17]]
     with pytest.raises(ValueError, match=r"max_row_tokens \(11\) must be at least"):
         build_batch(triplets, max_prompt_length=8, max_response_length=4, max_row_tokens=11)
+
+
+def test_a_branched_attempt_gives_a_row_per_branch_with_each_call_in_its_own_place() -> None:
+    """Main call 1, a subagent's call A (a new conversation), main call 2 extending call 1: merged, the
+    rows are [1, 2] and [A] (merge_turns by the call tree), and each call keeps its own reward, source
+    and position (call_index, chronological: 1 -> 0, A -> 1, 2 -> 2)."""
+    meta = {"rollout_id": "r", "attempt_id": "a", "input": "q"}
+    triplets = [
+        trip([1, 2], [10, 11], 0.1, metadata={**meta, "call_index": 0, "call_id": 1, "parent_call_id": None}),
+        trip([50, 51], [60], 0.2, metadata={**meta, "call_index": 1, "call_id": 2, "parent_call_id": None}),
+        trip(
+            [1, 2, 10, 11, 99],
+            [12],
+            0.3,
+            metadata={**meta, "call_index": 2, "call_id": 3, "parent_call_id": 1},
+        ),
+    ]
+    batch, _ = build_batch(triplets, max_prompt_length=8, max_response_length=8, merge=True)
+    assert batch.responses.tolist() == [[10, 11, 99, 12], [60, 0, 0, 0]]
+    assert batch.calls is not None
+    assert batch.calls.source.tolist() == [0, 2, 1] and batch.calls.row.tolist() == [0, 0, 1]
+    assert batch.calls.start.tolist() == [0, 3, 0] and batch.calls.length.tolist() == [2, 1, 1]
+    assert batch.calls.reward.tolist() == pytest.approx([0.1, 0.3, 0.2])
+    assert batch.calls.position.tolist() == [0, 2, 1]
