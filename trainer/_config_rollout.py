@@ -48,6 +48,12 @@ class RolloutConfig(_Section):
         ge=1,
         description="Most requests one engine decodes at once; None: the engine's default.",
     )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=2,
+        description="Most tokens (prompt + response) of one sequence in the engine (its max_context); "
+        "None: the model's own limit (max_position_embeddings).",
+    )
     replicas: int = Field(default=1, ge=1, description="Inference engine replicas.")
     proxy_workers: int = Field(
         default=0,
@@ -86,6 +92,8 @@ def engine_kwargs(rollout: RolloutConfig) -> dict[str, Any]:
     }
     if rollout.max_num_seqs is not None:
         kwargs["max_batch_size"] = rollout.max_num_seqs
+    if rollout.max_model_len is not None:
+        kwargs["max_context"] = rollout.max_model_len
     if rollout.engine_backend == "vllm":
         kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
     else:

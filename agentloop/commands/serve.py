@@ -22,6 +22,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve a model behind the recording OpenAI-compatible proxy")
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, local HF folder or hub id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most tokens (prompt + response) of one request; default: the model's own limit "
+        "(max_position_embeddings, SmolLM2: 8192). Lower it to hold less KV cache per request",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument(
@@ -115,7 +123,10 @@ async def serve(args: argparse.Namespace) -> None:
     from agentloop.proxy import Proxy
     from agentloop.store.sqlite import SQLiteStore
 
-    engine = load_engine(args.model, device=args.device)
+    try:
+        engine = load_engine(args.model, device=args.device, **engine_options(args))
+    except ValueError as exc:  # the engine refused its context or KV budget: say which flag
+        raise UsageError(f"--max-context: {exc}") from None
     store = SQLiteStore(args.store)
     proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.key, workers=args.workers)
     trainer = None
@@ -154,6 +165,29 @@ async def serve(args: argparse.Namespace) -> None:
             await store.close()
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``load_engine`` keywords that serve's flags set (none: the engine's defaults)."""
+    return {} if args.max_context is None else {"max_context": args.max_context}
+
+
+def check_max_context(args: argparse.Namespace) -> None:
+    """``--max-context`` within [2, the model's limit], checked from the model's config before any
+    weights load (the engine checks again, and against its KV budget)."""
+    from agentloop.engine.models import model_context_limit, resolve_model
+
+    n = args.max_context
+    if n is None:
+        return
+    if n < 2:
+        raise UsageError(f"--max-context must be >= 2 tokens, got {n}")
+    limit = model_context_limit(resolve_model(args.model))
+    if limit is not None and n > limit:
+        raise UsageError(
+            f"--max-context {n} is above the model's limit of {limit} tokens ({args.model}: "
+            f"max_position_embeddings); pass at most {limit}, or leave the flag out for the model's full context"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped: Ctrl-C or SIGTERM ends ``serve`` (the proxy, engine and store close in its
     ``finally``) and the CLI prints the one line that says so."""
@@ -171,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             f"or set ${KEY_ENV} (or serve on 127.0.0.1)"
         )
     try:
+        check_max_context(args)
         event_loop.run(serve, args)  # on uvloop where installed
     except ModelResolutionError as exc:
         raise UsageError(f"--model: {exc}") from None

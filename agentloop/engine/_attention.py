@@ -7,6 +7,7 @@ tensor per layer, the largest cost of a decode step on an H100. Here the ``g`` q
 share a KV head are folded into the query-length axis instead, ``(b, h, q, d) -> (b, h_kv, g*q, d)``,
 and the mask (shared by all heads) is tiled the same way, so SDPA reads each cached key once.
 Registered as the attention implementation ``"agentloop_sdpa"``; the engine always passes a 4D mask.
+A prefill of one sequence passes no mask at all (:func:`chunk_attention`).
 
 On CUDA the engine also turns off SDPA's cuDNN backend (:func:`avoid_cudnn_attention`): cuDNN
 builds an execution plan per new shape, and an engine's prefills come in new shapes all the time.
@@ -27,6 +28,17 @@ log = structlog.get_logger(__name__)
 NAME = "agentloop_sdpa"
 
 
+# The engine's prefill of one sequence passes this keyword (transformers hands a model's extra keywords
+# down to the attention function) and a zero-width 4D mask, ``(1, 1, q, 0)``: transformers takes a 4D
+# mask as it is, and should the keyword not arrive, SDPA refuses that mask instead of attending
+# without one. The shapes say the rest (chunk_attention).
+CHUNK_KW = "agentloop_chunk"
+
+# CPU flash attention that also returns the log-sum-exp of each query's scores (private in torch
+# 2.x; the public SDPA does not return it). Without it chunk_attention builds the full mask instead.
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def grouped_sdpa(
     module: Any,
     query: torch.Tensor,
@@ -38,12 +50,31 @@ def grouped_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``query`` (b, h, q, d), ``key``/``value`` (b, h_kv, k, d), ``attention_mask`` (b|1, 1, q, k) bool
-    or additive; returns ``(b, q, h, d)`` as transformers' attention functions do."""
+    or additive; returns ``(b, q, h, d)`` as transformers' attention functions do. With ``CHUNK_KW``
+    the mask covers only the last ``q`` keys (:func:`chunk_attention`)."""
     if kwargs.get("softcap") is not None:
         raise ValueError("agentloop_sdpa does not support attention soft-capping")
+    if kwargs.get(CHUNK_KW):  # the mask is a zero-width placeholder: the shapes say it all
+        return chunk_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    return _sdpa(query, key, value, attention_mask, dropout, scaling).transpose(1, 2).contiguous(), None
+
+
+def _sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    dropout: float = 0.0, scaling: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """SDPA over the KV heads; returns ``(b, h, q, d)``."""
     b, h, q, d = query.shape
     h_kv = key.shape[1]
     g = h // h_kv
+    if g > 1 and q > 1 and query.device.type == "cpu":
+        # a CPU prefill: SDPA's own grouped-query path reads each KV head once too, and the mask is
+        # not copied g times (a decode step's query of 1 is folded: one bigger GEMM per KV head)
+        causal = attention_mask is None
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+            enable_gqa=True,
+        )  # fmt: skip
     if g > 1:
         query = query.reshape(b, h_kv, g * q, d)  # head i*g + j uses KV head i (as repeat_kv orders them)
         if attention_mask is not None:
@@ -57,16 +88,48 @@ def grouped_sdpa(
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal
     )  # (b, h_kv, g*q, d)
-    return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(b, h, q, value.shape[-1])
+
+
+def chunk_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Attention of a prefill chunk of one sequence: ``query`` (b, h, q, d) holds the new tokens at
+    positions ``p..p+q-1``, ``key``/``value`` (b, h_kv, p+q, d) the ``p`` cached ones before them and
+    the new ones; every cached key is visible to every new query, the new ones causally. Returns
+    ``(b, h, q, d)``.
+
+    Why: a dense mask over the whole context is ``q x (p+q)`` per forward, converted and tiled per
+    layer (a 12k-token prompt: 150 M mask entries, ~60% of the prefill's time on a CPU), and SDPA
+    with a mask cannot skip the masked half. On a CPU this runs two mask-free flash attentions, the
+    cached keys (no mask) and the new ones (causal, square), and merges them by their log-sum-exps:
+    ``out = sum_i exp(lse_i - lse) out_i``, ``lse = logaddexp(lse_1, lse_2)``; exact up to rounding.
+    Elsewhere (a GPU, a torch without the CPU kernel) it builds the full mask and calls SDPA.
+    """
+    q = query.shape[-2]
+    p = key.shape[-2] - q
+    if query.device.type == "cpu" and _cpu_flash is not None:
+        new, lse_new = _cpu_flash(query, key[:, :, p:], value[:, :, p:], 0.0, True, scale=scaling)[:2]
+        if p == 0:
+            return new
+        # the kernel's own grouped-query path (query heads i*g..i*g+g-1 on KV head i): measured faster
+        # here than folding the query heads into the length axis
+        old, lse_old = _cpu_flash(query, key[:, :, :p], value[:, :, :p], 0.0, False, scale=scaling)[:2]
+        lse = torch.logaddexp(lse_old, lse_new)  # (b, h, q)
+        w_old, w_new = (lse_old - lse).exp_()[..., None], (lse_new - lse).exp_()[..., None]
+        return (old * w_old + new * w_new).to(query.dtype)
+    causal = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
+    full = torch.cat([causal.new_ones(q, p), causal], dim=-1)[None, None]  # (1, 1, q, p + q)
+    return _sdpa(query, key, value, full, 0.0, scaling)
 
 
 def use_grouped_sdpa(model: Any) -> bool:
-    """Switch ``model`` to :func:`grouped_sdpa` when it uses grouped-query attention through the
-    standard attention interface; returns whether it did (older transformers: leave it as is)."""
+    """Switch ``model`` to :func:`grouped_sdpa` when it runs SDPA through the standard attention
+    interface (grouped-query or not: the chunked prefill needs it too); returns whether it did
+    (older transformers, other attention implementations: left as they are, and the engine passes
+    full masks)."""
     cfg = model.config
-    n_heads = getattr(cfg, "num_attention_heads", None)
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    if not n_heads or n_kv == n_heads or getattr(cfg, "_attn_implementation", None) != "sdpa":
+    if not getattr(cfg, "num_attention_heads", None) or getattr(cfg, "_attn_implementation", None) != "sdpa":
         return False
     try:
         from transformers import AttentionInterface

@@ -1,4 +1,5 @@
-"""TorchEngine's forward passes: batched left-padded prefill and a static decode step.
+"""TorchEngine's forward passes: prefill (one long prompt in chunks, or a left-padded group of short
+ones) and a static decode step.
 
 The decode step reads its per-row inputs (last token, position, sampling settings and the row's
 noise key) from preallocated device buffers filled with ONE host->device copy per kind (ints,
@@ -18,7 +19,7 @@ import structlog
 import torch
 
 from agentloop.engine import _fused_sampling
-from agentloop.engine._attention import cudnn_attention
+from agentloop.engine._attention import CHUNK_KW, cudnn_attention
 from agentloop.engine._cpu_decode import CpuDecoder, supports
 from agentloop.engine._kv import SlotKVCache
 from agentloop.engine._sampling import SampleMode, sample
@@ -53,8 +54,12 @@ class ModelRunner:
     def __init__(
         self, model: Any, cache: SlotKVCache, cache_kw: str, max_batch: int, max_context: int,
         device: torch.device, cuda_graphs: bool, cpu_decoder: bool = True, idle_capture: bool = True,
+        chunk_attention: bool = False,
     ) -> None:  # fmt: skip
         self._model, self._cache, self._cache_kw = model, cache, cache_kw
+        # the model attends through _attention.grouped_sdpa: a prefill chunk passes only its own mask
+        self.chunk_attention = chunk_attention
+        self.prefill_forwards = 0
         self._device = device
         self._max_batch = max_batch
         self.static_sampling = device.type == "cuda"  # no host sync inside a step: top-p by radix select
@@ -82,10 +87,54 @@ class ModelRunner:
         self.replays = 0
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, first_slot: int, prompts: Sequence[list[int]], cached: Sequence[int]) -> torch.Tensor:
-        """One forward over ``prompts[i][cached[i]:]`` (left-padded) into slots ``first_slot + i``;
-        returns the last real position's logits ``(m, V)`` fp32. Padding queries write only at
-        positions ``>= len(prompt)`` of their own slot, which no real query attends to."""
+    def prefill(
+        self,
+        first_slot: int,
+        prompts: Sequence[list[int]],
+        cached: Sequence[int],
+        chunk_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """Prefill ``prompts[i][cached[i]:]`` into slots ``first_slot + i``; returns the last real
+        position's logits ``(m, V)`` fp32. One prompt goes in chunks of at most ``chunk_tokens``
+        (:meth:`_prefill_chunk`); several go in one left-padded forward (:meth:`_prefill_group`)."""
+        self._cache.ensure_rows(first_slot + len(prompts))
+        if len(prompts) > 1:
+            return self._prefill_group(first_slot, prompts, cached)
+        prompt, start = prompts[0], cached[0]
+        step = max(1, chunk_tokens or len(prompt))
+        while True:
+            end = min(start + step, len(prompt))
+            logits = self._prefill_chunk(first_slot, prompt, start, end)
+            if end == len(prompt):
+                return logits
+            start = end
+
+    def _prefill_chunk(self, slot: int, prompt: list[int], start: int, end: int) -> torch.Tensor:
+        """One forward of ``prompt[start:end]`` into ``slot``, attending to its first ``start``
+        positions (already in the cache) and causally among the new tokens; the last one's logits
+        ``(1, V)``. With the engine's attention (``chunk_attention``) there is no mask; otherwise it
+        is the full ``(1, 1, q, end)``."""
+        q = end - start
+        ids_t = torch.tensor(prompt[start:end], dtype=torch.long).view(1, q).to(self._device)
+        pos_t = self._arange[start:end].view(1, q)
+        self._cache.set_prefill(slot, pos_t, end)
+        extra: dict[str, Any] = {}
+        if self.chunk_attention:  # a placeholder: _attention.CHUNK_KW says why
+            mask = torch.zeros(1, 1, q, 0, dtype=torch.bool, device=self._device)
+            extra[CHUNK_KW] = True
+        else:
+            mask = self._additive((self._arange[:end][None, :] <= pos_t[0][:, None])[None, None])
+        out = self._model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
+                          logits_to_keep=1, **{self._cache_kw: self._cache}, **extra)  # fmt: skip
+        self.prefill_forwards += 1
+        return out.logits[:, -1].float()
+
+    def _prefill_group(
+        self, first_slot: int, prompts: Sequence[list[int]], cached: Sequence[int]
+    ) -> torch.Tensor:
+        """One forward over ``prompts[i][cached[i]:]`` (left-padded) into slots ``first_slot + i``.
+        Padding queries write only at positions ``>= len(prompt)`` of their own slot, which no real
+        query attends to."""
         m = len(prompts)
         q = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
         cap = self._cache.capacity
@@ -99,10 +148,20 @@ class ModelRunner:
         pos_t = torch.tensor(pos, dtype=torch.long).view(m, q).to(self._device)
         kv_len = max(len(p) for p in prompts)
         self._cache.set_prefill(first_slot, pos_t, kv_len)
-        mask = (self._arange[:kv_len][None, None, :] <= pos_t[:, :, None])[:, None]  # (m, 1, q, kv_len)
+        mask = self._additive(
+            (self._arange[:kv_len][None, None, :] <= pos_t[:, :, None])[:, None]
+        )  # (m, 1, q, kv)
         out = self._model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
                           logits_to_keep=1, **{self._cache_kw: self._cache})  # fmt: skip
+        self.prefill_forwards += 1
         return out.logits[:, -1].float()
+
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as SDPA takes it best here: on a CPU additive in the model's dtype, made
+        once per forward (SDPA would convert a boolean one in every layer); on a GPU as it is."""
+        if self._device.type != "cpu":
+            return mask
+        return torch.zeros(mask.shape, dtype=self._cache.dtype).masked_fill_(~mask, float("-inf"))
 
     # ------------------------------------------------------------------ decode
     def decode(
@@ -111,6 +170,7 @@ class ModelRunner:
         """One decode step for slots ``0..len(rows)-1``; returns sampled ids and their logprobs."""
         n = len(rows)
         b = min(_pow2_at_least(n), self._max_batch) if self.graph_shapes else n
+        self._cache.ensure_rows(b)  # the engine fits the cache first; a caller of the runner alone may not
         pad = b - n
         tok, pos, top_k, keys, temp, top_p = (list(c) for c in zip(*rows, strict=True))
         zeros = [0] * pad
@@ -211,6 +271,9 @@ class ModelRunner:
             return False
         key = self.missing_graphs()[0]
         b = key[0]
+        if self._cache.rows < b:  # the cache shrank while idle: its padding rows need their slots
+            self._cache.ensure_rows(b)
+            self._drop_graphs_if_reallocated()
         self._ints[:, :b].zero_()
         self._ints[1, :b].fill_(self._cache.capacity - 1)
         self._floats[:, :b].fill_(1.0)  # temperature 1, top-p 1

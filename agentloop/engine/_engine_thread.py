@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from agentloop.engine._decode import DecodeRow, ModelRunner
-from agentloop.engine._kv import PrefixCache, SlotKVCache
+from agentloop.engine._kv import PrefixCache, SlotKVCache, rows_for
 from agentloop.engine._sampling import row_key, sample, sample_mode
 from agentloop.engine.base import SamplingParams, TokenOutput, WeightUpdatePolicy
 from agentloop.errors import EngineError
@@ -43,6 +43,7 @@ class Request:
     loop: asyncio.AbstractEventLoop
     seed: int
     end_ids: frozenset[int]
+    reserve: int = 0  # most positions it may hold: min(prompt + max_tokens, max_context)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weights version that sampled each token
@@ -64,6 +65,8 @@ class EngineThread:
     _max_batch: int
     _max_context: int
     _max_prefill_tokens: int
+    _kv_budget: int
+    _kv_bytes_per_token: int
     _policy: WeightUpdatePolicy
     _cache: SlotKVCache
     _prefix: PrefixCache
@@ -182,19 +185,42 @@ class EngineThread:
             self._timers["update_s"] += time.perf_counter() - t1
 
     def _schedule(self) -> list[Request]:
-        """Admit waiting requests while slots are free; prefill them in groups, sample first tokens."""
+        """Admit waiting requests while slots and the KV budget allow (first come, first served);
+        prefill them in groups, sample their first tokens."""
         admitted: list[Request] = []
-        while self._waiting and len(self._running) < self._max_batch:
+        while self._waiting and len(self._running) < self._max_batch and self._room_for([self._waiting[0]]):
             group = [self._waiting.popleft()]
             longest = len(group[0].prompt_ids)
             while self._waiting and len(self._running) + len(group) < self._max_batch:
                 longest_next = max(longest, len(self._waiting[0].prompt_ids))
                 if longest_next * (len(group) + 1) > self._max_prefill_tokens:
                     break
+                if not self._room_for([*group, self._waiting[0]]):
+                    break
                 group.append(self._waiting.popleft())
                 longest = longest_next
             admitted += self._admit(group)
+        if not self._running and not self._waiting and self._cache.nbytes > self._kv_budget // 4:
+            self._cache.reset()  # idle: give back what a long request grew (kept while it is small)
         return admitted
+
+    def _room_for(self, new: list[Request]) -> bool:
+        """Whether the KV cache can hold the running requests and ``new`` at their longest
+        (``reserve``), evicting prefix-cache entries to make room. A request alone always fits (the
+        engine's max_context fits the budget)."""
+        reqs = [*self._running, *new]
+        slots = rows_for(len(reqs), self._max_batch) * max(r.reserve for r in reqs) * self._kv_bytes_per_token
+        if slots > self._kv_budget:
+            return not self._running and len(new) == 1
+        self._prefix.evict_to((self._kv_budget - slots) // self._kv_bytes_per_token)
+        return True
+
+    def _fit_cache(self) -> None:
+        """Grow the slot cache (if needed) for every running request's next position."""
+        running = self._running
+        need = max(max(r.kv_len, len(r.prompt_ids)) + 1 for r in running)
+        self._cache.fit(len(running), need, max(r.reserve for r in running))
+        self._prefix.evict_to((self._kv_budget - self._cache.nbytes) // self._kv_bytes_per_token)
 
     def _admit(self, group: list[Request]) -> list[Request]:
         """Give ``group`` consecutive slots and prefill it; when the batched prefill fails, retry
@@ -226,6 +252,7 @@ class EngineThread:
         for i, req in enumerate(group):
             first_index.setdefault(tuple(req.prompt_ids), i)
         unique = group[: len(first_index)]
+        self._fit_cache()
         cached = []
         for req in unique:
             prompt = req.prompt_ids
@@ -233,10 +260,12 @@ class EngineThread:
             req.num_cached = hit
             cached.append(hit)
             self._stats["cached_prompt_tokens"] += hit
+            self._stats["prefix_cache_hit_tokens"] += hit
             self._stats["prefix_cache_hits"] += int(hit > 0)
-        self._cache.ensure_capacity(max(len(r.prompt_ids) for r in group) + 1)
         t0 = time.perf_counter()
-        logits = self._runner.prefill(unique[0].slot, [r.prompt_ids for r in unique], cached)
+        logits = self._runner.prefill(
+            unique[0].slot, [r.prompt_ids for r in unique], cached, chunk_tokens=self._max_prefill_tokens
+        )
         rows = [first_index[tuple(req.prompt_ids)] for req in group]
         for req, row in zip(group[len(unique) :], rows[len(unique) :], strict=True):
             self._cache.move(group[row].slot, req.slot, len(req.prompt_ids))
@@ -274,7 +303,7 @@ class EngineThread:
         n = len(reqs)
         reqs.sort(key=lambda r: r.slot)
         assert reqs[0].slot == 0 and reqs[-1].slot == n - 1, "decode rows must be the compact slots 0..n-1"
-        self._cache.ensure_capacity(max(r.kv_len for r in reqs) + 1)
+        self._fit_cache()
         rows: list[DecodeRow] = []
         for r in reqs:
             sp = r.sampling
@@ -344,7 +373,8 @@ class EngineThread:
         # keys/values written by older weights (an "inflight" update) never enter the prefix cache
         store = store and req.prefill_version == self._weights_version
         if store and req.slot >= 0 and reason != "abort" and req.kv_len > 0:
-            self._prefix.store((req.prompt_ids + req.output_ids)[: req.kv_len], self._cache, req.slot)
+            room = (self._kv_budget - self._cache.nbytes) // self._kv_bytes_per_token
+            self._prefix.store((req.prompt_ids + req.output_ids)[: req.kv_len], self._cache, req.slot, room)
         self._release(req)
         self._stats[f"finished_{reason}"] += 1
         sp = req.sampling

@@ -179,6 +179,30 @@ def _download_from_hub(repo_id: str) -> Path:
         ) from exc
 
 
+# Where transformers configs keep the most positions a model was trained for (Llama/Qwen/Mistral:
+# max_position_embeddings; GPT-2: n_positions; a few others the remaining names)
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def context_limit(config: Any) -> int | None:
+    """The model's own context limit from its transformers config (object or dict); None if it names none."""
+    for key in _CONTEXT_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_context_limit(path: str | Path) -> int | None:
+    """:func:`context_limit` of a local model folder's ``config.json`` (no weights are read)."""
+    import json
+
+    try:
+        return context_limit(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+
+
 def cache_argument(model: Any) -> str:
     """The keyword under which ``model.forward`` takes a KV cache: ``cache`` (transformers >= 5.x's
     newer models) or ``past_key_values`` (earlier ones, and transformers 5.17's Llama)."""

@@ -65,7 +65,7 @@ from agentloop.engine._attention import avoid_cudnn_attention, use_grouped_sdpa
 from agentloop.engine._bursts import Answer, as_finished, labelled
 from agentloop.engine._decode import ModelRunner
 from agentloop.engine._engine_thread import EngineThread, Request
-from agentloop.engine._kv import PrefixCache, SlotKVCache
+from agentloop.engine._kv import PrefixCache, SlotKVCache, default_kv_budget, kv_shape
 from agentloop.engine._thread_settings import free_openmp_pool_of_this_thread, shorten_gil_switch_interval
 from agentloop.engine.base import (
     WEIGHT_UPDATE_POLICIES,
@@ -76,7 +76,7 @@ from agentloop.engine.base import (
     check_prompt,
     check_sampling,
 )
-from agentloop.engine.models import cache_argument
+from agentloop.engine.models import cache_argument, context_limit
 
 log = structlog.get_logger(__name__)
 
@@ -93,7 +93,17 @@ class TorchEngine(EngineThread):
     decode Llama-family models with the fused, MKL-packed step of ``_cpu_decode.py`` instead of
     transformers' forward (other models always use transformers'); it holds fused, packed copies of
     the weights (about 2.4x their size). ``max_prefill_tokens``: most
-    (padded) tokens one batched prefill forward takes. ``stall_warning_s``: a request older than
+    (padded) tokens one batched prefill forward takes; a longer prompt is prefilled alone, in chunks
+    of this many tokens (each attends to the cache and its own tokens, with no mask over the whole
+    context: ``_attention.chunk_attention``). ``max_context``: most tokens (prompt + response) of one
+    sequence; None: the model's own limit (``max_position_embeddings``); above it is refused.
+    ``kv_cache_bytes``: the most the KV cache (the running requests' slots and the prefix cache's
+    copies) may hold; None: half the memory free when the engine is built. Nothing is preallocated:
+    slots grow with the running requests and their lengths. A request is admitted when the cache can
+    hold every running request at its longest (prompt + max_tokens, within max_context), evicting
+    prefix-cache entries first; otherwise it waits for a running one to finish. A full-context
+    sequence must fit: an explicit ``max_context`` over the budget is refused, the model's own limit
+    is capped to it with a warning (``engine.context_capped``). ``stall_warning_s``: a request older than
     this is logged with its state (``engine.slow_request``), and failed if the engine no longer holds it.
     ``clock``: the monotonic seconds that request ages are measured in (tests pass a fake one).
     """
@@ -113,6 +123,7 @@ class TorchEngine(EngineThread):
         idle_graph_capture: bool = True,
         cpu_decoder: bool = True,
         max_prefill_tokens: int = 8192,
+        kv_cache_bytes: int | None = None,
         stall_warning_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -122,6 +133,10 @@ class TorchEngine(EngineThread):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(
+                f"kv_cache_bytes must be >= 1 (or None for half the free memory), got {kv_cache_bytes}"
+            )
         if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
             raise ValueError(
                 f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
@@ -134,17 +149,19 @@ class TorchEngine(EngineThread):
         if tokenizer is None:
             raise ValueError("a preloaded model needs its tokenizer: TorchEngine(model, tokenizer)")
         self._model = model.to(device=device, dtype=dtype).eval()
-        self.grouped_attention = use_grouped_sdpa(self._model)  # no per-head copies of the KV cache
+        # no per-head copies of the KV cache, and prefill chunks without a mask over the whole context
+        self.grouped_attention = use_grouped_sdpa(self._model)
         self._tokenizer = tokenizer
         self._device = torch.device(device)
-        cfg = model.config
-        limit = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
-        self._max_context = min(int(max_context or 4096), limit)
-        if self._max_context < 2:
-            raise ValueError(f"max_context must be >= 2, got {max_context}")
         self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self._max_batch = max_batch_size
         self._policy = weight_update_policy
+        n_layers, n_kv, head_dim = kv_shape(model.config)
+        self._kv_bytes_per_token = 2 * n_layers * n_kv * head_dim * torch.empty(0, dtype=dtype).element_size()
+        self._kv_budget = (
+            int(kv_cache_bytes) if kv_cache_bytes is not None else default_kv_budget(self._device)
+        )
+        self._max_context = self._context(max_context, context_limit(model.config))
         self._cache = SlotKVCache.for_model(model, max_batch_size, self._max_context, dtype, self._device)
         self._prefix = PrefixCache(max_entries=prefix_cache_entries)
         self._cache_kw = cache_argument(model)
@@ -162,6 +179,7 @@ class TorchEngine(EngineThread):
             cuda_graphs,
             cpu_decoder,
             idle_graph_capture,
+            chunk_attention=self.grouped_attention,
         )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
@@ -184,6 +202,38 @@ class TorchEngine(EngineThread):
         # forwards, bookkeeping after a decode (append, finish, slot moves, prefix-cache stores)
         self._timers = {"step_s": 0.0, "schedule_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "update_s": 0.0}
         self._timers["idle_capture_s"] = 0.0  # outside the steps: graph captures while idle
+
+    def _context(self, asked: int | None, limit: int | None) -> int:
+        """The engine's context: ``asked``, or the model's own limit; checked against the KV budget."""
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 2):
+            raise ValueError(f"max_context must be an int >= 2, got {asked!r}")
+        if asked is not None and limit is not None and asked > limit:
+            raise ValueError(
+                f"max_context ({asked}) is above the model's limit of {limit} positions "
+                f"(its config's max_position_embeddings); pass at most {limit}, or None for the model's own"
+            )
+        if limit is None and asked is None:
+            log.warning("engine.context_limit_unknown", assumed=4096, hint="pass max_context")
+        context = asked or limit or 4096
+        bpt = self._kv_bytes_per_token
+        fits = self._kv_budget // bpt
+        if context > fits:
+            need = f"{context} tokens of KV cache take {_size(context * bpt)} ({bpt} bytes per token)"
+            if asked is not None:
+                raise ValueError(
+                    f"max_context: {need}, more than the KV budget of {_size(self._kv_budget)} "
+                    f"(kv_cache_bytes; default: half the memory free); lower max_context or raise kv_cache_bytes"
+                )
+            log.warning(
+                "engine.context_capped", model_limit=context, max_context=fits, reason=need,
+                kv_budget=_size(self._kv_budget), hint="free memory, or pass max_context / kv_cache_bytes",
+            )  # fmt: skip
+            context = fits
+        if context < 2:
+            raise ValueError(
+                f"the KV budget of {self._kv_budget} bytes holds {fits} tokens; raise kv_cache_bytes"
+            )
+        return context
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -286,9 +336,11 @@ class TorchEngine(EngineThread):
         loop = asyncio.get_running_loop()
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         end_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
+        reserve = min(len(prompt) + sampling.max_tokens, self._max_context)  # its longest: what it may hold
         return Request(
-            rid, prompt, sampling, loop.create_future(), loop, seed, end_ids, added_at=self._clock()
-        )
+            rid, prompt, sampling, loop.create_future(), loop, seed, end_ids, reserve=reserve,
+            added_at=self._clock(),
+        )  # fmt: skip
 
     async def _submit(self, reqs: list[Request]) -> None:
         """Put validated ``reqs`` in flight: the engine thread gets them in one command."""
@@ -328,10 +380,25 @@ class TorchEngine(EngineThread):
         steps = s.get("decode_steps", 0)
         s["mean_decode_batch"] = s.get("decode_rows", 0) / steps if steps else 0.0
         s["decode_ms_per_step"] = 1e3 * self._timers["decode_s"] / steps if steps else 0.0
+        prompt = s.get("prompt_tokens", 0)
+        # the share of prompt tokens not computed: from the prefix cache (earlier calls' KV), and in all
+        # (also the repeats of a prompt within one prefill group, GRPO's n samples)
+        s["prefix_cache_hit_share"] = s.get("prefix_cache_hit_tokens", 0) / prompt if prompt else 0.0
+        s["cached_prompt_share"] = s.get("cached_prompt_tokens", 0) / prompt if prompt else 0.0
         s.update(self._timers)
+        s.update(
+            kv_bytes_per_token=self._kv_bytes_per_token, kv_budget_bytes=self._kv_budget,
+            kv_cache_bytes=self._cache.nbytes, kv_cache_rows=self._cache.rows,
+            kv_cache_capacity=self._cache.capacity, prefix_cache_entries=len(self._prefix),
+            prefix_cache_tokens=self._prefix.tokens, max_context=self._max_context,
+        )  # fmt: skip
         s.update(cuda_graphs=self._runner.cuda_graphs, graph_captures=self._runner.captures,
                  idle_graph_captures=self._runner.idle_captures, graph_replays=self._runner.replays)  # fmt: skip
         s.update(
             running=len(self._running), waiting=len(self._waiting), weights_version=self._weights_version
         )
         return s
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

