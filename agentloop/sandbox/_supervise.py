@@ -222,12 +222,14 @@ async def supervise(
                     assert proc.stdin is not None
                     tg.start_soon(_feed, proc.stdin, stdin)
 
+                deadline = anyio.move_on_after(timeout_s)
+
                 def over_quota(used: int) -> None:
                     hit.append("disk")
                     deadline.cancel()
 
                 tg.start_soon(_watch_disk, workspace, limits.disk_mb << 20, limits.disk_poll_s, over_quota)
-                with anyio.move_on_after(timeout_s) as deadline:
+                with deadline:
                     await proc.wait()
                 if deadline.cancelled_caught and not hit:
                     hit.append("timeout")
