@@ -13,7 +13,9 @@ Names and attributes (GenAI semantic conventions where they have one, ``agentloo
   ``gen_ai.provider.name=agentloop``, ``gen_ai.request.model``, ``gen_ai.usage.input_tokens`` /
   ``output_tokens`` (len of the recorded prompt / response ids), ``gen_ai.response.finish_reasons``,
   ``gen_ai.request.temperature`` / ``top_p`` / ``top_k`` / ``max_tokens`` / ``seed`` / ``stop_sequences``,
-  ``agentloop.weights_version``, ``agentloop.ledger_break``; ``error.type`` when the call failed.
+  ``agentloop.weights_version``, ``agentloop.ledger_break``, ``agentloop.call.id`` /
+  ``.parent_id`` / ``.branch`` (the call tree as recorded; None values left out); ``error.type`` when
+  the call failed.
 - ``execute_tool <name>``: ``gen_ai.operation.name``, ``gen_ai.tool.name``, ``gen_ai.tool.type``;
   ``error.type`` and ERROR when the tool failed.
 
@@ -210,6 +212,9 @@ def _emit_llm_call(tracer: Tracer, parent: Context, s: Span, call: LLMCall, capt
         agentloop__weights_version=call.weights_version,
         agentloop__ledger_break=call.ledger_break,
         agentloop__tool_call_parse_error=call.tool_call_parse_error or None,
+        agentloop__call__id=call.call_id,
+        agentloop__call__parent_id=call.parent_call_id,
+        agentloop__call__branch=call.branch,
     )
     for key, name in _SAMPLING_ATTRS.items():
         value = call.sampling.get(key)
