@@ -19,10 +19,14 @@
     ├── EmptyBatchError          no usable training sample in a batch, or in several steps of a fit (also a ValueError)
     ├── TrainerTimeoutError      a wait in the training loop passed its deadline (also a TimeoutError)
     ├── JudgeError               an LLM judge gave no usable scores after its retries (agentloop/judge/)
-    └── ToolError                a tool was defined, looked up or called wrongly
-        ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
-        ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)
-        └── ToolArgumentError    the model's arguments do not fit the tool (also a ValueError)
+    ├── ToolError                a tool was defined, looked up or called wrongly
+    │   ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
+    │   ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)
+    │   └── ToolArgumentError    the model's arguments do not fit the tool (also a ValueError)
+    └── SandboxError             a sandbox (agentloop.sandbox) could not be created, used or cleaned up
+        ├── SandboxUnavailableError  the backend asked for cannot run here (bwrap missing, user namespaces
+        │                            off, no Python for the launcher), or a harness is not installed
+        └── SandboxArgumentError     a bad argument: command, env, timeout, workspace path (also a ValueError)
 
 Validation errors on public calls are pydantic's ``ValidationError``; they name the field.
 """
@@ -44,6 +48,9 @@ __all__ = [
     "NotFoundError",
     "RequestAbortedError",
     "RolloutContextError",
+    "SandboxArgumentError",
+    "SandboxError",
+    "SandboxUnavailableError",
     "StaleAttemptError",
     "StoreUnavailableError",
     "ToolArgumentError",
@@ -151,3 +158,16 @@ class TrainerTimeoutError(AgentLoopError, TimeoutError):
 class JudgeError(AgentLoopError):
     """An LLM judge (``al.judge_reward``) gave no usable scores for a group after its retries, or its
     endpoint refused the request; the message shows the judge's last answer and why it was refused."""
+
+
+class SandboxError(AgentLoopError):
+    """A sandbox could not be created, used or cleaned up; the message says what and how to fix it.
+    A command that fails, times out or hits a limit is not one: ``Sandbox.run`` returns a result."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The backend asked for cannot run here, or a harness is not installed; the message gives the fix."""
+
+
+class SandboxArgumentError(SandboxError, ValueError):
+    """An argument to a sandbox call is not valid; the message says what was expected and what came."""
