@@ -4,7 +4,11 @@
 (``agentloop-serve.db``: its app sessions are in it, beside the rollouts), or a folder holding one
 such file.
 
-In the trajectory, the prompt is dim, tokens the model produced (trained, mask 1) are green, and
+The trajectory starts with the attempt's call tree (``call_tree``): one line per call with its id, its
+branch (main, subagent, compaction, side: agentloop/adapter.py), the call it extends, its tokens, its own
+reward and its advantage; a call that continues its parent's sample stays at its parent's level, a fork
+(a second call extending the same call) is indented one step under it. Then each sample (one per
+branch, ``merge_turns``): the prompt is dim, tokens the model produced (trained, mask 1) are green, and
 tokens it did not produce (tool output, later user turns: mask 0) are yellow. For a training rollout
 each call's advantage is shown as the trainer computed it (``trainer.sample_advantages`` over the
 attempts at the same task in the same step, with the run's config).
@@ -170,9 +174,9 @@ async def collect(db: Path) -> list[tuple[Rollout, float | None, int]]:
 async def trajectory(
     run_dir: Path, rollout_id: str, db: Path | None = None
 ) -> tuple[list[Triplet], Rollout, list[float | None]]:
-    """The rollout's calls merged for display, the rollout, and each call's advantage (None when the
-    trainer would not train on it, or the rollout is not a training rollout)."""
-    from agentloop.adapter import merge_turns, spans_to_triplets, triplets_for_rollouts
+    """The rollout's calls (one triplet each, in time order), the rollout, and each call's advantage (None
+    when the trainer would not train on it, or the rollout is not a training rollout)."""
+    from agentloop.adapter import spans_to_triplets, triplets_for_rollouts
     from agentloop.types import RolloutStatus
     from trainer import TrainerConfig, sample_advantages  # the CLI is where agentloop reaches the trainer
 
@@ -208,7 +212,38 @@ async def trajectory(
                 ]
     finally:
         await store.close()
-    return merge_turns(calls), rollout, advantages
+    return calls, rollout, advantages
+
+
+def call_tree(calls: list[Triplet], advantages: list[float | None]) -> list[str]:
+    """One line per call of an attempt (``calls`` in time order, from ``spans_to_triplets``; ``advantages``
+    beside them), each under the call it extends: the first call extending a call stays at its level (the
+    same sample), a fork goes one step in. Branch names and ids come from the triplets' metadata."""
+    children: dict[int, list[int]] = {}
+    roots: list[int] = []
+    position: dict[Any, int] = {}  # call_id -> the latest call with it
+    for k, t in enumerate(calls):
+        parent = position.get(t.metadata.get("parent_call_id"))
+        (roots if parent is None else children.setdefault(parent, [])).append(k)
+        position[t.metadata.get("call_id")] = k
+    lines: list[str] = []
+    stack = [(k, 0, False) for k in reversed(roots)]
+    while stack:  # depth first, children in time order
+        k, depth, fork = stack.pop()
+        t, m = calls[k], calls[k].metadata
+        extends = f" <- #{m['parent_call_id']}" if m.get("parent_call_id") is not None else ""
+        own, advantage = m.get("call_reward"), advantages[k] if k < len(advantages) else None
+        lines.append(
+            printable(
+                f"{'  ' * depth}#{m.get('call_id', k + 1)} {m.get('branch') or '?'}{extends}"
+                f"{' (fork)' if fork else ''}: prompt {len(t.prompt_ids)}, response {len(t.response_ids)} "
+                f"tokens; reward {'-' if own is None else f'{own:.3f}'}"
+                + ("" if advantage is None else f"; advantage {advantage:+.3f}")
+            )
+        )
+        kids = children.get(k, [])
+        stack.extend((c, depth + (j > 0), j > 0) for j, c in reversed(list(enumerate(kids))))
+    return lines
 
 
 def render(tokenizer: Any, triplet: Triplet, color: bool) -> str:
@@ -297,27 +332,32 @@ def _run(args: argparse.Namespace) -> int:
             f"({', '.join(printable(m[:16]) for m in matches[:4])}, ...); give more of the id"
         )
     (match,) = matches
-    if match in session_rewards:
-        from agentloop.adapter import merge_turns, spans_to_triplets
+    from agentloop.adapter import merge_turns, spans_to_triplets
 
+    if match in session_rewards:
         rec = next(r for r in sessions if r.session_id == match)
-        session_calls = spans_to_triplets(rec.spans()).triplets
-        advantages: list[float | None] = [None] * len(session_calls)  # no groups outside training
-        triplets, title = merge_turns(session_calls), f"session {printable(match)}"
+        calls = spans_to_triplets(rec.spans()).triplets
+        advantages: list[float | None] = [None] * len(calls)  # no groups outside training
+        title = f"session {printable(match)}"
         model = args.model or server.get("tokenizer") or server.get("model")
     else:
-        triplets, _, advantages = anyio.run(trajectory, run_dir, match, db)
+        calls, _, advantages = anyio.run(trajectory, run_dir, match, db)
         title, model = printable(match), args.model
+    triplets = merge_turns(calls)
     tokenizer = _tokenizer(run_dir, model)
     w(
         f"\n{BOLD if color else ''}trajectory of {title}{RESET if color else ''} "
         f"({len(triplets)} sample(s); green: model tokens, trained; yellow: masked)\n"
     )
-    remaining = list(advantages)
-    for t in triplets:
-        n = int(t.metadata.get("merged_calls", 1))
-        mine, remaining = remaining[:n], remaining[n:]
-        shown = ", ".join("-" if a is None else f"{a:+.3f}" for a in mine)
+    if len(calls) > 1:
+        w("calls (each under the call it extends; a fork one step in):\n")
+        w("".join(f"  {line}\n" for line in call_tree(calls, advantages)))
+    for number, t in enumerate(triplets, 1):
+        sources = [int(c["source"]) for c in t.metadata.get("calls", [])]  # the sample's calls in ``calls``
+        if len(triplets) > 1:
+            ids = " ".join(f"#{calls[k].metadata.get('call_id', k + 1)}" for k in sources)
+            w(printable(f"sample {number}/{len(triplets)}: {t.metadata.get('branch') or '?'}, calls {ids}\n"))
+        shown = ", ".join("-" if advantages[k] is None else f"{advantages[k]:+.3f}" for k in sources)
         w(render(tokenizer, t, color) + f"\n  -> reward {t.reward}; advantage per call: {shown}\n")
     return 0
 

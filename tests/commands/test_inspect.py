@@ -153,6 +153,10 @@ def test_the_store_agentloop_serve_wrote_opens(
         assert f"trajectory of session {sid}" in out  # the rewarded session is shown by default
         assert out.count("[model]Paris is the capital.") == 2 and "[masked]" in out  # the user turn: masked
         assert "-> reward 0.75" in out
+        # the session's two calls: ids recorded on the session route, one linear main conversation
+        assert (
+            "\n  #1 main: prompt " in out and "\n  #2 main <- #1: prompt " in out and "sample 1/" not in out
+        )
 
     code, out, _ = _inspect(str(tmp_path), "--rollout", "app-4", "--no-color", capsys=capsys)
     assert code == 0 and "trajectory of session app-42" in out
@@ -281,3 +285,86 @@ def test_a_training_rollout_shows_its_advantage_from_a_read_only_store(
     assert f"trajectory of {best}" in out and "-> reward 1.0; advantage per call: +" in out
     code, out, err = _inspect(str(tmp_path), "--rollout", worst, "--no-color", capsys=capsys)
     assert code == 0 and "-> reward 0.0; advantage per call: -0." in out
+
+
+# ---------------------------------------------------------------- issue 43 item 2: the call tree
+
+
+@pytest.fixture
+def branched_run(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, str]:
+    """A run folder whose one rollout holds a main conversation (with a fork), a title call beside it
+    and a two-call subagent, as the proxy records them (call ids, parents, branches)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def ids(text: str, eos: bool = False) -> list[int]:
+        return [*tok.encode(text, add_special_tokens=False), *([tok.eos_token_id] if eos else [])]
+
+    def turn(role: str, text: str) -> str:
+        return f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+    tools: list[dict[str, Any]] = [{"name": "Task", "parameters": {"type": "object", "properties": {}}}]
+    main = [{"role": "system", "content": "You code."}, {"role": "user", "content": "Fix the bug."}]
+    sub = [{"role": "system", "content": "You search."}, {"role": "user", "content": "Find add()."}]
+    p1, r1 = ids("<|im_start|>user\nFix the bug.<|im_end|>\n<|im_start|>assistant\n"), ids("Asking.", True)
+    p3, r3 = ids("<|im_start|>user\nFind add().<|im_end|>\n<|im_start|>assistant\n"), ids("Grep.", True)
+    p4 = [*p3, *r3, *ids(turn("tool", "m.py:3"))]
+    p5, p6 = [*p1, *r1, *ids(turn("tool", "in m.py"))], [*p1, *r1, *ids(turn("tool", "not found"))]
+    calls = [  # (prompt, response, call_id, parent, branch, messages, tools, model)
+        (p1, r1, 1, None, "main", main, tools, "big"),
+        (ids("Title for: Fix the bug."), ids("Bug fix", True), 2, None, None, main[1:], None, "small"),
+        (p3, r3, 3, None, None, sub, tools, "big"),
+        (p4, ids("add is in m.py", True), 4, 3, None, sub, tools, "big"),
+        (p5, ids("Fixed.", True), 5, 1, "main", main, tools, "big"),
+        (p6, ids("Retrying.", True), 6, 1, "main", main, tools, "big"),
+    ]
+
+    async def fill() -> str:
+        store = SQLiteStore(tmp_path / "store.db")
+        try:
+            await store.enqueue_rollout({"question": "fix"}, mode="val")
+            att = await store.dequeue_rollout("w")
+            assert att is not None
+            rid, aid = att.rollout_id, att.attempt.attempt_id
+            for prompt, response, cid, parent, branch, messages, tls, model in calls:
+                call = LLMCall(prompt_ids=prompt, response_ids=response, response_logprobs=[-0.5] * len(response),
+                               call_id=cid, parent_call_id=parent, branch=branch, messages=messages, tools=tls,
+                               model=model)  # fmt: skip
+                await store.add_span(Span(rollout_id=rid, attempt_id=aid, payload=call))
+            await store.add_span(Span(rollout_id=rid, attempt_id=aid, payload=Reward(value=1.0)))
+            await store.update_attempt(rid, aid, status=AttemptStatus.SUCCEEDED)
+            return rid
+        finally:
+            await store.close()
+
+    rid = anyio.run(fill)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"actor_rollout_ref": {"model": {"path": str(tiny_model_dir)}}})
+    )
+    return tmp_path, rid
+
+
+def test_a_branched_attempt_shows_its_call_tree_and_one_sample_per_branch(
+    branched_run: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, rid = branched_run
+    code, out, err = _inspect(str(run_dir), "--rollout", rid, "--no-color", capsys=capsys)
+    assert code == 0, err
+    assert "(4 sample(s); green: model tokens" in out
+    tree = out.split("calls (each under the call it extends; a fork one step in):\n")[1].split("sample 1/4")[
+        0
+    ]
+    assert tree.splitlines() == [
+        "  #1 main: prompt 14, response 4 tokens; reward 0.000",
+        "  #5 main <- #1: prompt 32, response 3 tokens; reward 0.000",  # continues #1's sample
+        "    #6 main <- #1 (fork): prompt 30, response 4 tokens; reward 1.000",
+        "  #2 side: prompt 7, response 4 tokens; reward 0.000",
+        "  #3 subagent: prompt 12, response 4 tokens; reward 0.000",
+        "  #4 subagent <- #3: prompt 31, response 7 tokens; reward 0.000",
+    ]
+    for header in ("sample 1/4: main, calls #1 #5", "sample 2/4: side, calls #2",
+                   "sample 3/4: subagent, calls #3 #4", "sample 4/4: main, calls #6"):  # fmt: skip
+        assert header + "\n" in out
+    assert "[model]Asking.<|im_end|>[/model][masked]\n<|im_start|>tool\nin m.py" in out
+    assert out.count("advantage per call: -, -\n") == 2 and out.count("advantage per call: -\n") == 2
