@@ -336,26 +336,26 @@ def _run(args: argparse.Namespace) -> int:
 
     if match in session_rewards:
         rec = next(r for r in sessions if r.session_id == match)
-        calls = spans_to_triplets(rec.spans()).triplets
-        advantages: list[float | None] = [None] * len(calls)  # no groups outside training
+        per_call = spans_to_triplets(rec.spans()).triplets
+        advantages: list[float | None] = [None] * len(per_call)  # no groups outside training
         title = f"session {printable(match)}"
         model = args.model or server.get("tokenizer") or server.get("model")
     else:
-        calls, _, advantages = anyio.run(trajectory, run_dir, match, db)
+        per_call, _, advantages = anyio.run(trajectory, run_dir, match, db)
         title, model = printable(match), args.model
-    triplets = merge_turns(calls)
+    triplets = merge_turns(per_call)
     tokenizer = _tokenizer(run_dir, model)
     w(
         f"\n{BOLD if color else ''}trajectory of {title}{RESET if color else ''} "
         f"({len(triplets)} sample(s); green: model tokens, trained; yellow: masked)\n"
     )
-    if len(calls) > 1:
+    if len(per_call) > 1:
         w("calls (each under the call it extends; a fork one step in):\n")
-        w("".join(f"  {line}\n" for line in call_tree(calls, advantages)))
+        w("".join(f"  {line}\n" for line in call_tree(per_call, advantages)))
     for number, t in enumerate(triplets, 1):
-        sources = [int(c["source"]) for c in t.metadata.get("calls", [])]  # the sample's calls in ``calls``
+        sources = [int(c["source"]) for c in t.metadata.get("calls", [])]  # its calls' places in per_call
         if len(triplets) > 1:
-            ids = " ".join(f"#{calls[k].metadata.get('call_id', k + 1)}" for k in sources)
+            ids = " ".join(f"#{per_call[k].metadata.get('call_id', k + 1)}" for k in sources)
             w(printable(f"sample {number}/{len(triplets)}: {t.metadata.get('branch') or '?'}, calls {ids}\n"))
         shown = ", ".join("-" if advantages[k] is None else f"{advantages[k]:+.3f}" for k in sources)
         w(render(tokenizer, t, color) + f"\n  -> reward {t.reward}; advantage per call: {shown}\n")
