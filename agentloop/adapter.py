@@ -27,6 +27,10 @@ call's it continues), else, for a root:
 - ``subagent``: any other root: its own conversation (Claude Code's Task tool: another system prompt,
   tools, several calls; sometimes another model).
 
+A fork (a second call extending the same call: parallel tool branches, a resampled turn) keeps its
+parent's branch and starts a sample of its own (``merge_turns``). Rewards follow time, not branches:
+a Reward span belongs to the call before it in time, and ``per_call``'s discount counts calls in time.
+
 Strategies (``strategy=``):
 
 - ``identical`` (default): every call gets the attempt's reward, the **sum of all its Reward
@@ -44,8 +48,7 @@ lost with a failed call.
 
 Every triplet's metadata names its attempt (``rollout_id``, ``attempt_id``, ``call_index``: the call's
 place among the attempt's calls in time, ``num_calls``), its place in the tree (``call_id``,
-``parent_call_id``, ``branch``),
-the attempt's total reward (``attempt_reward``: the sum of its Reward spans, whatever the strategy; the
+``parent_call_id``, ``branch``), the attempt's total reward (``attempt_reward``: the sum of its Reward spans, whatever the strategy; the
 trainer's group baselines give each attempt one vote with it), the call's own reward (``call_reward``:
 the Reward spans that follow it before the next call, whatever the strategy; a value model's GAE places
 it on the call's last token and bootstraps across turns) and the sampling ``temperature`` the call was
@@ -223,19 +226,21 @@ class _Node:
 
 def _call_tree(calls: list[LLMCall]) -> list[_Node]:
     """Each call's id, parent id and branch, calls in time order (rules: the module docstring)."""
-    recorded = [c.call_id for c in calls]
-    free = max((i for i in recorded if i is not None), default=len(calls)) + 1
+    recorded = [c.call_id for c in calls if c.call_id is not None]
+    free = max(recorded) + 1 if recorded else 1  # spans without ids: call_index + 1, or past the recorded
     ids: list[int] = []
-    for k, cid in enumerate(recorded):  # spans without ids: call_index + 1 (or past the recorded ones)
-        ids.append(cid if cid is not None else (k + 1 if all(r is None for r in recorded) else free))
-        free += cid is None
     parent: list[int | None] = []  # the parent's position in ``calls``
+    # call id -> the latest call with it (a ledger dropped under load starts its ids again)
+    by_id: dict[int, int] = {}
     for k, c in enumerate(calls):
         if c.call_id is not None:
-            pid = c.parent_call_id
-            parent.append(next((j for j in range(k - 1, -1, -1) if ids[j] == pid), None) if pid else None)
+            ids.append(c.call_id)
+            parent.append(by_id.get(c.parent_call_id) if c.parent_call_id is not None else None)
         else:
+            ids.append(free if recorded else k + 1)
+            free += 1 if recorded else 0
             parent.append(_extended(calls, k))
+        by_id[ids[k]] = k
     # the call each call takes its branch from: its parent, else the call whose messages it continues
     anchor = [
         p if p is not None or c.branch else _continued(calls, k)
