@@ -477,12 +477,12 @@ def merge_turns(triplets: Sequence[Triplet], max_tokens: int | None = None) -> l
 
     Calls are grouped by attempt (``group_by_attempt``; attempts in order of first appearance, calls in
     the order given). A call joins the sample of the call it extends: the one its ``parent_call_id``
-    names when its metadata has a ``call_id`` (``spans_to_triplets`` writes both), else the sample
-    whose prompt + response its prompt starts with, the longest of the attempt's samples first. It
-    joins only when that call is still the sample's last one and the prompt does start with the
-    sample's tokens: a fork (a second call extending the same call, such as parallel tool branches)
-    and a root (a subagent, a compaction, a side call) start a new sample from their own prompt. So
-    main call 1, subagent call A, main call 2 give the samples [1, 2] and [A].
+    names (``spans_to_triplets`` writes it with ``call_id``), when that call is still the sample's last
+    one and the prompt does start with the sample's tokens; a fork (a second call extending the same
+    call, such as parallel tool branches) starts a new sample from its own prompt. A root, or a call
+    without ids, joins the sample whose prompt + response its prompt starts with, the longest of the
+    attempt's samples first; a subagent, a compaction or a side call extends none and starts its own.
+    So main call 1, subagent call A, main call 2 give the samples [1, 2] and [A].
 
     Joining, the sample's response grows by the extra prompt tokens (tool results, chat template: mask
     0, logprob 0) and then the call's response (its own mask and logprobs). The sample's ``reward`` is
@@ -509,10 +509,10 @@ def merge_turns(triplets: Sequence[Triplet], max_tokens: int | None = None) -> l
             t = triplets[i]
             fits = max_tokens is None or len(t.prompt_ids) + len(t.response_ids) <= max_tokens
             call_id, parent = _tree_ids(t)
-            if call_id is not None:
-                found = holder.get(parent) if parent is not None else None
+            if call_id is not None and parent is not None:
+                found = holder.get(parent)
                 into = found if found is not None and found.last_id == parent and found.extends(t) else None
-            else:
+            else:  # a root, or no ids: the tokens decide (a ledger break whose full render came out the same)
                 into = max(
                     (m for m in reversed(samples) if m.extends(t)), key=lambda m: m.length(), default=None
                 )

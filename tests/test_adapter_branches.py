@@ -299,8 +299,10 @@ def test_merge_turns_keeps_a_branch_apart_when_its_parent_is_missing_or_over_the
     # call 2 failed (no triplet): call 3 names it and starts its own sample, though its tokens extend call 1
     calls = [trip([1], [2], 1, None), trip([1, 2, 3], [4], 3, 2)]
     assert [t.response_ids for t in merge_turns(calls)] == [[2], [4]]
-    # a recorded root is a root even when its tokens happen to extend a sample
-    assert len(merge_turns([trip([1], [2], 1, None), trip([1, 2], [3], 2, None)])) == 2
+    # a recorded root whose tokens do extend a sample (a ledger break whose full render came out the same)
+    assert [t.response_ids for t in merge_turns([trip([1], [2], 1, None), trip([1, 2], [3], 2, None)])] == [
+        [2, 3]
+    ]
     # over max_tokens: the call starts a new sample from its own prompt
     chain = [trip([1], [2], 1, None), trip([1, 2, 3], [4], 2, 1), trip([1, 2, 3, 4, 5], [6], 3, 2)]
     split = merge_turns(chain, max_tokens=5)
