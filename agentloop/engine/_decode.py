@@ -109,7 +109,15 @@ class ModelRunner:
                 return logits
             start = end
 
-    def _prefill_chunk(self, slot: int, prompt: list[int], start: int, end: int) -> torch.Tensor:
+    def prefill_chunk(self, cache: SlotKVCache, prompt: list[int], start: int, end: int) -> torch.Tensor:
+        """:meth:`_prefill_chunk` into row 0 of another cache (a long prompt's own, while the slot cache
+        serves the running requests' decode steps)."""
+        cache.ensure_rows(1)
+        return self._prefill_chunk(0, prompt, start, end, cache)
+
+    def _prefill_chunk(
+        self, slot: int, prompt: list[int], start: int, end: int, cache: SlotKVCache | None = None
+    ) -> torch.Tensor:
         """One forward of ``prompt[start:end]`` into ``slot``, attending to its first ``start``
         positions (already in the cache) and causally among the new tokens; the last one's logits
         ``(1, V)``. With the engine's attention (``chunk_attention``) there is no mask; otherwise it
@@ -117,7 +125,8 @@ class ModelRunner:
         q = end - start
         ids_t = torch.tensor(prompt[start:end], dtype=torch.long).view(1, q).to(self._device)
         pos_t = self._arange[start:end].view(1, q)
-        self._cache.set_prefill(slot, pos_t, end)
+        cache = cache or self._cache
+        cache.set_prefill(slot, pos_t, end)
         extra: dict[str, Any] = {}
         if self.chunk_attention:  # a placeholder: _attention.CHUNK_KW says why
             mask = torch.zeros(1, 1, q, 0, dtype=torch.bool, device=self._device)
@@ -125,7 +134,7 @@ class ModelRunner:
         else:
             mask = self._additive((self._arange[:end][None, :] <= pos_t[0][:, None])[None, None])
         out = self._model(input_ids=ids_t, position_ids=pos_t, attention_mask=mask, use_cache=True,
-                          logits_to_keep=1, **{self._cache_kw: self._cache}, **extra)  # fmt: skip
+                          logits_to_keep=1, **{self._cache_kw: cache}, **extra)  # fmt: skip
         self.prefill_forwards += 1
         return out.logits[:, -1].float()
 

@@ -49,6 +49,11 @@ class Request:
     versions: list[int] = field(default_factory=list)  # the weights version that sampled each token
     prefill_version: int = -1  # the weights version that wrote the prompt's keys/values
     kv_len: int = 0  # tokens whose keys/values are in the cache
+    # a long prompt prefilled a chunk per engine step (EngineThread._chunk_step) goes into a cache of
+    # its own first: its first ``prefilled`` tokens are there; ``logits`` are its last chunk's
+    own_cache: SlotKVCache | None = None
+    prefilled: int = 0
+    logits: torch.Tensor | None = None
     slot: int = -1
     num_cached: int = 0
     added_at: float = field(default_factory=time.monotonic)
@@ -79,6 +84,7 @@ class EngineThread:
     _inflight: dict[str, Request]
     _waiting: collections.deque[Request]
     _running: list[Request]
+    _chunking: Request | None
     _updates: list[tuple[dict[str, torch.Tensor], asyncio.Future[int], asyncio.AbstractEventLoop]]
     _stats: collections.Counter[str]
     _timers: dict[str, float]
@@ -89,7 +95,7 @@ class EngineThread:
         )
         with torch.inference_mode():
             while True:
-                busy = bool(self._running or self._waiting or self._updates)
+                busy = bool(self._running or self._waiting or self._updates or self._chunking)
                 cmds: list[tuple[str, Any]] = []
                 idle_work = not busy and self._runner.has_idle_work()
                 try:
@@ -125,7 +131,7 @@ class EngineThread:
     def _watch(self, now: float) -> None:
         """The watchdog: log requests older than ``stall_warning_s`` with their state, and fail any
         the engine no longer holds (neither waiting nor running) so that no caller waits forever."""
-        held = {id(r) for r in (*self._waiting, *self._running)}
+        held = {id(r) for r in (*self._waiting, *self._running, *self._held_chunking())}
         for req in list(self._inflight.values()):
             age = now - req.added_at
             if age < self._stall_warning_s or req.future.done() or req.finished:
@@ -139,7 +145,7 @@ class EngineThread:
                 req.warned = True
                 log.warning(
                     "engine.slow_request", request_id=req.request_id, age_s=round(age, 1),
-                    state="running" if req.slot >= 0 else "waiting", slot=req.slot, kv_len=req.kv_len,
+                    state=_state(req, self._chunking), slot=req.slot, kv_len=req.kv_len, prefilled=req.prefilled,
                     generated=len(req.output_ids), max_tokens=req.sampling.max_tokens,
                     waiting=len(self._waiting), running=len(self._running), updates=len(self._updates),
                 )  # fmt: skip
@@ -154,7 +160,7 @@ class EngineThread:
                 for req in reversed(self._running):  # last slot first: nothing moves
                     self._finish(req, "abort")
         elif kind == "abort":
-            for req in [*self._waiting, *self._running]:
+            for req in [*self._waiting, *self._running, *self._held_chunking()]:
                 if req.request_id == arg:
                     self._finish(req, "abort")
 
@@ -187,8 +193,15 @@ class EngineThread:
     def _schedule(self) -> list[Request]:
         """Admit waiting requests while slots and the KV budget allow (first come, first served);
         prefill them in groups, sample their first tokens."""
-        admitted: list[Request] = []
+        admitted = self._chunk_step()
         while self._waiting and len(self._running) < self._max_batch and self._room_for([self._waiting[0]]):
+            head = self._waiting[0]
+            long = len(head.prompt_ids) > self._max_prefill_tokens
+            if long and len(head.prompt_ids) - self._prefix.match(head.prompt_ids) > self._max_prefill_tokens:
+                if self._chunking is not None:
+                    break  # one long prompt at a time; the others wait behind it (first come, first served)
+                self._start_chunking(self._waiting.popleft())
+                continue
             group = [self._waiting.popleft()]
             longest = len(group[0].prompt_ids)
             while self._waiting and len(self._running) + len(group) < self._max_batch:
@@ -200,7 +213,8 @@ class EngineThread:
                 group.append(self._waiting.popleft())
                 longest = longest_next
             admitted += self._admit(group)
-        if not self._running and not self._waiting and self._cache.nbytes > self._kv_budget // 4:
+        idle = not (self._running or self._waiting or self._chunking)
+        if idle and self._cache.nbytes > self._kv_budget // 4:
             self._cache.reset()  # idle: give back what a long request grew (kept while it is small)
         return admitted
 
@@ -208,19 +222,84 @@ class EngineThread:
         """Whether the KV cache can hold the running requests and ``new`` at their longest
         (``reserve``), evicting prefix-cache entries to make room. A request alone always fits (the
         engine's max_context fits the budget)."""
-        reqs = [*self._running, *new]
+        reqs = [*self._running, *self._held_chunking(), *new]
         slots = rows_for(len(reqs), self._max_batch) * max(r.reserve for r in reqs) * self._kv_bytes_per_token
         if slots > self._kv_budget:
-            return not self._running and len(new) == 1
+            return not (self._running or self._chunking) and len(new) == 1
         self._prefix.evict_to((self._kv_budget - slots) // self._kv_bytes_per_token)
         return True
+
+    def _held_chunking(self) -> list[Request]:
+        return [] if self._chunking is None else [self._chunking]
+
+    def _kv_held(self) -> int:
+        """Bytes of KV the slots and the long prompt being prefilled hold (the prefix cache aside)."""
+        own = self._chunking.own_cache if self._chunking is not None else None
+        return self._cache.nbytes + (own.nbytes if own is not None else 0)
+
+    # ------------------------------------------------------------------ a long prompt, chunk by chunk
+    def _start_chunking(self, req: Request) -> None:
+        """Take a prompt longer than ``max_prefill_tokens`` (after its prefix-cache hit) out of the
+        queue: it is prefilled one chunk per engine step, between the running requests' decode steps,
+        into a one-row cache of its own (its slot comes when it has its first token)."""
+        n = len(req.prompt_ids)
+        own = SlotKVCache(
+            self._cache.n_layers, 1, self._cache.n_kv, self._cache.head_dim, self._max_context,
+            self._cache.dtype, self._cache.device,
+        )  # fmt: skip
+        own.fit(1, n + 1, n + 1)
+        hit = self._prefix.lookup(req.prompt_ids, own, 0, max_len=n - 1)
+        req.own_cache, req.prefilled, req.num_cached = own, hit, hit
+        req.prefill_version = self._weights_version
+        self._stats["cached_prompt_tokens"] += hit
+        self._stats["prefix_cache_hit_tokens"] += hit
+        self._stats["prefix_cache_hits"] += int(hit > 0)
+        self._stats["chunked_prefills"] += 1
+        self._chunking = req
+
+    def _chunk_step(self) -> list[Request]:
+        """Prefill the next chunk of the long prompt in progress; once it is done and a slot is free,
+        move its keys and values into the slot and sample its first token. Returns it once admitted."""
+        req = self._chunking
+        if req is None or req.own_cache is None:
+            return []
+        n = len(req.prompt_ids)
+        t0 = time.perf_counter()
+        if req.prefilled < n:
+            end = min(req.prefilled + self._max_prefill_tokens, n)
+            try:
+                req.logits = self._runner.prefill_chunk(req.own_cache, req.prompt_ids, req.prefilled, end)
+            except Exception as exc:
+                log.exception("engine.prefill_failed", request_id=req.request_id)
+                self._chunking = None
+                self._fail(req, exc)
+                return []
+            finally:
+                self._timers["prefill_s"] += time.perf_counter() - t0
+            req.prefilled = end
+            if end < n:
+                return []
+        if len(self._running) >= self._max_batch or req.logits is None:
+            return []  # a slot frees when a running request finishes
+        own, self._chunking, req.own_cache = req.own_cache, None, None
+        req.slot = len(self._running)
+        self._running.append(req)
+        self._fit_cache()
+        self._cache.write(req.slot, own.K[:, 0], own.V[:, 0], n)
+        req.kv_len = n
+        self._stats["prompt_tokens"] += n
+        self._stats["prefill_batches"] += 1
+        tokens, logprobs = self._sample([req], req.logits)
+        req.logits = None
+        self._update([req], tokens, logprobs)
+        return [req]
 
     def _fit_cache(self) -> None:
         """Grow the slot cache (if needed) for every running request's next position."""
         running = self._running
         need = max(max(r.kv_len, len(r.prompt_ids)) + 1 for r in running)
         self._cache.fit(len(running), need, max(r.reserve for r in running))
-        self._prefix.evict_to((self._kv_budget - self._cache.nbytes) // self._kv_bytes_per_token)
+        self._prefix.evict_to((self._kv_budget - self._kv_held()) // self._kv_bytes_per_token)
 
     def _admit(self, group: list[Request]) -> list[Request]:
         """Give ``group`` consecutive slots and prefill it; when the batched prefill fails, retry
@@ -359,6 +438,9 @@ class EngineThread:
         if req in self._waiting:
             self._waiting.remove(req)
             return
+        if req is self._chunking:
+            self._chunking, req.own_cache, req.logits = None, None, None
+            return
         if req not in self._running:
             return
         self._running.remove(req)
@@ -373,7 +455,7 @@ class EngineThread:
         # keys/values written by older weights (an "inflight" update) never enter the prefix cache
         store = store and req.prefill_version == self._weights_version
         if store and req.slot >= 0 and reason != "abort" and req.kv_len > 0:
-            room = (self._kv_budget - self._cache.nbytes) // self._kv_bytes_per_token
+            room = (self._kv_budget - self._kv_held()) // self._kv_bytes_per_token
             self._prefix.store((req.prompt_ids + req.output_ids)[: req.kv_len], self._cache, req.slot, room)
         self._release(req)
         self._stats[f"finished_{reason}"] += 1
@@ -406,6 +488,9 @@ class EngineThread:
                 self._runner.weights_changed()
                 self._weights_version += 1
                 self._prefix.clear()
+                if self._chunking is not None:  # not started yet as far as its caller knows: begin again
+                    self._chunking.prefilled = self._chunking.num_cached = 0
+                    self._chunking.prefill_version = self._weights_version
                 log.info("engine.weights_updated", version=self._weights_version, tensors=len(tensors))
                 loop.call_soon_threadsafe(resolve, fut, self._weights_version, None)
             except Exception as exc:
@@ -415,7 +500,7 @@ class EngineThread:
     def _shutdown(self, cmds: list[tuple[str, Any]]) -> None:
         for kind, arg in cmds:  # taken as usual, then everything is aborted and every update failed
             self._command(kind, arg)
-        for req in [*self._waiting, *self._running]:
+        for req in [*self._waiting, *self._running, *self._held_chunking()]:
             self._finish(req, "abort")
         for _, fut, loop in self._updates:
             loop.call_soon_threadsafe(
@@ -445,3 +530,7 @@ def resolve(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> 
         fut.set_exception(exc)
     else:
         fut.set_result(value)
+
+
+def _state(req: Request, chunking: Request | None) -> str:
+    return "prefilling" if req is chunking else "running" if req.slot >= 0 else "waiting"

@@ -246,18 +246,27 @@ class PrefixCache:
         del self._entries[key]
         self.tokens -= len(key)
 
-    def lookup(self, prompt: list[int], cache: SlotKVCache, slot: int, max_len: int) -> int:
-        """Copy the longest cached prefix of ``prompt`` (at most ``max_len`` tokens) into ``slot``;
-        returns its length (0 when nothing useful matched)."""
+    def match(self, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` :meth:`lookup` would serve (nothing is copied)."""
+        best, _ = self._best(prompt, len(prompt) - 1)
+        return best
+
+    def _best(self, prompt: list[int], max_len: int) -> tuple[int, tuple[int, ...] | None]:
         if not self._entries:
-            return 0
+            return 0, None
         query = np.asarray(prompt[:max_len], dtype=np.int64)
         best, best_key = 0, None
         for key, (ids, _, _) in self._entries.items():
             n = _common_prefix(ids, query)
             if n > best:
                 best, best_key = n, key
-        if best < self.min_match or best_key is None:
+        return (best, best_key) if best >= self.min_match else (0, None)
+
+    def lookup(self, prompt: list[int], cache: SlotKVCache, slot: int, max_len: int) -> int:
+        """Copy the longest cached prefix of ``prompt`` (at most ``max_len`` tokens) into ``slot``;
+        returns its length (0 when nothing useful matched)."""
+        best, best_key = self._best(prompt, max_len)
+        if best_key is None:
             return 0
         self._entries.move_to_end(best_key)
         _, k, v = self._entries[best_key]

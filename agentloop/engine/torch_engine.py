@@ -9,7 +9,7 @@ methods are agentloop.engine._engine_thread's):
 1. ``_schedule()``  admit waiting requests into free slots and prefill them in left-padded groups
    of at most ``max_prefill_tokens`` (each reusing the longest cached prefix of a recently finished
    request; requests of a group that repeat a prompt, GRPO's n samples, copy one prefill's KV),
-   sampling their first tokens together;
+   sampling their first tokens together; a longer prompt gets one chunk of its prefill per step;
 2. ``_execute()``   one batched decode forward + sampling of all older running requests
    (agentloop.engine._decode: static device buffers, a mask built on device, one host->device copy
    in and one device->host copy out; on CUDA replayed from captured CUDA graphs);
@@ -93,9 +93,11 @@ class TorchEngine(EngineThread):
     decode Llama-family models with the fused, MKL-packed step of ``_cpu_decode.py`` instead of
     transformers' forward (other models always use transformers'); it holds fused, packed copies of
     the weights (about 2.4x their size). ``max_prefill_tokens``: most
-    (padded) tokens one batched prefill forward takes; a longer prompt is prefilled alone, in chunks
-    of this many tokens (each attends to the cache and its own tokens, with no mask over the whole
-    context: ``_attention.chunk_attention``). ``max_context``: most tokens (prompt + response) of one
+    (padded) tokens one batched prefill forward takes. A prompt longer than that (after its
+    prefix-cache hit) is prefilled alone, one chunk of this many tokens per engine step, between the
+    running requests' decode steps, into a cache of its own until its first token (then it takes a
+    slot); each chunk attends to what is cached and causally to itself with no mask over the whole
+    context (``_attention.chunk_attention``). ``max_context``: most tokens (prompt + response) of one
     sequence; None: the model's own limit (``max_position_embeddings``); above it is refused.
     ``kv_cache_bytes``: the most the KV cache (the running requests' slots and the prefix cache's
     copies) may hold; None: half the memory free when the engine is built. Nothing is preallocated:
@@ -194,6 +196,7 @@ class TorchEngine(EngineThread):
         self._inflight: dict[str, Request] = {}
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
+        self._chunking: Request | None = None
         self._updates: list[
             tuple[dict[str, torch.Tensor], asyncio.Future[int], asyncio.AbstractEventLoop]
         ] = []
@@ -395,7 +398,10 @@ class TorchEngine(EngineThread):
         s.update(cuda_graphs=self._runner.cuda_graphs, graph_captures=self._runner.captures,
                  idle_graph_captures=self._runner.idle_captures, graph_replays=self._runner.replays)  # fmt: skip
         s.update(
-            running=len(self._running), waiting=len(self._waiting), weights_version=self._weights_version
+            running=len(self._running),
+            waiting=len(self._waiting),
+            prefilling=int(self._chunking is not None),
+            weights_version=self._weights_version,
         )
         return s
 

@@ -213,3 +213,51 @@ def test_the_trainer_config_key_sets_the_engines_context() -> None:
     cfg = TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"max_model_len": 1024}}})
     assert engine_kwargs(cfg.actor_rollout_ref.rollout)["max_context"] == 1024
     assert "max_context" not in engine_kwargs(TrainerConfig.from_dict({}).actor_rollout_ref.rollout)
+
+
+async def test_a_long_prompt_is_prefilled_between_the_running_requests_decode_steps(
+    tiny_model_dir: Path,
+) -> None:
+    """A 1000-token prompt with max_prefill_tokens 100 gets one chunk per engine step while a running
+    request goes on decoding; both answer what they answer alone. Aborting a prompt mid-prefill frees
+    the engine."""
+    engine = TorchEngine(tiny_model_dir, max_batch_size=4, max_prefill_tokens=100)
+    events: list[str] = []
+    chunk, decode = engine._runner.prefill_chunk, engine._runner.decode
+
+    def chunk_seen(*args: Any, **kwargs: Any) -> Any:
+        events.append("chunk")
+        return chunk(*args, **kwargs)
+
+    def decode_seen(*args: Any, **kwargs: Any) -> Any:
+        events.append("decode")
+        return decode(*args, **kwargs)
+
+    engine._runner.prefill_chunk = chunk_seen  # type: ignore[method-assign]
+    engine._runner.decode = decode_seen  # type: ignore[method-assign]
+    short_sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    try:
+        short = asyncio.ensure_future(engine.generate(_ids(20, 1), short_sp))
+        while "decode" not in events:
+            await asyncio.sleep(0.01)
+        long = await engine.generate(_ids(1000, 2), GREEDY)
+        short_out = await short
+        first, last = events.index("chunk"), len(events) - events[::-1].index("chunk")
+        assert events.count("chunk") == 10 and "decode" in events[first:last], events
+        assert engine.stats()["chunked_prefills"] == 1
+        aborted = asyncio.ensure_future(engine.generate(_ids(1500, 3), GREEDY))
+        while events.count("chunk") < 12:
+            await asyncio.sleep(0.01)
+        aborted.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await aborted
+        assert (await engine.generate(_ids(30, 4), GREEDY)).finish_reason == "length"
+        assert engine.stats()["prefilling"] == 0 and engine.stats()["finished_abort"] == 1
+    finally:
+        await engine.stop()
+    alone = TorchEngine(tiny_model_dir, max_batch_size=4, prefix_cache_entries=0)
+    try:
+        assert (await alone.generate(_ids(1000, 2), GREEDY)).token_ids == long.token_ids
+        assert (await alone.generate(_ids(20, 1), short_sp)).token_ids == short_out.token_ids
+    finally:
+        await alone.stop()
