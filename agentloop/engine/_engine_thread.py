@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from agentloop.engine._decode import DecodeRow, ModelRunner
-from agentloop.engine._kv import PrefixCache, SlotKVCache, rows_for
+from agentloop.engine._kv import PrefixCache, SlotKVCache, capacity_for, rows_for
 from agentloop.engine._sampling import row_key, sample, sample_mode
 from agentloop.engine.base import SamplingParams, TokenOutput, WeightUpdatePolicy
 from agentloop.errors import EngineError
@@ -220,10 +220,11 @@ class EngineThread:
 
     def _room_for(self, new: list[Request]) -> bool:
         """Whether the KV cache can hold the running requests and ``new`` at their longest
-        (``reserve``), evicting prefix-cache entries to make room. A request alone always fits (the
+        (``reserve``, allocated as ``capacity_for`` it), evicting prefix-cache entries to make room. A request alone always fits (the
         engine's max_context fits the budget)."""
         reqs = [*self._running, *self._held_chunking(), *new]
-        slots = rows_for(len(reqs), self._max_batch) * max(r.reserve for r in reqs) * self._kv_bytes_per_token
+        longest = capacity_for(max(r.reserve for r in reqs), self._max_context)
+        slots = rows_for(len(reqs), self._max_batch) * longest * self._kv_bytes_per_token
         if slots > self._kv_budget:
             return not (self._running or self._chunking) and len(new) == 1
         self._prefix.evict_to((self._kv_budget - slots) // self._kv_bytes_per_token)
@@ -298,7 +299,7 @@ class EngineThread:
         """Grow the slot cache (if needed) for every running request's next position."""
         running = self._running
         need = max(max(r.kv_len, len(r.prompt_ids)) + 1 for r in running)
-        self._cache.fit(len(running), need, max(r.reserve for r in running))
+        self._cache.fit(len(running), need, capacity_for(max(r.reserve for r in running), self._max_context))
         self._prefix.evict_to((self._kv_budget - self._kv_held()) // self._kv_bytes_per_token)
 
     def _admit(self, group: list[Request]) -> list[Request]:

@@ -58,6 +58,15 @@ def default_kv_budget(device: torch.device) -> int:
         return 8 << 30
 
 
+def capacity_for(n: int, max_context: int) -> int:
+    """The positions the cache allocates for a request that may reach ``n``: the next power of two
+    (at least ``_MIN_CAPACITY``), at most ``max_context``."""
+    cap = _MIN_CAPACITY
+    while cap < n:
+        cap *= 2
+    return min(cap, max_context)
+
+
 def rows_for(n: int, max_batch: int) -> int:
     """The rows the cache allocates for ``n`` running requests: the next power of two (the decode
     step's batch bucket, whose padding rows write into the slots past ``n``), at most ``max_batch``."""
@@ -127,13 +136,18 @@ class SlotKVCache:
 
     def fit(self, n_rows: int, needed: int, limit: int) -> None:
         """Room for ``n_rows`` running requests and ``needed`` positions. When either grows, the new
-        storage is ``rows_for(n_rows)`` rows (dropping rows past them: free slots) and at most
-        ``limit`` positions (dropping a capacity left from a longer request that has finished)."""
+        storage is ``rows_for(n_rows)`` rows (dropping rows past them: free slots) and a capacity
+        doubled to a power of two (few reallocations, few CUDA-graph kv buckets) but at most ``limit``
+        (``capacity_for`` of the longest a running request may reach): a capacity left from a longer
+        request that has finished is dropped then."""
         if n_rows <= self.rows and needed <= self.capacity:
             return
-        rows = rows_for(n_rows, self.max_batch)
-        grown = max(2 * self.capacity, _MIN_CAPACITY) if needed > self.capacity else self.capacity
-        self._resize(rows, min(max(needed, min(grown, limit)), self.max_context))
+        cap = (
+            self.capacity
+            if needed <= self.capacity
+            else max(2 * self.capacity, capacity_for(needed, self.max_context))
+        )
+        self._resize(rows_for(n_rows, self.max_batch), max(needed, min(cap, limit, self.max_context)))
 
     def _resize(
         self, rows: int, capacity: int, keep_rows: int | None = None, keep_positions: int | None = None
