@@ -1,7 +1,8 @@
 """The engine thread's side of TorchEngine: its loop, scheduling, prefill, decode steps and answers.
 
 ``EngineThread`` holds the methods the dedicated thread runs (torch_engine.py's docstring describes
-one step); ``TorchEngine`` inherits them and owns the state they work on, set up in its
+one step; what it admits within the KV budget, and the long prompt it prefills a chunk per step, are
+``_admission.KVAdmission``'s); ``TorchEngine`` inherits them and owns the state they work on, set up in its
 ``__init__``. The asyncio side only puts commands into ``_inbox`` and awaits each request's future,
 which this thread resolves with ``resolve`` through the request's own event loop.
 """
@@ -13,16 +14,17 @@ import collections
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
 import torch
 
+from agentloop.engine._admission import KVAdmission
 from agentloop.engine._decode import DecodeRow, ModelRunner
-from agentloop.engine._kv import PrefixCache, SlotKVCache, capacity_for, rows_for
+from agentloop.engine._kv import PrefixCache, SlotKVCache
+from agentloop.engine._request import Request
 from agentloop.engine._sampling import row_key, sample, sample_mode
-from agentloop.engine.base import SamplingParams, TokenOutput, WeightUpdatePolicy
+from agentloop.engine.base import TokenOutput, WeightUpdatePolicy
 from agentloop.errors import EngineError
 
 log = structlog.get_logger("agentloop.engine.torch_engine")
@@ -32,36 +34,7 @@ log = structlog.get_logger("agentloop.engine.torch_engine")
 IDLE_CAPTURE_AFTER_S = 0.5
 
 
-@dataclass(eq=False)
-class Request:
-    """One generate call as the engine thread holds it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    future: asyncio.Future[TokenOutput]
-    loop: asyncio.AbstractEventLoop
-    seed: int
-    end_ids: frozenset[int]
-    reserve: int = 0  # most positions it may hold: min(prompt + max_tokens, max_context)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # the weights version that sampled each token
-    prefill_version: int = -1  # the weights version that wrote the prompt's keys/values
-    kv_len: int = 0  # tokens whose keys/values are in the cache
-    # a long prompt prefilled a chunk per engine step (EngineThread._chunk_step) goes into a cache of
-    # its own first: its first ``prefilled`` tokens are there; ``logits`` are its last chunk's
-    own_cache: SlotKVCache | None = None
-    prefilled: int = 0
-    logits: torch.Tensor | None = None
-    slot: int = -1
-    num_cached: int = 0
-    added_at: float = field(default_factory=time.monotonic)
-    warned: bool = False
-    finished: bool = False  # the engine thread answered it (the loop may not have run the answer yet)
-
-
-class EngineThread:
+class EngineThread(KVAdmission):
     """The engine thread's methods; TorchEngine sets the state below in its ``__init__``."""
 
     _model: Any
@@ -217,90 +190,6 @@ class EngineThread:
         if idle and self._cache.nbytes > self._kv_budget // 4:
             self._cache.reset()  # idle: give back what a long request grew (kept while it is small)
         return admitted
-
-    def _room_for(self, new: list[Request]) -> bool:
-        """Whether the KV cache can hold the running requests and ``new`` at their longest
-        (``reserve``, allocated as ``capacity_for`` it), evicting prefix-cache entries to make room. A request alone always fits (the
-        engine's max_context fits the budget)."""
-        reqs = [*self._running, *self._held_chunking(), *new]
-        longest = capacity_for(max(r.reserve for r in reqs), self._max_context)
-        slots = rows_for(len(reqs), self._max_batch) * longest * self._kv_bytes_per_token
-        if slots > self._kv_budget:
-            return not (self._running or self._chunking) and len(new) == 1
-        self._prefix.evict_to((self._kv_budget - slots) // self._kv_bytes_per_token)
-        return True
-
-    def _held_chunking(self) -> list[Request]:
-        return [] if self._chunking is None else [self._chunking]
-
-    def _kv_held(self) -> int:
-        """Bytes of KV the slots and the long prompt being prefilled hold (the prefix cache aside)."""
-        own = self._chunking.own_cache if self._chunking is not None else None
-        return self._cache.nbytes + (own.nbytes if own is not None else 0)
-
-    # ------------------------------------------------------------------ a long prompt, chunk by chunk
-    def _start_chunking(self, req: Request) -> None:
-        """Take a prompt longer than ``max_prefill_tokens`` (after its prefix-cache hit) out of the
-        queue: it is prefilled one chunk per engine step, between the running requests' decode steps,
-        into a one-row cache of its own (its slot comes when it has its first token)."""
-        n = len(req.prompt_ids)
-        own = SlotKVCache(
-            self._cache.n_layers, 1, self._cache.n_kv, self._cache.head_dim, self._max_context,
-            self._cache.dtype, self._cache.device,
-        )  # fmt: skip
-        own.fit(1, n + 1, n + 1)
-        hit = self._prefix.lookup(req.prompt_ids, own, 0, max_len=n - 1)
-        req.own_cache, req.prefilled, req.num_cached = own, hit, hit
-        req.prefill_version = self._weights_version
-        self._stats["cached_prompt_tokens"] += hit
-        self._stats["prefix_cache_hit_tokens"] += hit
-        self._stats["prefix_cache_hits"] += int(hit > 0)
-        self._stats["chunked_prefills"] += 1
-        self._chunking = req
-
-    def _chunk_step(self) -> list[Request]:
-        """Prefill the next chunk of the long prompt in progress; once it is done and a slot is free,
-        move its keys and values into the slot and sample its first token. Returns it once admitted."""
-        req = self._chunking
-        if req is None or req.own_cache is None:
-            return []
-        n = len(req.prompt_ids)
-        t0 = time.perf_counter()
-        if req.prefilled < n:
-            end = min(req.prefilled + self._max_prefill_tokens, n)
-            try:
-                req.logits = self._runner.prefill_chunk(req.own_cache, req.prompt_ids, req.prefilled, end)
-            except Exception as exc:
-                log.exception("engine.prefill_failed", request_id=req.request_id)
-                self._chunking = None
-                self._fail(req, exc)
-                return []
-            finally:
-                self._timers["prefill_s"] += time.perf_counter() - t0
-            req.prefilled = end
-            if end < n:
-                return []
-        if len(self._running) >= self._max_batch or req.logits is None:
-            return []  # a slot frees when a running request finishes
-        own, self._chunking, req.own_cache = req.own_cache, None, None
-        req.slot = len(self._running)
-        self._running.append(req)
-        self._fit_cache()
-        self._cache.write(req.slot, own.K[:, 0], own.V[:, 0], n)
-        req.kv_len = n
-        self._stats["prompt_tokens"] += n
-        self._stats["prefill_batches"] += 1
-        tokens, logprobs = self._sample([req], req.logits)
-        req.logits = None
-        self._update([req], tokens, logprobs)
-        return [req]
-
-    def _fit_cache(self) -> None:
-        """Grow the slot cache (if needed) for every running request's next position."""
-        running = self._running
-        need = max(max(r.kv_len, len(r.prompt_ids)) + 1 for r in running)
-        self._cache.fit(len(running), need, capacity_for(max(r.reserve for r in running), self._max_context))
-        self._prefix.evict_to((self._kv_budget - self._kv_held()) // self._kv_bytes_per_token)
 
     def _admit(self, group: list[Request]) -> list[Request]:
         """Give ``group`` consecutive slots and prefill it; when the batched prefill fails, retry
