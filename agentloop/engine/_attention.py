@@ -67,9 +67,11 @@ def _sdpa(
     b, h, q, d = query.shape
     h_kv = key.shape[1]
     g = h // h_kv
-    if g > 1 and q > 1 and query.device.type == "cpu":
+    if g > 1 and q > 1 and (query.device.type == "cpu" or attention_mask is None):
         # a CPU prefill: SDPA's own grouped-query path reads each KV head once too, and the mask is
-        # not copied g times (a decode step's query of 1 is folded: one bigger GEMM per KV head)
+        # not copied g times (a decode step's query of 1 is folded: one bigger GEMM per KV head).
+        # Without a mask (a plain causal forward of the model) folding is wrong anywhere: is_causal
+        # would count the folded rows as positions
         causal = attention_mask is None
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,

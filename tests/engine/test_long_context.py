@@ -261,3 +261,20 @@ async def test_a_long_prompt_is_prefilled_between_the_running_requests_decode_st
         assert (await alone.generate(_ids(20, 1), short_sp)).token_ids == short_out.token_ids
     finally:
         await alone.stop()
+
+
+@pytest.mark.parametrize("q", [1, 7])
+def test_grouped_attention_without_a_mask_is_causal(q: int) -> None:
+    """The model's own forward with no mask (a reference pass outside the engine): causal over the
+    positions, for every query head of a KV head (folding them into the length would not be)."""
+    from agentloop.engine._attention import grouped_sdpa
+
+    g = torch.Generator().manual_seed(q)
+    query = torch.randn(1, 4, q, 16, generator=g)
+    key, value = torch.randn(1, 2, q, 16, generator=g), torch.randn(1, 2, q, 16, generator=g)
+    out, _ = grouped_sdpa(None, query, key, value, None, scaling=0.25)
+    ref = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), is_causal=q > 1, scale=0.25
+    )
+    tol = (3 + math.sqrt(q)) * 8 * EPS32 * float(value.abs().max())  # as in the chunk test above
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=tol, rtol=0)
