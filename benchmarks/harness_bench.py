@@ -77,9 +77,27 @@ def build_tiny(folder: Path) -> Path:
     return folder
 
 
-def model_folder(name: str, scratch: Path, smollm2_dir: Path | None) -> Path:
+def build_from_config(config_dir: Path, folder: Path) -> Path:
+    """Random weights (bf16, seed 0) for the config and tokenizer in ``config_dir``: a long-context
+    model of a real shape where no weights can be fetched (the GPU machine)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(config_dir).save_pretrained(folder)
+    return folder
+
+
+def model_folder(name: str, scratch: Path, smollm2_dir: Path | None, config_dir: Path | None = None) -> Path:
     if name == "tiny":
         return build_tiny(scratch / f"tiny-{TINY_POSITIONS}")
+    if name == "random":
+        if config_dir is None:
+            raise SystemExit("--models random needs --config-dir (a folder with config.json and a tokenizer)")
+        return build_from_config(config_dir, scratch / "random")
     if smollm2_dir is not None:
         return smollm2_dir
     from agentloop.engine.models import resolve_model
@@ -177,17 +195,24 @@ class _Stamps:
         return scores
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # note: timings on a GPU wait for its queued work
+
+
 def hf_cell(model: Any, context: int, decode: int, seed: int) -> dict[str, Any]:
     """``model(input_ids)`` over the prompt but its last token (into a DynamicCache), then
     ``model.generate`` from that cache: its decode steps timed between its logits processor calls."""
     from transformers import DynamicCache, LogitsProcessorList
 
     n = context - decode - 1
-    ids = torch.tensor([random_ids(n, seed)])
+    ids = torch.tensor([random_ids(n, seed, model.config.vocab_size)], device=model.device)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
+        _sync()
         t0 = time.perf_counter()
         model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync()
         prefill = time.perf_counter() - t0
         stamps = _Stamps()
         out = model.generate(
@@ -209,14 +234,21 @@ def hf_cell(model: Any, context: int, decode: int, seed: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- the run
 
 
-async def run_model(name: str, folder: Path, lengths: list[int], decode: int, prefix: bool) -> dict[str, Any]:
+async def run_model(
+    name: str, folder: Path, lengths: list[int], decode: int, prefix: bool, device: str = "cpu"
+) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
     lengths = [n for n in lengths if n <= limit]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # each device's own inference dtype
     # max_batch_size 4: one request at a time here; the slot cache's rows do not enter the speed
-    engine = TorchEngine(folder, dtype=torch.float32, max_context=limit, max_batch_size=4)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    engine = TorchEngine(folder, device=device, dtype=dtype, max_context=limit, max_batch_size=4)
+    hf = (
+        AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        .to(device)
+        .eval()
+    )
     await engine.start()
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     await engine.generate(random_ids(128, 1), warm)  # warm-up: first-call allocations, MKL packing
@@ -264,7 +296,12 @@ def merge(out: Path, label: str, run: dict[str, Any]) -> dict[str, Any]:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2, random")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bf16 there, fp32 on the CPU)")
+    ap.add_argument(
+        "--config-dir", type=Path, default=None,
+        help="--models random: a folder with config.json and a tokenizer, given random bf16 weights",
+    )  # fmt: skip
     ap.add_argument("--lengths", default="2048,8192,16384,32768", help="contexts (prompt + decode tokens)")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument(
@@ -284,12 +321,15 @@ async def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": machine_info(),
         "decode_tokens": args.decode_tokens,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
         "models": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):
-            folder = model_folder(name, Path(scratch), args.smollm2_dir)
-            run["models"][name] = await run_model(name, folder, lengths, args.decode_tokens, args.prefix)
+            folder = model_folder(name, Path(scratch), args.smollm2_dir, args.config_dir)
+            run["models"][name] = await run_model(
+                name, folder, lengths, args.decode_tokens, args.prefix, args.device
+            )
     run["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(json.dumps(run, indent=1))
     if args.out is not None:

@@ -37,6 +37,8 @@ CHUNK_KW = "agentloop_chunk"
 # CPU flash attention that also returns the log-sum-exp of each query's scores (private in torch
 # 2.x; the public SDPA does not return it). Without it chunk_attention builds the full mask instead.
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# its CUDA sibling (fp16/bf16; query and key heads equal): the same two mask-free passes on a GPU
+_cuda_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 
 
 def grouped_sdpa(
@@ -106,23 +108,52 @@ def chunk_attention(
     with a mask cannot skip the masked half. On a CPU this runs two mask-free flash attentions, the
     cached keys (no mask) and the new ones (causal, square), and merges them by their log-sum-exps:
     ``out = sum_i exp(lse_i - lse) out_i``, ``lse = logaddexp(lse_1, lse_2)``; exact up to rounding.
-    Elsewhere (a GPU, a torch without the CPU kernel) it builds the full mask and calls SDPA.
+    On a GPU in fp16/bf16 the same two passes run on CUDA's flash kernel (the keys and values repeated
+    per query head: that kernel takes equal heads); a dense mask there took SDPA off flash attention
+    and made a 32k prefill 6x slower than transformers' causal forward (H200). Elsewhere (fp32 on a
+    GPU, a torch without the kernels) it builds the full mask and calls SDPA.
     """
     q = query.shape[-2]
     p = key.shape[-2] - q
     if query.device.type == "cpu" and _cpu_flash is not None:
-        new, lse_new = _cpu_flash(query, key[:, :, p:], value[:, :, p:], 0.0, True, scale=scaling)[:2]
-        if p == 0:
-            return new
         # the kernel's own grouped-query path (query heads i*g..i*g+g-1 on KV head i): measured faster
         # here than folding the query heads into the length axis
-        old, lse_old = _cpu_flash(query, key[:, :, :p], value[:, :, :p], 0.0, False, scale=scaling)[:2]
-        lse = torch.logaddexp(lse_old, lse_new)  # (b, h, q)
-        w_old, w_new = (lse_old - lse).exp_()[..., None], (lse_new - lse).exp_()[..., None]
-        return (old * w_old + new * w_new).to(query.dtype)
+        def cpu(k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = _cpu_flash(query, k, v, 0.0, causal, scale=scaling)[:2]
+            return out, lse
+
+        return _two_passes(query, key, value, p, cpu)
+    if (
+        query.device.type == "cuda"
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and _cuda_flash is not None
+    ):
+        g = query.shape[1] // key.shape[1]
+        if g > 1:  # (b, h_kv, k, d) -> (b, h, k, d): head i*g + j uses KV head i, as repeat_kv orders them
+            key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+
+        def cuda(k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = _cuda_flash(query, k, v, 0.0, causal, False, scale=scaling)[:2]
+            return out, lse
+
+        return _two_passes(query, key, value, p, cuda)
     causal = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
     full = torch.cat([causal.new_ones(q, p), causal], dim=-1)[None, None]  # (1, 1, q, p + q)
     return _sdpa(query, key, value, full, 0.0, scaling)
+
+
+def _two_passes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p: int, flash: Any
+) -> torch.Tensor:
+    """The new keys causally and the ``p`` cached ones without a mask, merged by log-sum-exp
+    (``flash(k, v, causal) -> (out (b, h, q, d), lse (b, h, q))``)."""
+    new, lse_new = flash(key[:, :, p:], value[:, :, p:], True)
+    if p == 0:
+        return new
+    old, lse_old = flash(key[:, :, :p], value[:, :, :p], False)
+    lse = torch.logaddexp(lse_old, lse_new)  # (b, h, q) fp32
+    w_old, w_new = (lse_old - lse).exp_()[..., None], (lse_new - lse).exp_()[..., None]
+    return (old.float() * w_old + new.float() * w_new).to(query.dtype)
 
 
 def use_grouped_sdpa(model: Any) -> bool:

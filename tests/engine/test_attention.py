@@ -72,3 +72,24 @@ def test_cudnn_attention_allows_it_inside_and_restores_the_setting() -> None:
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash path of chunk_attention needs a GPU")
+@pytest.mark.parametrize("cached", [0, 300])
+def test_chunk_attention_on_cuda_equals_the_masked_attention(cached: int) -> None:
+    """A prefill chunk of 200 new tokens after ``cached`` ones, 14 query heads on 2 KV heads, bf16: the two
+    flash passes merged by log-sum-exp against SDPA with the dense mask, both from the same bf16 inputs.
+    bf16 keeps 8 bits: outputs of size ~1 agree to a few bf16 ulps (2^-8 each), the merge adds one more."""
+    from agentloop.engine._attention import _sdpa, chunk_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_len, k_len = 200, cached + 200
+    query = torch.randn(1, 14, q_len, 64, device="cuda", generator=g).bfloat16()
+    key = torch.randn(1, 2, k_len, 64, device="cuda", generator=g).bfloat16()
+    value = torch.randn(1, 2, k_len, 64, device="cuda", generator=g).bfloat16()
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device="cuda").tril()
+    mask = torch.cat([causal.new_ones(q_len, cached), causal], dim=-1)[None, None]
+    want = _sdpa(query, key, value, mask, 0.0, None).float()
+    got = chunk_attention(query, key, value, None).float()
+    assert got.shape == want.shape == (1, 14, q_len, 64)
+    torch.testing.assert_close(got, want, atol=4 * 2**-8, rtol=4 * 2**-8)
