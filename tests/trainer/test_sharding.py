@@ -158,7 +158,10 @@ def _sum_gradients_in_rank(rank: int, port: int, out: Any) -> None:
         for p in params:
             p.grad = torch.full_like(p, 1.0 + 2**-12 if rank == 0 else 1.0)
         _sharding.all_reduce_gradients(params, torch.bfloat16)
-        out.put((rank, exact, reduces, [p.grad.clone() for p in params]))
+        # NumPy arrays cross the queue by value: a tensor is shared through this process's file
+        # descriptors and is gone if the rank exits before the test reads it (FileNotFoundError under load)
+        rounded = [p.grad.numpy().copy() for p in params]
+        out.put((rank, [None if g is None else g.numpy() for g in exact], reduces, rounded))
     finally:
         dist.destroy_process_group()
 
@@ -187,7 +190,9 @@ def test_all_reduce_gradients_sums_every_gradient_in_buckets_of_one_dtype() -> N
             if p.is_alive():
                 p.terminate()
     shapes = [(3, 5), (7,), (2, 2), (4,), (9,), (3,)]
-    for _, exact, reduces, rounded in results:
+    for _, arrays, reduces, rounded_arrays in results:
+        exact = [None if a is None else torch.from_numpy(a) for a in arrays]
+        rounded = [torch.from_numpy(a) for a in rounded_arrays]
         # a bucket takes gradients of its dtype until it holds 64 bytes:
         # [counts, 15 + 7 fp32], [4 fp32], [4 fp64], [9 + 3 fp32]
         assert reduces == 4, reduces
