@@ -35,6 +35,7 @@ def test_max_context_above_the_models_limit_is_refused(tmp_path: Path, tiny_mode
     assert not (tmp_path / "agentloop-serve.db").exists()  # refused before anything started
 
 
+@pytest.mark.slow  # a serve subprocess per case: ~15 s each on 2 cores
 @pytest.mark.parametrize("flag", [[], ["--max-context", "1000"]])
 def test_serve_context_and_a_prompt_over_it(tmp_path: Path, tiny_model_dir: Path, flag: list[str]) -> None:
     cmd = [sys.executable, "-m", "agentloop.cli", "serve", "--model", str(tiny_model_dir), "--port", "0",

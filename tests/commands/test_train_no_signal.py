@@ -26,7 +26,7 @@ async def agent(task, llm):
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # the CLI in a subprocess, a whole fit: ~20 s; the fit itself is in tests/trainer/test_fit_signal.py
 @pytest.mark.timeout(240)
 def test_a_run_without_rewards_exits_1_with_one_line_saying_why(
     tiny_model_dir: Path,

@@ -178,7 +178,7 @@ def _updates_in_rank(rank: int, port: int, model: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.e2e  # two spawned processes: ~50 s on 2 cores
+@pytest.mark.slow  # two spawned processes: ~50 s on 2 cores; one rank without FSDP2 is in the fast tests
 def test_two_ranks_count_the_rows_without_signal(uniform_model: Path) -> None:
     """Two FSDP2 ranks deal the skipped rows' forward between them (padded to the same count, or the
     ranks' all-gathers would not pair up) and sum their shares: 2.5 ln 2 on every rank, with no row
