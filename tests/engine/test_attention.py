@@ -74,7 +74,9 @@ def test_cudnn_attention_allows_it_inside_and_restores_the_setting() -> None:
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash path of chunk_attention needs a GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA flash path of chunk_attention needs a GPU"
+)
 @pytest.mark.parametrize("cached", [0, 300])
 def test_chunk_attention_on_cuda_equals_the_masked_attention(cached: int) -> None:
     """A prefill chunk of 200 new tokens after ``cached`` ones, 14 query heads on 2 KV heads, bf16: the two
