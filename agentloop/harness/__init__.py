@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -128,6 +128,9 @@ async def run(
     timeout_s: float = 600.0,
     context_window: int = DEFAULT_CONTEXT_WINDOW,
     sandbox: SandboxConfig | None = None,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    home_files: Mapping[str, str] | Callable[[str], Mapping[str, str]] | None = None,
 ) -> HarnessResult:
     """Run harness ``name`` (``codex``, ``claude``, ``opencode``) on ``task`` (the prompt, or a dict
     with ``prompt``) against ``llm`` (the attempt's proxy: ``llm.base_url`` on 127.0.0.1) in a new
@@ -136,8 +139,14 @@ async def run(
     ``check`` runs in the same workspace after the harness (a test command: its result is the usual
     reward); ``collect`` names workspace files read back as text. ``timeout_s`` bounds the harness's
     session (the check gets the sandbox's own limit); ``sandbox`` replaces the default config (its
-    limits, backend); the proxy's port is always bridged in. A harness that fails, hangs or is killed
-    is in the result (``ok`` False), not raised; a harness that is not installed raises.
+    limits, backend); the proxy's port is always bridged in. ``args`` are the harness's own options
+    for this run, e.g. Claude Code's ``["--system-prompt", text, "--tools", "Bash"]`` (a shorter prompt
+    for a small model's context); ``env`` adds variables to the harness's environment (over the
+    spec's); ``home_files`` are more files for the harness's HOME (paths relative to it), written after
+    the spec's config: a mapping, or a function of the sandbox's working directory that returns one
+    (Claude Code keeps a session under ``.claude/projects/<cwd with '/' as '-'>/``, so a session to
+    ``--resume`` depends on it). A harness that fails, hangs or is killed is in the result (``ok``
+    False), not raised; a harness that is not installed raises.
     """
     spec = _spec(name)
     prompt = _prompt(task)
@@ -147,16 +156,20 @@ async def run(
         raise SandboxArgumentError(f"timeout_s must be a number > 0, got {timeout_s!r}")
     if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 1:
         raise SandboxArgumentError(f"context_window must be an int >= 1, got {context_window!r}")
+    extra = _strings("args", args)
+    extra_env = _env(env)
+    fixed_files = _files(home_files) if home_files is not None and not callable(home_files) else {}
     binary = harness_binary(name)
     config = _config(spec, binary, llm, sandbox, float(timeout_s))
     async with Sandbox.open(workspace, config=config) as sb:
         home = f"{sb.workdir}/{config.home}"
-        for path, text in spec.files(llm, context_window).items():
+        extra_files = _files(home_files(sb.workdir)) if callable(home_files) else fixed_files
+        for path, text in {**spec.files(llm, context_window), **extra_files}.items():
             await sb.write_file(f"{config.home}/{path}", text, mode=0o600)
-        argv = spec.argv(prompt, llm, home, sb.workdir)
+        argv = spec.argv(prompt, llm, home, sb.workdir, extra)
         argv[0] = str(binary)
-        log.info("harness_started", harness=name, isolation=sb.isolation)
-        done = await sb.run(argv, env=spec.env(llm, home), timeout_s=timeout_s)
+        log.info("harness_started", harness=name, isolation=sb.isolation, extra_args=len(extra))
+        done = await sb.run(argv, env={**spec.env(llm, home), **extra_env}, timeout_s=timeout_s)
         last = await _read(sb, f"{config.home}/last_message.txt")
         checked = await sb.run(check) if check is not None else None
         files: dict[str, str] = {}
@@ -180,6 +193,36 @@ async def run(
         wall_s=round(done.usage.wall_s, 2),
     )
     return result
+
+
+def _strings(what: str, values: Sequence[str]) -> list[str]:
+    if isinstance(values, str | bytes) or not all(isinstance(v, str) for v in values):
+        raise SandboxArgumentError(
+            f"{what} must be a sequence of str (one per argument), got {values!r:.200}"
+        )
+    return list(values)
+
+
+def _env(env: Mapping[str, str] | None) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
+    ):
+        raise SandboxArgumentError(
+            f"env must map variable names (str, no '=') to str values, got {env!r:.200}"
+        )
+    return dict(env)
+
+
+def _files(files: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(files, Mapping) or not all(
+        isinstance(k, str) and k and not k.startswith("/") and isinstance(v, str) for k, v in files.items()
+    ):
+        raise SandboxArgumentError(
+            f"home_files must map paths relative to HOME (str, not absolute) to str contents, got {files!r:.200}"
+        )
+    return dict(files)
 
 
 async def _read(sb: Sandbox, path: str) -> str | None:

@@ -10,6 +10,7 @@ sandbox, not the harness, is the security boundary here.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -45,8 +46,10 @@ class HarnessSpec(Protocol):
         """Config files to write, relative to HOME."""
         ...
 
-    def argv(self, prompt: str, llm: LLM, home: str, workdir: str) -> list[str]:
-        """The command line (``binary`` first) for one non-interactive session on ``prompt``."""
+    def argv(self, prompt: str, llm: LLM, home: str, workdir: str, extra: Sequence[str] = ()) -> list[str]:
+        """The command line (``binary`` first) for one non-interactive session on ``prompt``; ``extra``
+        (the caller's own options) goes where the CLI takes options, never between an option and its value
+        (Claude Code's variadic ``--tools`` would swallow a prompt after it, so there it goes last)."""
         ...
 
     def env(self, llm: LLM, home: str) -> dict[str, str]:
@@ -95,7 +98,7 @@ class Codex:
         )
         return {".codex/config.toml": config}
 
-    def argv(self, prompt: str, llm: LLM, home: str, workdir: str) -> list[str]:
+    def argv(self, prompt: str, llm: LLM, home: str, workdir: str, extra: Sequence[str] = ()) -> list[str]:
         return [
             self.binary,
             "exec",
@@ -107,6 +110,7 @@ class Codex:
             workdir,
             "-o",
             f"{home}/last_message.txt",
+            *extra,
             prompt,
         ]
 
@@ -133,7 +137,7 @@ class ClaudeCode:
             )
         }
 
-    def argv(self, prompt: str, llm: LLM, home: str, workdir: str) -> list[str]:
+    def argv(self, prompt: str, llm: LLM, home: str, workdir: str, extra: Sequence[str] = ()) -> list[str]:
         return [
             self.binary,
             "-p",
@@ -143,6 +147,7 @@ class ClaudeCode:
             "--model",
             llm.model,
             "--dangerously-skip-permissions",
+            *extra,  # last: a variadic option (--tools, --allowed-tools) would take a prompt after it
         ]
 
     def env(self, llm: LLM, home: str) -> dict[str, str]:
@@ -193,8 +198,8 @@ class OpenCode:
         }
         return {".config/opencode/opencode.json": json.dumps(config, indent=2)}
 
-    def argv(self, prompt: str, llm: LLM, home: str, workdir: str) -> list[str]:
-        return [self.binary, "run", "--model", f"agentloop/{llm.model}", prompt]
+    def argv(self, prompt: str, llm: LLM, home: str, workdir: str, extra: Sequence[str] = ()) -> list[str]:
+        return [self.binary, "run", "--model", f"agentloop/{llm.model}", *extra, prompt]
 
     def env(self, llm: LLM, home: str) -> dict[str, str]:
         return {"XDG_CONFIG_HOME": f"{home}/.config", "OPENCODE_DISABLE_AUTOUPDATE": "1", "NO_COLOR": "1"}

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -179,6 +180,32 @@ def _number(report: dict[str, object], key: str) -> float | None:
     return None
 
 
+# Starts ``argv[2:]`` as uid ``argv[1]``: what the stdlib's user/group/extra_groups do, for uvloop
+_DROP_TO = (
+    "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _as_user(argv: list[str], uid: int | None) -> tuple[list[str], dict[str, object]]:
+    """The command line and keywords that start the launcher as ``uid`` (None: as ourselves): the
+    stdlib's ``user``, ``group`` and ``extra_groups``. uvloop's ``subprocess_exec`` refuses those
+    ("unexpected kwargs: user, group, extra_groups"; the trainer's loop is uvloop) and anyio passes no
+    ``preexec_fn``, so under uvloop a short Python drops to ``uid`` the same way (supplementary
+    groups cleared, then gid, then uid) and execs the launcher; the status pipe stays inherited."""
+    if uid is None:
+        return argv, {}
+    import asyncio
+
+    try:
+        uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    except RuntimeError:  # not on an asyncio loop (trio): the stdlib's keywords
+        uvloop = False
+    if uvloop:
+        return [sys.executable, "-I", "-S", "-c", _DROP_TO, str(uid), *argv], {}
+    return argv, {"user": uid, "group": uid, "extra_groups": []}
+
+
 async def supervise(
     launch: Launch,
     *,
@@ -196,8 +223,9 @@ async def supervise(
     start = time.monotonic()
     try:
         try:
+            argv, as_user = _as_user(launch.argv, launch.user)
             proc = await anyio.open_process(
-                launch.argv,
+                argv,
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -205,9 +233,7 @@ async def supervise(
                 env=launch.env,
                 start_new_session=True,  # its own process group: killpg reaches what the launcher missed
                 pass_fds=(write_fd,),
-                user=launch.user,
-                group=launch.user,
-                extra_groups=[] if launch.user is not None else None,
+                **as_user,  # type: ignore[arg-type]
             )
         except OSError as exc:
             raise SandboxError(f"cannot start the sandbox launcher {launch.argv[0]!r}: {exc}") from exc

@@ -69,6 +69,18 @@ def test_the_specs_point_each_harness_at_the_attempt() -> None:
     assert HARNESSES["claude"].final_message("not json", None) is None
 
 
+def test_extra_args_go_where_each_cli_takes_options() -> None:
+    """Claude Code's variadic --tools would take a prompt after it: its extra options go last; Codex
+    and opencode take the prompt as their last positional, so theirs go just before it."""
+    extra = ["--tools", "Bash"]
+    claude = HARNESSES["claude"].argv("fix it", LLM, "/h", "/w", extra)
+    assert claude[-2:] == extra and claude[1:3] == ["-p", "fix it"]
+    for name in ("codex", "opencode"):
+        argv = HARNESSES[name].argv("fix it", LLM, "/h", "/w", extra)
+        assert argv[-3:] == [*extra, "fix it"], name
+        assert HARNESSES[name].argv("fix it", LLM, "/h", "/w") == [a for a in argv if a not in extra]
+
+
 async def test_bad_input_is_refused_with_what_came(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with pytest.raises(
         SandboxArgumentError, match=r"harness must be one of \['claude', 'codex', 'opencode'\]"
@@ -80,6 +92,14 @@ async def test_bad_input_is_refused_with_what_came(monkeypatch: pytest.MonkeyPat
         await al.harness.run("codex", {"prompt": "  "}, LLM)
     with pytest.raises(SandboxArgumentError, match=r"llm must be an al\.LLM"):
         await al.harness.run("codex", "fix it", {"base_url": "x"})  # type: ignore[arg-type]
+    with pytest.raises(SandboxArgumentError, match="args must be a sequence of str"):
+        await al.harness.run("codex", "fix it", LLM, args="--tools Bash")
+    with pytest.raises(SandboxArgumentError, match="args must be a sequence of str"):
+        await al.harness.run("codex", "fix it", LLM, args=["--max-turns", 3])  # type: ignore[list-item]
+    with pytest.raises(SandboxArgumentError, match="env must map variable names"):
+        await al.harness.run("codex", "fix it", LLM, env={"A=B": "c"})
+    with pytest.raises(SandboxArgumentError, match="home_files must map paths relative to HOME"):
+        await al.harness.run("codex", "fix it", LLM, home_files={"/etc/passwd": "x"})
     monkeypatch.setenv("AGENTLOOP_HARNESS_PREFIX", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
     assert harness_prefix() == tmp_path
@@ -142,3 +162,22 @@ async def test_a_harness_that_cannot_reach_a_model_fails_in_the_result_not_raise
         "codex", "hello", dead, timeout_s=60, sandbox=SandboxConfig(limits=Limits(timeout_s=60))
     )
     assert not result.ok and (result.run.exit_code != 0 or result.run.timed_out)
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
+def test_a_sandbox_command_runs_on_the_trainers_uvloop() -> None:
+    """The trainer runs agents on uvloop (agentloop.event_loop.run), whose subprocess_exec refuses the
+    stdlib's user/group keywords the sandbox drops privileges with when it runs as root."""
+    import asyncio
+
+    from agentloop.event_loop import run
+    from agentloop.sandbox import Sandbox
+
+    async def main() -> tuple[str, Any]:
+        async with Sandbox.open(None) as sb:
+            return type(asyncio.get_running_loop()).__module__, await sb.run(
+                ["sh", "-c", "echo ok"], timeout_s=60
+            )
+
+    loop, result = run(main)
+    assert result.exit_code == 0 and result.stdout.strip() == "ok", (loop, result.stderr[-2000:])
