@@ -112,7 +112,9 @@ async def test_one_attempt_through_claude_code_with_the_tiny_model(tiny_model_di
     (rid,) = summary["rollout_ids"]
     spans = await store.query_spans(rid)
     calls = [s.payload for s in spans if isinstance(s.payload, LLMCall)]
-    assert 1 <= len(calls) <= 3 and all(c.prompt_ids and c.response_ids and not c.error for c in calls)
+    # --max-turns 2 bounds the session's turns, not its calls: Claude Code also retries a turn it cannot
+    # parse (a random model's output) and makes side calls; 4 were seen here with greedy sampling
+    assert 1 <= len(calls) <= 8 and all(c.prompt_ids and c.response_ids and not c.error for c in calls)
     assert all(
         0 < len(c.response_ids) <= 12 and len(c.response_logprobs or []) == len(c.response_ids) for c in calls
     )
@@ -120,7 +122,13 @@ async def test_one_attempt_through_claude_code_with_the_tiny_model(tiny_model_di
     assert [m["role"] for m in first[:2]] == ["system", "user"] and first[1]["content"] == statement(
         EXAMPLES[0], True
     )
-    assert task["prompt"] in json.dumps(first[-1])  # the task after the examples
+    last = first[-1]["content"]  # the task after the examples (a string, or Anthropic-style text blocks)
+    text = (
+        last
+        if isinstance(last, str)
+        else " ".join(str(b.get("text", "")) for b in last if isinstance(b, dict))
+    )
+    assert task["prompt"] in text
     assert [s.payload.value for s in spans if isinstance(s.payload, Reward)] == [0.0]
     counts = await check_exact_tokens(store, [rid])
     assert counts["calls"] == len(calls)
