@@ -1,6 +1,6 @@
 """Train SmolLM2-135M-Instruct as Claude Code's model on tiny failing-test repositories, on this CPU.
 
-    python -m examples.coding_tasks.train                           # 12 GRPO steps, before/after held-out
+    python -m examples.coding_tasks.train                           # 10 GRPO steps, before/after held-out
     python -m examples.coding_tasks.train --steps 2 --heldout-size 8 --result /tmp/r.json   # a smoke run
 
 Every attempt is one real Claude Code session (``al.harness.run`` in a bubblewrap sandbox, against the
@@ -28,14 +28,14 @@ from examples.coding_tasks.tasks import make_tasks
 
 # The recipe (see the README section and the module docstring of agent.py for the measurements)
 DEFAULTS: dict[str, Any] = {
-    "steps": 12,  # ~4-5 min a step on the 2-core CPU: ~60 min of training
+    "steps": 10,  # ~5-6 min a step on the 2-core CPU: ~60 min of training
     "batch_size": 4,  # repositories a step
     "n": 6,  # attempts a repository (GRPO group)
     "lr": 2e-5,
     "temperature": 0.4,  # held-out success of the untrained model: greedy 37.5%, T 0.4 29%, T 0.6 ~3% (JSON breaks)
     "max_tokens": 80,  # per call: the sed call is ~40-65 tokens, "Done." 3
     "concurrency": 16,  # Claude Code sessions at once (each ~1 CPU-second to start)
-    "max_context": 4096,  # the engine's per-sequence limit: prompts are ~1.3-1.6k tokens
+    "max_context": 2048,  # the engine's per-sequence limit (its KV cache): prompts are ~1.3-1.6k tokens
 }
 
 
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
-    """GRPO as in trainer.demo_tools (lr 1e-5, engine log-probs, one sample per attempt), sized for a
-    ~1.3k-token prompt: a micro-batch holds a whole group, so its prompt is computed once."""
+    """GRPO as in trainer.demo_tools (engine log-probs, one sample per attempt), sized for a ~1.3k-token
+    prompt: a micro-batch holds a group, so its prompt is computed once."""
     return {
         "data": {
             "train_batch_size": args.batch_size,
@@ -84,7 +84,9 @@ def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> 
             },
             "actor": {
                 "ppo_mini_batch_size": args.batch_size,
-                "ppo_max_token_len_per_gpu": 16384,  # 8 merged rows of ~1.5k tokens: one group a micro-batch
+                # a group's prompt once + its rows' responses (~1.3k + 6 x ~0.2k): one group a micro-batch;
+                # 16384 (several groups at once) took the trainer worker to 15 GB and Ray's OOM killer
+                "ppo_max_token_len_per_gpu": 4096,
                 "use_engine_logprobs": True,
                 "optim": {"lr": args.lr, "weight_decay": 0.0},
                 "grad_clip": 1.0,
