@@ -274,11 +274,12 @@ async def test_a_retried_rollout_has_one_attempt_span_per_attempt_and_failures_a
     assert parent_id(first) == parent_id(second) == root.context.span_id
     assert [s.attributes and s.attributes["agentloop.attempt.sequence_id"] for s in (first, second)] == [1, 2]
     assert first.status.status_code is StatusCode.ERROR
-    assert first.status.description == "ValueError: attempt 1 broke"
+    assert first.status.description == "ValueError"  # the type only: messages with capture_content
     assert first.attributes and first.attributes["error.type"] == "ValueError"
     [exc] = [e for e in first.events if e.name == "exception"]
-    assert exc.attributes and exc.attributes["exception.message"] == "attempt 1 broke"
-    assert "exception.stacktrace" not in exc.attributes  # tracebacks only with capture_content
+    assert exc.attributes and exc.attributes["exception.type"] == "ValueError"
+    assert "exception.message" not in exc.attributes  # messages and tracebacks only with capture_content
+    assert "exception.stacktrace" not in exc.attributes
     assert second.status.status_code is StatusCode.OK and root.status.status_code is StatusCode.OK
     assert root.attributes and root.attributes["agentloop.rollout.attempts"] == 2
     assert first.end_time <= second.start_time  # type: ignore[operator]
@@ -291,8 +292,43 @@ async def test_a_retried_rollout_has_one_attempt_span_per_attempt_and_failures_a
 
     failed_root = roots[1]
     assert failed_root.status.status_code is StatusCode.ERROR
-    assert failed_root.status.description == "ValueError: attempt 1 broke"
+    assert failed_root.status.description == "ValueError"
     assert failed_root.attributes and failed_root.attributes["agentloop.rollout.status"] == "failed"
+
+
+@rollout
+async def quotes_its_task(task: dict[str, Any], llm: LLM | None) -> float:
+    raise ValueError(f"could not parse {task['secret']!r}")  # what real exceptions do: quote the input
+
+
+def everything_exported(spans: Sequence[ReadableSpan]) -> str:
+    """Every name, attribute, event and status text of the spans, as one string."""
+    parts: list[str] = []
+    for s in spans:
+        parts += [s.name, repr(dict(s.attributes or {})), str(s.status.description)]
+        parts += [f"{e.name} {dict(e.attributes or {})!r}" for e in s.events]
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+async def test_an_exception_message_that_quotes_the_task_is_exported_only_with_capture_content(
+    capture: bool,
+) -> None:
+    """Issue 44 finding 8: with content capture off the exception message (which carried the task
+    text) still went out in the exception event and both ERROR statuses; now only its type does."""
+    memory = InMemorySpanExporter()
+    tracing.configure(exporter=memory, capture_content=capture)
+    secret = "customer 4417: the password is hunter2"
+    await run(quotes_its_task, MemoryStore(), [{"secret": secret}], config=RolloutConfig(max_attempts=1))
+    spans = finished(memory)
+    text = everything_exported(spans)
+    assert ("hunter2" in text) is capture, text
+    [attempt] = by_name(spans, "agentloop.attempt")
+    [exc] = [e for e in attempt.events if e.name == "exception"]
+    assert exc.attributes and exc.attributes["exception.type"] == "ValueError"
+    assert attempt.status.description == (
+        f"ValueError: could not parse {secret!r}" if capture else "ValueError"
+    )
 
 
 # ---------------------------------------------------------------- faults never reach the rollouts
@@ -374,6 +410,50 @@ async def test_a_broken_tracer_is_logged_not_raised() -> None:
     ids = await run(constant, store, [{}] * 2)
     assert tracing.force_flush(timeout_s=10)
     assert [(await store.get_rollout(rid)).status.value for rid in ids] == ["succeeded"] * 2
+
+
+_HUNG_EXIT = """
+import sys, threading, time
+from opentelemetry.sdk.trace.export import SpanExporter
+from agentloop import tracing
+
+class Hung(SpanExporter):
+    def export(self, spans):
+        threading.Event().wait()  # a collector that never answers
+
+    def shutdown(self):
+        threading.Event().wait()
+
+tracing.configure(exporter=Hung())
+tracer = tracing._pipeline.tracer
+for _ in range(3):
+    tracer.start_span("x").end()
+started = time.monotonic()
+tracing.shutdown(timeout_s=2)
+print("SHUTDOWN", round(time.monotonic() - started, 2), file=sys.stderr, flush=True)
+"""
+
+
+def test_a_hung_exporter_neither_blocks_shutdown_past_its_timeout_nor_the_exit() -> None:
+    """Issue 44 finding 9: ``shutdown(timeout_s=2)`` waited forever on a hung exporter (the SDK's
+    force_flush exports inline; its shutdown joins the export), and so did the process's exit."""
+    started = time.monotonic()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _HUNG_EXIT],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the process did not exit within 30 s: {exc.stderr!r}") from None
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = [ln for ln in out.stderr.splitlines() if ln.startswith("SHUTDOWN")]
+    assert float(line.split()[1]) < 2.5, line  # the timeout, held
+    assert "tracing_gave_up" in out.stdout + out.stderr  # and it said so
+    assert time.monotonic() - started < 30
 
 
 def test_configure_checks_its_arguments() -> None:

@@ -39,7 +39,7 @@ one daemon thread builds the spans (``configure(exporter=...)`` ends them into a
 ``BatchSpanProcessor``). A slow or failing exporter never stalls or fails a rollout: the queue drops
 with a warning when full, and errors are logged, never raised.
 
-Content: prompts, completions, tool arguments and results, the task, log fields and tracebacks stay out
+Content: prompts, completions, tool arguments and results, the task, log fields, exception messages and tracebacks stay out
 of spans unless ``capture_content=True`` (or ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
 Token ids never go into spans; their counts do.
 """
@@ -124,8 +124,12 @@ class _Pipeline:
                     return False
                 self.queue.all_tasks_done.wait(left)
         flush = getattr(self.provider, "force_flush", None)  # an SDK provider; the API one has none
-        left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-        return bool(flush(left_ms)) if flush is not None else True
+        if flush is None:
+            return True
+        left_s = max(deadline - time.monotonic(), 0.001)
+        # the SDK's BatchSpanProcessor.force_flush exports inline and ignores its timeout: bound it here
+        done, flushed = _bounded(lambda: flush(max(int(left_s * 1000), 1)), left_s, "force_flush")
+        return done and bool(flushed)
 
     def close(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -136,7 +140,36 @@ class _Pipeline:
             pass  # the thread is stuck in an exporter; it is a daemon and dies with the process
         self.thread.join(max(deadline - time.monotonic(), 0.01))
         if self.owned:
-            self.provider.shutdown()
+            # joins the processor's worker, then the exporter's shutdown: either can hang on a dead collector
+            _bounded(self.provider.shutdown, max(deadline - time.monotonic(), 0.01), "shutdown")
+
+
+def _bounded(fn: Any, timeout_s: float, what: str) -> tuple[bool, Any]:
+    """Run ``fn()`` on a daemon thread and wait at most ``timeout_s``: (finished, its result).
+
+    Trap: what does not finish is abandoned, not stopped; the thread is a daemon, so it never keeps
+    the process alive (an exporter stuck on a collector that never answers)."""
+    result: list[Any] = []
+
+    def call() -> None:
+        try:
+            result.append(fn())
+        except Exception as exc:  # a broken provider or exporter: logged, never raised
+            log.warning("tracing_provider_failed", call=what, error=repr(exc)[:300])
+            result.append(None)
+
+    thread = threading.Thread(target=call, name=f"agentloop-otel-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning(
+            "tracing_gave_up",
+            call=what,
+            timeout_s=round(timeout_s, 3),
+            reason="the exporter did not return in time (collector unreachable?); abandoned",
+        )
+        return False, None
+    return True, result[0]
 
 
 # The pipeline in force (None: off). Module state like logging's configuration: a process exports its
@@ -313,7 +346,9 @@ def _new_provider() -> Any:
     resource = Resource.create()
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "agentloop"}))
-    return TracerProvider(resource=resource)
+    # shutdown_on_exit=False: the SDK's own exit hook would shut it down unbounded (a hung exporter
+    # then keeps the process from exiting); ours (_at_exit) does it within a timeout
+    return TracerProvider(resource=resource, shutdown_on_exit=False)
 
 
 def _env_flag(name: str) -> bool:

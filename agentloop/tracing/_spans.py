@@ -4,11 +4,12 @@ Names and attributes (GenAI semantic conventions where they have one, ``agentloo
 
 - ``agentloop.rollout``: ``agentloop.rollout.id`` / ``.mode`` / ``.status`` / ``.attempts``,
   ``agentloop.resources.version``, ``agentloop.reward`` (the last attempt's); status OK when succeeded,
-  ERROR (the last attempt's error) when failed.
+  ERROR (the last attempt's error type) when failed.
 - ``agentloop.attempt``: ``gen_ai.operation.name=invoke_agent``, ``gen_ai.agent.name``,
   ``agentloop.attempt.id`` / ``.sequence_id`` / ``.status``, ``agentloop.worker.id``, ``agentloop.reward``
   (the sum of its Reward spans); events ``agentloop.reward`` and ``agentloop.log`` at their times; a
-  failed, timed-out or unresponsive attempt: ERROR status, ``error.type`` and an ``exception`` event.
+  failed, timed-out or unresponsive attempt: ERROR status, ``error.type`` and an ``exception`` event
+  (the exception type only: its message, like its traceback, only with ``capture_content``).
 - ``chat <model>`` (``text_completion`` for /v1/completions), kind CLIENT: ``gen_ai.operation.name``,
   ``gen_ai.provider.name=agentloop``, ``gen_ai.request.model``, ``gen_ai.usage.input_tokens`` /
   ``output_tokens`` (len of the recorded prompt / response ids), ``gen_ai.response.finish_reasons``,
@@ -22,7 +23,8 @@ Names and attributes (GenAI semantic conventions where they have one, ``agentloo
 Times: LLM call and tool spans end at their span's timestamp and start ``latency_s`` earlier.
 With ``capture_content``: ``gen_ai.input.messages`` / ``gen_ai.output.messages`` /
 ``gen_ai.tool.definitions`` (the OpenAI-format messages and tools as JSON), ``gen_ai.tool.call.arguments``
-/ ``.result``, ``agentloop.rollout.input``, log fields and ``exception.stacktrace``.
+/ ``.result``, ``agentloop.rollout.input``, log fields, ``exception.message`` (and the message in the ERROR status
+descriptions) and ``exception.stacktrace``.
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ def emit(tracer: Tracer, job: Job, capture: bool) -> None:
         root.set_status(Status(StatusCode.OK))
     elif r.status is RolloutStatus.FAILED:
         last = job.attempts[-1].error if job.attempts else None
-        root.set_status(Status(StatusCode.ERROR, _describe(last.type, last.message) if last else "failed"))
+        root.set_status(
+            Status(StatusCode.ERROR, _describe(last.type, last.message, capture) if last else "failed")
+        )
     root.end(end_time=_ns(end))
 
 
@@ -121,8 +125,10 @@ def _reward(spans: list[Span]) -> float | None:
     return sum(values) if values else None
 
 
-def _describe(kind: str, message: str) -> str:
-    text = f"{kind}: {message}" if message else kind
+def _describe(kind: str, message: str, capture: bool) -> str:
+    """The status text of a failure: the exception type, and its message only with capture_content
+    (a message quotes what the agent was working on: the task, a tool's arguments, a model's reply)."""
+    text = f"{kind}: {message}" if message and capture else kind
     return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
 
 
@@ -189,12 +195,12 @@ def _emit_attempt(
             "exception",
             _attrs(
                 exception__type=kind,
-                exception__message=err.message if err else None,
+                exception__message=err.message if err and capture else None,
                 exception__stacktrace=err.traceback if err and capture else None,
             ),
             timestamp=_ns(end),
         )
-        span.set_status(Status(StatusCode.ERROR, _describe(kind, err.message if err else "")))
+        span.set_status(Status(StatusCode.ERROR, _describe(kind, err.message if err else "", capture)))
     span.end(end_time=_ns(end))
 
 
