@@ -42,6 +42,7 @@ An attempt without any Reward span yields triplets with ``reward=None`` and is c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -90,6 +91,9 @@ class AdapterStats(BaseModel):
     )
     attempts_without_reward: int = Field(
         default=0, description="Attempts with no Reward span (triplets get None)."
+    )
+    attempts_nonfinite_reward: int = Field(
+        default=0, description="Attempts whose rewards summed to inf or NaN (no triplets; a bug upstream)."
     )
 
     def merge(self, other: AdapterStats) -> AdapterStats:
@@ -224,6 +228,14 @@ def spans_to_triplets(
         rewards_before_first_call=early if calls else 0,
         attempts_without_reward=0 if rewards else 1,
     )
+    sums = [v for v in (*values, *own, attempt_reward) if v is not None]
+    if not all(math.isfinite(v) for v in sums):  # Reward spans are bounded (MAX_ABS_REWARD): not from the API
+        stats.attempts_nonfinite_reward = 1
+        log.error(
+            "attempt_nonfinite_reward", rollout_id=ordered[0].rollout_id, attempt_id=ordered[0].attempt_id,
+            rewards=len(rewards), why="its rewards sum to inf or NaN; the attempt is left out of training",
+        )  # fmt: skip
+        return AdapterResult(triplets=[], stats=stats)
     tree = call_tree([call for _, call in calls])
     triplets: list[Triplet] = []
     for index, ((span, call), reward) in enumerate(zip(calls, values, strict=True)):

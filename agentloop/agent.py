@@ -46,7 +46,7 @@ from agentloop.importing import import_object
 from agentloop.logging import get_logger
 from agentloop.resources import LLM, ProxyLLM, Resources
 from agentloop.store.base import Store
-from agentloop.types import AttemptedRollout, Reward, Span
+from agentloop.types import MAX_ABS_REWARD, AttemptedRollout, Reward, Span
 
 log = get_logger("agentloop.agent")
 
@@ -233,8 +233,8 @@ def emit_reward(value: float, name: str | None = None) -> PendingReward:
     if not isinstance(value, numbers.Real):  # bool and int are Real too
         raise TypeError(f"emit_reward takes a number (float, int or bool), got {type(value).__name__}")
     reward = float(value)
-    if not math.isfinite(reward):
-        raise ValueError(f"emit_reward takes a finite number, got {reward}")
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"emit_reward takes a finite number within +-{MAX_ABS_REWARD:g}, got {reward:g}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"emit_reward name must be a str or None, got {type(name).__name__}")
     ctx = get_rollout_context("emit_reward")
@@ -259,8 +259,11 @@ def check_reward(value: Any, agent: object) -> float | None:
         return None
     if isinstance(value, numbers.Real):  # bool, int, float and numpy reals
         reward = float(value)
-        if not math.isfinite(reward):
-            raise AgentError(f"agent {agent!r} returned {reward}; a reward must be a finite number")
+        if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+            raise AgentError(
+                f"agent {agent!r} returned {reward:g}; a reward must be a finite number within "
+                f"+-{MAX_ABS_REWARD:g} (MAX_ABS_REWARD)"
+            )
         return reward
     hint = " (call .item() on a tensor or array)" if hasattr(value, "item") else ""
     raise AgentError(

@@ -20,6 +20,9 @@ JSON = Any  # a JSON-serialisable value
 # deepest nesting of one JSON field: real messages, tool schemas and metadata stay far below; the JSON
 # parsers that read stored spans back stop at 200 levels (pydantic) and 255 (orjson) for a whole document
 MAX_JSON_DEPTH = 100
+# largest |reward| a Reward span holds: a sum of rewards stays far from float overflow (two 1.7e308
+# rewards summed to inf and killed the online trainer); tasks score in [-1, 1] or a few hundred at most
+MAX_ABS_REWARD = 1e6
 
 
 def new_rollout_id() -> str:
@@ -258,8 +261,18 @@ class Reward(_Model):
     """A reward emitted by the agent (``al.emit_reward``) or the runner (the returned value)."""
 
     kind: Literal["reward"] = "reward"
-    value: float
+    value: float = Field(description="The reward, finite and within +-MAX_ABS_REWARD (1e6).")
     name: str | None = None
+
+    @field_validator("value")
+    @classmethod
+    def _bounded(cls, value: float) -> float:
+        if not -MAX_ABS_REWARD <= value <= MAX_ABS_REWARD:
+            raise ValueError(
+                f"a reward must be within +-{MAX_ABS_REWARD:g} (MAX_ABS_REWARD), got {value:g}; "
+                "scale the task's score down"
+            )
+        return value
 
 
 class ToolCall(_Model):

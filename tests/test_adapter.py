@@ -322,3 +322,29 @@ def test_merge_turns_edge_cases() -> None:
     assert len(merge_turns([_trip([1], [2, 3]), _trip([1, 2, 4], [5])])) == 2
     with pytest.raises(TypeError, match=r"takes agentloop\.types\.Triplet objects"):
         merge_turns([None])  # type: ignore[list-item]
+
+
+def test_rewards_out_of_range_are_refused_and_a_nonfinite_sum_drops_the_attempt() -> None:
+    """Issue 44 finding 1: two rewards of 1.7e308 summed to inf and the sample build raised, which took
+    ``serve --train`` down. Rewards are bounded (MAX_ABS_REWARD); a sum that is still not finite (spans
+    built past validation) leaves the attempt out, counted, instead of raising."""
+    from pydantic import ValidationError
+
+    from agentloop.types import MAX_ABS_REWARD
+
+    with pytest.raises(ValidationError, match=r"within \+-1e\+06 \(MAX_ABS_REWARD\), got 1.7e\+308"):
+        Reward(value=1.7e308)
+    assert Reward(value=MAX_ABS_REWARD).value == 1e6
+    call = LLMCall(prompt_ids=[1, 2], response_ids=[3])
+    huge = Reward.model_construct(kind="reward", value=1.7e308, name=None)
+    spans = [
+        Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=1, payload=call),
+        Span.model_construct(
+            rollout_id="ro-1", attempt_id="at-1", sequence_id=2, payload=huge, timestamp=0.0
+        ),
+        Span.model_construct(
+            rollout_id="ro-1", attempt_id="at-1", sequence_id=3, payload=huge, timestamp=0.0
+        ),
+    ]
+    out = spans_to_triplets(spans)
+    assert out.triplets == [] and out.stats.attempts_nonfinite_reward == 1

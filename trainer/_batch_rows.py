@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,4 +132,7 @@ def unusable(t: Triplet) -> str | None:
         return "dropped_attempts_empty"
     if t.reward is None:
         return "dropped_attempts_no_reward"
+    values = (t.reward, t.metadata.get("attempt_reward"), t.metadata.get("call_reward"))
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):  # built past validation
+        return "dropped_attempts_nonfinite_reward"
     return None

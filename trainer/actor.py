@@ -269,6 +269,11 @@ class Actor:
             metrics.update(self.critic.update(batch, values, returns, loss_mask(batch, cfg)))
         else:
             adv = batch_advantages(batch, cfg, kl)  # (B, R)
+        # rewards are bounded (MAX_ABS_REWARD) and build_batch drops non-finite ones; an inf or NaN that
+        # still comes out of an estimator trains nothing (0) and is counted, with no host sync here
+        finite = torch.isfinite(adv)  # (B, R)
+        on_device["actor/advantage_nonfinite"] = (~finite & mask.bool()).sum()
+        adv = torch.where(finite, adv, torch.zeros_like(adv))
         batch.extras["advantages"] = adv
         on_device["actor/advantage_abs_mean"] = masked_mean(adv.abs(), mask.bool())
         if batch.truncated is not None:

@@ -317,6 +317,7 @@ def build_batch(
         "attempts_untrained_prompt_too_long": 0,
         "dropped_attempts_empty": 0,
         "dropped_attempts_no_reward": 0,
+        "dropped_attempts_nonfinite_reward": 0,
         "dropped_calls": 0,
         "truncated_samples": 0,
         "no_trainable_tokens": 0,

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agentloop.types import MAX_ABS_REWARD
+
 JSONDict = dict[str, Any]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -164,9 +166,10 @@ class CompletionRequest(_SamplingFields):
 
 
 class RewardRequest(Strict):
-    """``{"value": 1.0}`` (or ``{"reward": 1.0}``, the usual first guess), with an optional ``name``."""
+    """``{"value": 1.0}`` (or ``{"reward": 1.0}``, the usual first guess), with an optional ``name``;
+    the value is finite and within +-MAX_ABS_REWARD (1e6), as every Reward span."""
 
-    value: float
+    value: float = Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)
     name: str | None = None
 
     @model_validator(mode="before")

@@ -8,13 +8,15 @@ code   type                  the client raises
 =====  ====================  =========================================
 400    invalid_json          InvalidRequestError
 401    unauthorized          StoreUnavailableError (wrong or no key)
-403    forbidden             InvalidRequestError (a runner key used for an admin route or
-                             for an attempt another runner dequeued)
+403    forbidden             InvalidRequestError (a runner key used for an admin route, for an
+                             attempt another runner dequeued, or to post an llm_call span)
 404    not_found             NotFoundError
 409    stale_attempt         StaleAttemptError
 409    invalid_transition    InvalidTransitionError
 413    payload_too_large     InvalidRequestError
-422    invalid_request       InvalidRequestError (NaN/Infinity, JSON nested too deep, ...)
+422    invalid_request       InvalidRequestError (NaN/Infinity, a reward over +-1e6, JSON nested too
+                             deep, ...)
+429    too_many_waits        StoreUnavailableError (more than max_waits_per_key long-polls at once)
 =====  ====================  =========================================
 
 The connection limits (agentloop.http_limits, ``limits=``) answer in plain text and close the
@@ -24,9 +26,23 @@ busy); the client raises StoreUnavailableError for each.
 Keys and roles. With no key the server is open (and binds only a loopback address). The **admin key**
 (``admin_key``, or ``api_key`` as before) may do everything: the trainer holds it. A **runner key**
 (``runner_keys={"name": key}``, or ``runner_key(admin_key, name)``, which a server with that admin key
-accepts without being told) may read, dequeue, and write spans and status only for attempts it
-dequeued (the attempt's worker_id is stored as ``name/<worker_id>``); it may not enqueue or cancel
-rollouts nor add resources. Violations are 403 with the rule in the message.
+accepts without being told) may:
+
+- dequeue, and read only the attempts it dequeued (the attempt's worker_id is stored as
+  ``name/<worker_id>``), their spans, and the rollouts they belong to (``get_rollout``, ``list_attempts``
+  shows its own attempts only, ``wait_for_rollouts`` on those rollouts only);
+- write status, heartbeats and spans into those attempts: rewards, logs and tool calls, never an
+  ``llm_call`` span (only the proxy records what the model produced; it writes to the store directly);
+- read resources, with every ProxyLLM's ``api_key`` blanked (each attempt gets its own proxy credential
+  when it is dequeued: agentloop.proxy.attempt_keys).
+
+It may not list rollouts, enqueue or cancel them, run the watchdog for everyone, or add resources.
+A task's ``reference`` field (``input["reference"]`` of a dict input: the answer, a hidden test) never
+reaches a runner key: it is removed from every rollout it reads, so only trainer-side scorers (a judge,
+a reward computed by the trainer) see it. Violations are 403 with the rule in the message.
+
+Long-polls (``/v1/wait``) are capped per key (``max_waits_per_key``, default 16 at once); one more is
+answered 429 ``too_many_waits``, so no key can hold every connection with waits.
 """
 
 from __future__ import annotations
@@ -52,7 +68,7 @@ from agentloop.errors import (
 )
 from agentloop.http_limits import HttpLimits, is_loopback
 from agentloop.http_server import EmbeddedServer, ServerState
-from agentloop.resources import Resources
+from agentloop.resources import ProxyLLM, Resources
 from agentloop.store._keys import Key, Keys, Who, admin_key_of, owner_of, runner_key
 from agentloop.store.base import Store
 from agentloop.store.client import ATTEMPT_LIST, MAX_WAIT_S, ROLLOUT_ATTEMPT, ROLLOUT_LIST, SPAN_LIST
@@ -60,6 +76,8 @@ from agentloop.types import (
     JSON,
     AttemptStatus,
     ErrorInfo,
+    LLMCall,
+    Rollout,
     RolloutConfig,
     RolloutMode,
     Span,
@@ -68,6 +86,27 @@ from agentloop.types import (
 log = structlog.get_logger(__name__)
 
 _OWNERS_CACHED = 65_536  # attempt -> dequeuing runner, kept in memory; older ones are read from the store
+MAX_WAITS_PER_KEY = 16  # long-polls (/v1/wait) one key may hold at once; a runner needs one or two
+REFERENCE_FIELD = "reference"  # input["reference"]: the task's answer, never handed to a runner key
+
+
+def for_runner(rollout: Any) -> Any:
+    """``rollout`` (a Rollout or AttemptedRollout) as a runner key sees it: without ``input["reference"]``."""
+    if isinstance(rollout, Rollout) and isinstance(rollout.input, dict) and REFERENCE_FIELD in rollout.input:
+        kept = {k: v for k, v in rollout.input.items() if k != REFERENCE_FIELD}
+        return rollout.model_copy(update={"input": kept})
+    return rollout
+
+
+def _blank_proxy_keys(resources: Resources | None) -> Resources | None:
+    """Resources as a runner key reads them: no ProxyLLM's ``api_key`` (each attempt gets its own)."""
+    if resources is None or not any(isinstance(r, ProxyLLM) for r in resources.items.values()):
+        return resources
+    items = {
+        name: r.model_copy(update={"api_key": "EMPTY"}) if isinstance(r, ProxyLLM) else r
+        for name, r in resources.items.items()
+    }
+    return resources.model_copy(update={"items": items})
 
 
 class _Body(BaseModel):
@@ -142,11 +181,13 @@ def create_app(
     *,
     admin_key: Key | None = None,
     runner_keys: Mapping[str, Key] | None = None,
+    max_waits_per_key: int = MAX_WAITS_PER_KEY,
 ) -> _Router:
     """The ASGI app serving ``store``: hand-routed (no dependency solving, no middleware); every route
     answers JSON. ``api_key`` is the admin key (kept for callers from before roles)."""
     keys = Keys(admin_key_of(api_key, admin_key), runner_keys)
     owners: dict[str, str | None] = {}  # attempt_id -> runner that dequeued it (a bounded cache)
+    waits: dict[Who, int] = {}  # long-polls open per key
     routes: list[tuple[str, re.Pattern[str], Handler]] = []
 
     def remember(attempt_id: str, owner: str | None) -> None:
@@ -154,8 +195,10 @@ def create_app(
             owners.pop(next(iter(owners)))
         owners[attempt_id] = owner
 
-    async def require_owner(request: Request, rollout_id: str, attempt_id: str) -> None:
-        """A runner writes only into attempts it dequeued (the admin into any)."""
+    async def require_owner(
+        request: Request, rollout_id: str, attempt_id: str, verb: str = "write only to"
+    ) -> None:
+        """A runner reads and writes only attempts it dequeued (the admin any)."""
         who: Who = request.scope["agentloop.who"]
         if who.runner is None:
             return
@@ -168,10 +211,29 @@ def create_app(
             raise _HTTPError(
                 403,
                 "forbidden",
-                f"runner {who.runner!r} may write only to attempts it dequeued; attempt {attempt_id:.80} "
+                f"runner {who.runner!r} may {verb} attempts it dequeued; attempt {attempt_id:.80} "
                 f"of rollout {rollout_id:.80} was dequeued by "
                 + (f"runner {owner!r}" if owner else "the admin or another worker"),
             )
+
+    async def own_attempts(request: Request, rollout_id: str) -> list[Any] | None:
+        """The rollout's attempts a runner dequeued (403 when none: it may not read the rollout); None
+        for the admin, who reads every attempt."""
+        who: Who = request.scope["agentloop.who"]
+        if who.runner is None:
+            return None
+        mine = [a for a in await store.list_attempts(rollout_id) if owner_of(a.worker_id) == who.runner]
+        if not mine:
+            raise _HTTPError(
+                403,
+                "forbidden",
+                f"runner {who.runner!r} may read only rollouts it dequeued an attempt of; "
+                f"rollout {rollout_id:.80} is not one",
+            )
+        return mine
+
+    def shown(request: Request, rollout: Any) -> Any:
+        return rollout if request.scope["agentloop.who"].runner is None else for_runner(rollout)
 
     async def body(request: Request, model: type[BaseModel]) -> Any:
         declared = request.headers.get("content-length")
@@ -240,7 +302,7 @@ def create_app(
         b = await body(request, EnqueueBody)
         return _json(await store.enqueue_rollout(b.input, mode=b.mode, config=b.config, metadata=b.metadata))
 
-    @route("POST", "/v1/rollouts/list")
+    @route("POST", "/v1/rollouts/list", admin="list rollouts (it reads the attempts it dequeued)")
     async def list_rollouts(request: Request) -> Response:
         b = await body(request, ListBody)
         return _json(await store.list_rollouts(status=b.status, limit=b.limit), ROLLOUT_LIST)
@@ -254,11 +316,14 @@ def create_app(
         attempted = await store.dequeue_rollout(worker_id)
         if attempted is not None and who.runner is not None:
             remember(attempted.attempt.attempt_id, who.runner)
+            attempted = for_runner(attempted)
         return _json(attempted)
 
     @route("GET", "/v1/rollouts/{rollout_id}")
     async def get_rollout(request: Request) -> Response:
-        return _json(await store.get_rollout(request.path_params["rollout_id"]))
+        rid = request.path_params["rollout_id"]
+        await own_attempts(request, rid)
+        return _json(shown(request, await store.get_rollout(rid)))
 
     @route("POST", "/v1/rollouts/{rollout_id}/cancel", admin="cancel rollouts")
     async def cancel(request: Request) -> Response:
@@ -266,17 +331,22 @@ def create_app(
 
     @route("GET", "/v1/rollouts/{rollout_id}/attempts")
     async def list_attempts(request: Request) -> Response:
-        return _json(await store.list_attempts(request.path_params["rollout_id"]), ATTEMPT_LIST)
+        rid = request.path_params["rollout_id"]
+        mine = await own_attempts(request, rid)
+        return _json(mine if mine is not None else await store.list_attempts(rid), ATTEMPT_LIST)
 
     @route("GET", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
     async def get_attempt(request: Request) -> Response:
         p = request.path_params
+        await require_owner(request, p["rollout_id"], p["attempt_id"], "read only")
         return _json(await store.get_attempt(p["rollout_id"], p["attempt_id"]))
 
     @route("GET", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}/with_rollout")
     async def get_rollout_attempt(request: Request) -> Response:
         p = request.path_params
-        return _json(await store.get_rollout_attempt(p["rollout_id"], p["attempt_id"]), ROLLOUT_ATTEMPT)
+        await require_owner(request, p["rollout_id"], p["attempt_id"], "read only")
+        rollout, attempt = await store.get_rollout_attempt(p["rollout_id"], p["attempt_id"])
+        return _json((shown(request, rollout), attempt), ROLLOUT_ATTEMPT)
 
     @route("POST", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
     async def update_attempt(request: Request) -> Response:
@@ -287,21 +357,56 @@ def create_app(
 
     @route("GET", "/v1/rollouts/{rollout_id}/spans")
     async def query_spans(request: Request) -> Response:
+        rid = request.path_params["rollout_id"]
         attempt_id = request.query_params.get("attempt_id", "latest")
-        return _json(await store.query_spans(request.path_params["rollout_id"], attempt_id), SPAN_LIST)
+        if request.scope["agentloop.who"].runner is not None:
+            if attempt_id == "latest":  # the latest attempt must be the runner's own
+                attempts = await store.list_attempts(rid)
+                if not attempts:
+                    await own_attempts(request, rid)  # 403: nothing of it was dequeued
+                attempt_id = max(attempts, key=lambda a: a.sequence_id).attempt_id
+            await require_owner(request, rid, attempt_id, "read only the spans of")
+        return _json(await store.query_spans(rid, attempt_id), SPAN_LIST)
 
     @route("POST", "/v1/spans")
     async def add_span(request: Request) -> Response:
         span = await body(request, Span)
+        who: Who = request.scope["agentloop.who"]
+        if who.runner is not None and isinstance(span.payload, LLMCall):
+            raise _HTTPError(
+                403,
+                "forbidden",
+                f"runner {who.runner!r} may not post llm_call spans: only the proxy records the model's "
+                "calls (the trainer trains on their token ids); a runner posts rewards, logs and tool calls",
+            )
         await require_owner(request, span.rollout_id, span.attempt_id)
         return _json(await store.add_span(span))
 
     @route("POST", "/v1/wait")
     async def wait(request: Request) -> Response:
-        b = await body(request, WaitBody)
-        return _json(await store.wait_for_rollouts(b.rollout_ids, min(b.timeout, MAX_WAIT_S)), ROLLOUT_LIST)
+        who: Who = request.scope["agentloop.who"]
+        open_now = waits.get(who, 0)
+        if open_now >= max_waits_per_key:
+            raise _HTTPError(
+                429,
+                "too_many_waits",
+                f"this key already holds {open_now} long-polls (/v1/wait); at most {max_waits_per_key} at "
+                "once: wait on several rollouts in one call, or retry when one returns",
+            )
+        waits[who] = open_now + 1
+        try:
+            b = await body(request, WaitBody)
+            if who.runner is not None:
+                for rid in dict.fromkeys(b.rollout_ids):
+                    await own_attempts(request, rid)
+            done = await store.wait_for_rollouts(b.rollout_ids, min(b.timeout, MAX_WAIT_S))
+        finally:
+            waits[who] -= 1
+            if not waits[who]:
+                del waits[who]
+        return _json([shown(request, r) for r in done], ROLLOUT_LIST)
 
-    @route("POST", "/v1/check_timeouts")
+    @route("POST", "/v1/check_timeouts", admin="run the watchdog over every attempt (dequeue runs it)")
     async def check_timeouts(request: Request) -> Response:
         return _json(await store.check_timeouts(), ATTEMPT_LIST)
 
@@ -309,16 +414,19 @@ def create_app(
     async def add_resources(request: Request) -> Response:
         return _json({"version": await store.add_resources(await body(request, Resources))})
 
+    def resources_shown(request: Request, resources: Resources | None) -> Resources | None:
+        return resources if request.scope["agentloop.who"].runner is None else _blank_proxy_keys(resources)
+
     @route("GET", "/v1/resources/latest")
     async def latest_resources(request: Request) -> Response:
-        return _json(await store.get_latest_resources())
+        return _json(resources_shown(request, await store.get_latest_resources()))
 
     @route("GET", "/v1/resources/{version}")
     async def get_resources(request: Request) -> Response:
         raw = request.path_params["version"]
         if not raw.isdigit():
             raise _HTTPError(422, "invalid_request", f"resources version must be an integer, got {raw!r:.40}")
-        return _json(await store.get_resources(int(raw)))
+        return _json(resources_shown(request, await store.get_resources(int(raw))))
 
     return _Router(routes)
 
@@ -358,7 +466,8 @@ class StoreServer:
     ``admin_key`` (or ``api_key``, the same key) and ``runner_keys`` set the roles (module docstring);
     without any key the server binds only a loopback address. ``limits`` bound what a client may hold
     before it sent a request (connections, header/body deadlines, header size; ``HttpLimits``, whose
-    defaults need no change)."""
+    defaults need no change); ``max_waits_per_key`` caps the long-polls (``/v1/wait``) each key holds at once
+    (more: 429)."""
 
     def __init__(
         self,
@@ -371,9 +480,16 @@ class StoreServer:
         admin_key: Key | None = None,
         runner_keys: Mapping[str, Key] | None = None,
         limits: HttpLimits | None = None,
+        max_waits_per_key: int = MAX_WAITS_PER_KEY,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise InvalidRequestError(f"port must be an int in 0..65535, got {port!r}")
+        if (
+            isinstance(max_waits_per_key, bool)
+            or not isinstance(max_waits_per_key, int)
+            or max_waits_per_key < 1
+        ):
+            raise InvalidRequestError(f"max_waits_per_key must be an int >= 1, got {max_waits_per_key!r}")
         if limits is not None and not isinstance(limits, HttpLimits):
             raise InvalidRequestError(f"limits must be an HttpLimits, got {type(limits).__name__}")
         self.store, self.host, self.port = store, host, port
@@ -386,7 +502,10 @@ class StoreServer:
                 "and rewrite every rollout; pass admin_key= (and runner_keys= for runners), or bind 127.0.0.1"
             )
         self._admin = self._keys.admin
-        self.app = create_app(store, max_body_bytes=max_body_bytes, admin_key=admin, runner_keys=runner_keys)
+        self.app = create_app(
+            store, max_body_bytes=max_body_bytes, admin_key=admin, runner_keys=runner_keys,
+            max_waits_per_key=max_waits_per_key,
+        )  # fmt: skip
         # keep-alive long (the client keeps idle connections open), so the server rarely closes one the
         # client is about to reuse; stop does not wait for long-poll waits (graceful_s=0)
         self._http = EmbeddedServer(

@@ -61,11 +61,13 @@ async def test_a_runner_writes_only_into_attempts_it_dequeued(served: Any) -> No
             await r1.update_attempt(theirs.rollout_id, theirs.attempt.attempt_id, heartbeat=True)
         assert await admin.query_spans(theirs.rollout_id) == []
         assert (await admin.get_attempt(theirs.rollout_id, theirs.attempt.attempt_id)).status == "preparing"
-        # its own attempt: spans, heartbeats and status; reads of any rollout
+        # its own attempt: spans, heartbeats and status; reads of its own rollouts only (issue 44)
         await r1.add_span(_reward(mine))
         await r1.update_attempt(mine.rollout_id, mine.attempt.attempt_id, heartbeat=True)
         await r1.update_attempt(mine.rollout_id, mine.attempt.attempt_id, status=AttemptStatus.SUCCEEDED)
-        assert (await r1.get_rollout(theirs.rollout_id)).input == {"task": "b"}
+        assert (await r1.get_rollout(mine.rollout_id)).status == "succeeded"
+        with pytest.raises(InvalidRequestError, match="may read only rollouts it dequeued"):
+            await r1.get_rollout(theirs.rollout_id)
         assert len(await r1.query_spans(mine.rollout_id)) == 1
         await r2.add_span(_reward(theirs))  # the other runner writes into its own
     finally:

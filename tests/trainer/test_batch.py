@@ -92,6 +92,7 @@ def test_unusable_attempts_leave_whole_and_long_responses_are_truncated() -> Non
         "attempts_untrained_prompt_too_long": 0,
         "dropped_attempts_empty": 1,
         "dropped_attempts_no_reward": 1,
+        "dropped_attempts_nonfinite_reward": 0,
         "dropped_calls": 2,
         "truncated_samples": 2,
         "no_trainable_tokens": 1,
@@ -303,3 +304,16 @@ def test_a_branched_attempt_gives_a_row_per_branch_with_each_call_in_its_own_pla
     assert batch.calls.start.tolist() == [0, 3, 0] and batch.calls.length.tolist() == [2, 1, 1]
     assert batch.calls.reward.tolist() == pytest.approx([0.1, 0.3, 0.2])
     assert batch.calls.position.tolist() == [0, 2, 1]
+
+
+def test_non_finite_rewards_drop_their_attempt_with_a_count() -> None:
+    """Issue 44 finding 1: a triplet built past validation with an infinite reward is left out and
+    counted, never turned into advantages."""
+    good = Triplet(prompt_ids=[1, 2], response_ids=[3], reward=1.0, metadata={"attempt_id": "a"})
+    bad = Triplet.model_construct(
+        prompt_ids=[1, 2], response_ids=[3], response_logprobs=None, response_mask=[1],
+        reward=float("inf"), metadata={"attempt_id": "b"},
+    )  # fmt: skip
+    batch, stats = build_batch([good, bad], max_prompt_length=8, max_response_length=8)
+    assert len(batch) == 1 and batch.rewards.tolist() == [1.0]
+    assert stats["dropped_attempts_nonfinite_reward"] == 1 and stats["dropped_calls"] == 1
