@@ -37,7 +37,9 @@ import structlog
 from agentloop import event_loop
 from agentloop.agent import Agent
 from agentloop.errors import TrainerTimeoutError
-from agentloop.resources import Resources
+from agentloop.private_files import private_dir, write_private_text
+from agentloop.proxy.attempt_keys import PER_ATTEMPT, AttemptKeyStore
+from agentloop.resources import ProxyLLM, Resources
 from agentloop.runner import Runner, _as_agent
 from agentloop.store.base import Store
 from trainer import checkpoint as ck
@@ -63,6 +65,11 @@ from trainer.worker_checkpoints import resume, save_checkpoint, save_model
 log = structlog.get_logger("agentloop.trainer")
 
 LLM_RESOURCE = "main_llm"
+
+
+def _per_attempt(resource: ProxyLLM) -> ProxyLLM:
+    """The resource as stored: no proxy key (AttemptKeyStore puts each attempt's own in at dequeue)."""
+    return resource.model_copy(update={"api_key": PER_ATTEMPT})
 
 
 class Trainer:
@@ -179,8 +186,8 @@ class Trainer:
         model_path = resolve_model(
             cfg.actor_rollout_ref.model.path
         )  # before the folder: a bad path leaves none
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        private_dir(run_dir)  # 0700: the tasks, every rollout, the checkpoints (agentloop.private_files)
+        write_private_text(run_dir / "config.json", cfg.model_dump_json(indent=2))
         self._judge = self._reward.for_run(run_dir / "judge.jsonl") if self._reward is not None else None
         record: dict[str, Any] = {"identity": state.identity, "status": "running", "step": plan.step}
         ck.write_run(run_dir, record)
@@ -230,7 +237,9 @@ class Trainer:
             run_dir=run_dir, steps=0, resumed_from=plan.step if plan.action == "resume" else None
         )
         proxy = training_proxy(cfg, engine, store, record_sessions=self._judge is None)
-        store_server = await serve_store(cfg, store)  # None unless placement.store_server (remote runners)
+        # runners dequeue through it: each attempt gets its own proxy key (the proxy's is never stored)
+        keyed = AttemptKeyStore(store, proxy)
+        store_server = await serve_store(cfg, keyed)  # None unless placement.store_server (remote runners)
         try:
             await deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
             self._served = (served_llm(proxy), engine)
@@ -238,13 +247,19 @@ class Trainer:
             rollout_cfg = cfg.actor_rollout_ref.rollout
             sampling = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p}
             sampling["max_tokens"] = cfg.data.max_response_length
-            resources = Resources(items={LLM_RESOURCE: proxy.as_resource("agentloop", sampling)})
+            resources = Resources(
+                items={LLM_RESOURCE: _per_attempt(proxy.as_resource("agentloop", sampling))}
+            )
             val_sampling = {**rollout_cfg.val_kwargs.sampling(), "max_tokens": cfg.data.max_response_length}
             val_resources = Resources(
-                items={LLM_RESOURCE: proxy.as_resource("agentloop", val_sampling, enforce_sampling=True)}
+                items={
+                    LLM_RESOURCE: _per_attempt(
+                        proxy.as_resource("agentloop", val_sampling, enforce_sampling=True)
+                    )
+                }
             )
             await store.add_resources(resources)
-            runner = Runner(agent, store, concurrency=rollout_cfg.concurrency)
+            runner = Runner(agent, keyed, concurrency=rollout_cfg.concurrency)
             runner_done = anyio.Event()
 
             async def run_runner() -> None:

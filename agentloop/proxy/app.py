@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from agentloop.proxy import anthropic, anthropic_output, openai_responses, responses, responses_output
+from agentloop.proxy.attempt_keys import attempt_key
 from agentloop.proxy.disconnect import ClientWatch
 from agentloop.proxy.schemas import (
     ChatCompletionRequest,
@@ -102,12 +103,20 @@ class BearerAuth:
         return self._expected is not None
 
     def allows(self, request: Request) -> bool:
+        """The proxy's key, or on a per-attempt route that attempt's own key (attempt_keys.py)."""
         if self._expected is None or self._key is None:
             return True
         api_key = request.headers.get("x-api-key")
         if api_key is not None and "authorization" not in request.headers:
-            return hmac.compare_digest(api_key.encode(), self._key)
-        return hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected)
+            got = b"Bearer " + api_key.encode()
+        else:
+            got = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(got, self._expected):
+            return True
+        rid, aid = request.path_params.get("rollout_id"), request.path_params.get("attempt_id")
+        if not rid or not aid:
+            return False
+        return hmac.compare_digest(got, b"Bearer " + attempt_key(self._key.decode(), rid, aid).encode())
 
     def __repr__(self) -> str:
         return f"BearerAuth(required={self.required})"

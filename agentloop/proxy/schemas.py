@@ -169,8 +169,15 @@ class RewardRequest(Strict):
     """``{"value": 1.0}`` (or ``{"reward": 1.0}``, the usual first guess), with an optional ``name``;
     the value is finite and within +-MAX_ABS_REWARD (1e6), as every Reward span."""
 
-    value: float = Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)
+    value: float = Field(allow_inf_nan=False)
     name: str | None = None
+
+    @field_validator("value")
+    @classmethod
+    def _bounded(cls, value: float) -> float:
+        if not -MAX_ABS_REWARD <= value <= MAX_ABS_REWARD:
+            raise ValueError(f"a reward must be within +-{MAX_ABS_REWARD:g} (MAX_ABS_REWARD), got {value:g}")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -5,6 +5,7 @@ never reach run folders, W&B or reprs; our openai clients never retry (a retry r
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 import types
 from pathlib import Path
@@ -169,8 +170,9 @@ async def test_a_timed_out_call_is_sent_once(tokenizer: Any) -> None:
 def test_the_trainer_keys_its_proxy_and_keeps_keys_out_of_the_run(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One step of the whole loop: agents get a per-run key and an unkeyed request gets 401; the
-    store key (from env:) is not in the run folder, and W&B gets it masked."""
+    """One step of the whole loop: each attempt gets its own proxy key (issue 44: derived from the per-run
+    key, which is never stored) and an unkeyed request gets 401; the store key (from env:) is not in the
+    run folder, and W&B gets it masked."""
     from trainer import Trainer
 
     seen: list[tuple[str, int]] = []
@@ -214,7 +216,10 @@ def test_the_trainer_keys_its_proxy_and_keeps_keys_out_of_the_run(
     tasks = [{"prompt": f"Name a colour, number {i}."} for i in range(2)]
     result = Trainer(cfg).fit(agent, tasks)
     keys = {k for k, _ in seen}
-    assert len(keys) == 1 and len(next(iter(keys))) >= 32, "one generated key per run"
+    assert len(keys) == len(seen) == 4 and all(k.startswith("attempt.") for k in keys), "a key per attempt"
+    stored = [json.loads(row[0]) for row in sqlite3.connect(result.run_dir / "store.db").execute(
+        "SELECT data FROM resources")]  # fmt: skip
+    assert stored and {r["items"]["main_llm"]["api_key"] for r in stored} == {"per-attempt"}, "no key at rest"
     assert {status for _, status in seen} == {401}
     assert (
         json.loads((result.run_dir / "config.json").read_text())["placement"]["store_api_key"] == "**********"
