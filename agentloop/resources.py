@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, KeysView, Mapping, ValuesView
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -106,11 +106,53 @@ Resource = Annotated[LLM | ProxyLLM, Field(discriminator="resource_type")]
 
 
 class Resources(_Resource):
-    """A named set of resources; the store gives each added set the next version number."""
+    """A named set of resources; the store gives each added set the next version number.
+
+    It reads as a mapping of names to resources, as code ported from Agent Lightning expects:
+    ``latest["main_llm"]``, ``"main_llm" in latest``, ``for name in latest``, ``latest.get(name)``,
+    ``latest.keys()``/``values()``, ``dict(latest)``; ``latest.resources`` is that dict (Agent Lightning's
+    ``ResourcesUpdate.resources``). Trap: ``items`` is the field holding that dict, not a method, so
+    iterate pairs with ``latest.items.items()``. A Resources is true even when empty (None means none).
+    """
 
     version: int | None = Field(default=None, description="Assigned by the store on add_resources.")
-    items: dict[str, Resource] = Field(default_factory=dict)
-    created_at: float = Field(default_factory=time.time)
+    items: dict[str, Resource] = Field(default_factory=dict, description="The resources by name.")
+    created_at: float = Field(default_factory=time.time, description="When this set was made (epoch s).")
+
+    @property
+    def resources(self) -> dict[str, LLM | ProxyLLM]:
+        """The resources by name (``items``), under Agent Lightning's name for them."""
+        return self.items
+
+    def __getitem__(self, name: str) -> LLM | ProxyLLM:
+        try:
+            return self.items[name]
+        except KeyError:
+            raise KeyError(
+                f"no resource named {name!r} in version {self.version}; have {sorted(self.items)}"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.items
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]  # names, as a mapping (not pydantic's pairs)
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __bool__(self) -> bool:
+        return True  # as before __len__ existed: `if resources:` tests for None, not for an empty set
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The resource named ``name``, or ``default``."""
+        return self.items.get(name, default)
+
+    def keys(self) -> KeysView[str]:
+        return self.items.keys()
+
+    def values(self) -> ValuesView[LLM | ProxyLLM]:
+        return self.items.values()
 
     def get_llm(self, name: str | None = None) -> LLM | ProxyLLM:
         """The LLM named ``name``, or the only/first LLM when no name is given."""

@@ -52,3 +52,23 @@ async def test_any_other_shape_shows_the_expected_one(store: Store, given: Any, 
         await store.add_resources(given)
     assert problem in str(info.value) and EXPECTED in str(info.value)
     assert await store.get_latest_resources() is None  # nothing was added
+
+
+async def test_resources_read_back_as_a_mapping_as_ported_code_reads_them(store: Store) -> None:
+    """Agent Lightning code reads ``store.get_latest_resources()["main_llm"]`` or ``.resources[...]``
+    (issue 46, item 10), on every backend (the HTTP client gives back a Resources too)."""
+    await store.add_resources({"main_llm": LLM_, "judge": PROXY})
+    latest = await store.get_latest_resources()
+    assert latest is not None
+    assert latest["main_llm"] == LLM_ and latest.resources["judge"] == PROXY
+    assert "main_llm" in latest and "other" not in latest
+    assert list(latest) == ["main_llm", "judge"] and len(latest) == 2
+    assert dict(latest) == {"main_llm": LLM_, "judge": PROXY}
+    assert list(latest.keys()) == ["main_llm", "judge"] and list(latest.values()) == [LLM_, PROXY]
+    assert latest.get("judge") == PROXY and latest.get("other") is None and latest.get("other", 1) == 1
+    with pytest.raises(
+        KeyError, match=r"no resource named 'other' in version 1; have \['judge', 'main_llm'\]"
+    ):
+        latest["other"]
+    assert Resources()  # empty is still true: `if resources:` tests for None, as before
+    assert Resources(items={"main_llm": LLM_}).model_dump()["items"] == {"main_llm": LLM_.model_dump()}
