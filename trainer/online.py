@@ -30,6 +30,9 @@ beside it in the same event loop:
    the model served at start); ``rollback(N)`` loads any of them into the engine and the policy
    (``POST /v1/admin/rollback``, ``agentloop rollback``). Every promotion, refusal and rollback is a
    line of ``<run>/promotions.jsonl`` with its scores.
+5. **Failures.** An update that raises (a bad batch, a worker error) is logged (``online.update_failed``)
+   and counted (``updates_failed`` in ``versions()``); the policy goes back to the promoted weights and
+   the proxy keeps serving. Rewards are bounded (``MAX_ABS_REWARD``, refused at the reward route).
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ class OnlineTrainer:
         self._versions: list[dict[str, Any]] = []  # promoted: version, score, step, time, engine version
         self.current = 0
         self.updates = 0
+        self.updates_failed = 0  # updates that raised: logged and counted, the proxy keeps serving
         self.history: list[dict[str, Any]] = []  # promotions, refusals, rollbacks (also promotions.jsonl)
         self.sessions_trained = 0
         self.sessions_dropped_untrained = 0
@@ -205,6 +209,7 @@ class OnlineTrainer:
             "versions": [dict(v) for v in self._versions],
             "history": list(self.history),
             "updates": self.updates,
+            "updates_failed": self.updates_failed,
             "sessions_trained": self.sessions_trained,
             "sessions_dropped_untrained": self.sessions_dropped_untrained,
             "sessions_greedy": self.sessions_greedy,
@@ -379,7 +384,24 @@ class OnlineTrainer:
             if len(ready) < self.online.sessions_per_update:
                 await anyio.sleep(self.online.poll_s)
                 continue
-            await self.step(ready[: self.online.sessions_per_update])
+            try:
+                await self.step(ready[: self.online.sessions_per_update])
+            except Exception as exc:  # one bad batch must not take the server down with it
+                await self._update_failed(exc)
+
+    async def _update_failed(self, exc: Exception) -> None:
+        """Count and log a failed update and put the promoted weights back into the policy (the update
+        may have stopped half-way); its sessions were taken and are not retried."""
+        self.updates_failed += 1
+        log.error("online.update_failed", failed=self.updates_failed, error=f"{type(exc).__name__}: {exc}"[:500],
+                  serving=self.current, exc_info=exc)  # fmt: skip
+        try:
+            async with self._lock:
+                restored = await anyio.to_thread.run_sync(_load, self._version_path(self.current))
+                await anyio.to_thread.run_sync(self._reset_policy, restored)
+        except Exception as again:
+            log.error("online.restore_failed", error=f"{type(again).__name__}: {again}"[:500])
+        await anyio.sleep(self.online.poll_s)
 
     async def close(self) -> None:
         if self._eval_proxy is not None:
