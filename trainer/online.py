@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -52,6 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentloop.adapter import group_by_attempt, spans_to_triplets
 from agentloop.errors import ConfigError
 from agentloop.importing import import_object
+from agentloop.keys import key_value
+from agentloop.private_files import private_dir
 from agentloop.types import Triplet
 from trainer.algorithms import GROUP_ESTIMATORS, known_adv_estimators
 from trainer.batch import build_batch
@@ -174,7 +177,7 @@ class OnlineTrainer:
 
         self.proxy, self.config, self.online = proxy, config, online
         self.model_path = str(model_path)
-        self.run_dir = Path(run_dir)
+        self.run_dir = private_dir(run_dir)  # 0700: each version's weights and the promotion log
         (self.run_dir / "versions").mkdir(parents=True, exist_ok=True)
         self.evaluate = evaluate
         self.worker = TrainerWorker(config, self.model_path, config.trainer.device)
@@ -234,16 +237,18 @@ class OnlineTrainer:
             return None
         if self._eval_engine is None:
             from agentloop.engine.factory import load_engine
-            from agentloop.proxy import Proxy
-            from agentloop.store.memory import MemoryStore
 
             self._eval_engine = load_engine(self.model_path, device=self.config.trainer.device)
-            self._eval_proxy = Proxy(self._eval_engine, MemoryStore(), record_sessions=False)
+            self._eval_proxy = gate_proxy(self._eval_engine)
             await self._eval_proxy.start()
         if weights is not None:
             await self._eval_engine.update_weights(weights)
         return float(
-            await self.evaluate(self._eval_proxy.session_base_url, self._eval_proxy.model_name, None)
+            await self.evaluate(
+                self._eval_proxy.session_base_url,
+                self._eval_proxy.model_name,
+                key_value(self._eval_proxy.api_key),
+            )
         )
 
     async def start(self) -> None:
@@ -408,6 +413,16 @@ class OnlineTrainer:
             await self._eval_proxy.stop()
         if self._eval_engine is not None:
             await self._eval_engine.stop()
+
+
+def gate_proxy(engine: Any) -> Any:
+    """The gate's private proxy in front of the candidate ``engine``: loopback, a port of its own and a
+    random key that only the evaluation gets (any local process could otherwise ask the candidate, or
+    fill its token ledgers, while it is scored)."""
+    from agentloop.proxy import Proxy
+    from agentloop.store.memory import MemoryStore
+
+    return Proxy(engine, MemoryStore(), api_key=secrets.token_urlsafe(32), record_sessions=False)
 
 
 def session_metrics(triplets: Sequence[Triplet]) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """``agentloop rollback --to N``: serve an earlier promoted weights version of ``agentloop serve --train``.
 
 Talks to the running server's admin API (``POST /v1/admin/rollback``); ``--list`` prints the promoted
-versions, their scores and the promotion log (``GET /v1/admin/versions``). The key, when the server
-has one, comes from ``--api-key-file`` or ``$AGENTLOOP_PROXY_API_KEY`` as for ``serve``.
+versions, their scores and the promotion log (``GET /v1/admin/versions``). Both need the server's
+admin key (an app key is not enough), from ``--admin-key-file``, ``--admin-key env:NAME|file:PATH`` or
+``$AGENTLOOP_ADMIN_KEY`` as for ``serve``; a server started without one has its admin routes off.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from agentloop.cli import UsageError
 
-KEY_ENV = "AGENTLOOP_PROXY_API_KEY"
+KEY_ENV = "AGENTLOOP_ADMIN_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,16 +25,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--to", type=int, metavar="N", help="the promoted version to serve")
     what.add_argument("--list", action="store_true", help="print the promoted versions and the log")
-    p.add_argument("--api-key-file", type=Path, default=None, help=f"the server's key (or ${KEY_ENV})")
+    p.add_argument(
+        "--admin-key-file", type=Path, default=None, help=f"the server's admin key (or ${KEY_ENV})"
+    )
+    p.add_argument("--admin-key", default=None, help="the admin key as env:NAME or file:PATH")
     p.set_defaults(func=run)
 
 
 def _key(args: argparse.Namespace) -> str | None:
     from agentloop.keys import read_key
 
+    if args.admin_key_file is not None and args.admin_key:
+        raise UsageError("give --admin-key-file or --admin-key, not both")
     try:
-        if args.api_key_file is not None:
-            key = read_key(f"file:{args.api_key_file}", "--api-key-file")
+        if args.admin_key_file is not None:
+            key = read_key(f"file:{args.admin_key_file}", "--admin-key-file")
+        elif args.admin_key:
+            key = read_key(args.admin_key, "--admin-key")
         elif os.environ.get(KEY_ENV):
             key = read_key(f"env:{KEY_ENV}", KEY_ENV)
         else:

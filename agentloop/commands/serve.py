@@ -15,7 +15,8 @@ from pydantic import SecretStr
 from agentloop import event_loop
 from agentloop.cli import UsageError
 
-KEY_ENV = "AGENTLOOP_PROXY_API_KEY"
+KEY_ENV = "AGENTLOOP_PROXY_API_KEY"  # an app key
+ADMIN_KEY_ENV = "AGENTLOOP_ADMIN_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -35,16 +36,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--api-key-file",
         type=Path,
-        default=None,
-        help=f"file holding the key every request must carry (Authorization: Bearer KEY); or set ${KEY_ENV}. "
-        "Required when --host is not loopback",
+        action="append",
+        default=[],
+        help="file holding an app key (Authorization: Bearer KEY): it uses the model and owns the sessions "
+        f"it creates; repeat for several apps; or set ${KEY_ENV}. Required when --host is not loopback",
     )
     p.add_argument(
         "--api-key",
-        default=None,
-        help="env:NAME, file:PATH, or the key itself (then visible to every user in `ps`: prefer "
-        f"--api-key-file or ${KEY_ENV})",
+        action="append",
+        default=[],
+        help="an app key as env:NAME, file:PATH, or the key itself (then visible to every user in `ps`: "
+        f"prefer --api-key-file or ${KEY_ENV}); repeatable",
     )
+    p.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help="file holding the admin key: the admin routes (versions, rollback) and every session; or set "
+        f"${ADMIN_KEY_ENV}. Without one the admin routes are off",
+    )
+    p.add_argument("--admin-key", default=None, help="the admin key as env:NAME or file:PATH (or the key)")
     p.add_argument(
         "--store",
         type=Path,
@@ -112,7 +123,7 @@ async def _online(args: argparse.Namespace, proxy: Any, model_path: str, device:
         )  # fmt: skip
     run_dir = args.run_dir or Path("runs") / "online" / time.strftime("%Y%m%d-%H%M%S")
     trainer = OnlineTrainer(proxy, config, online, model_path, run_dir, evaluate=evaluate)
-    add_admin_routes(proxy.app, trainer, proxy.api_key)
+    add_admin_routes(proxy.app, trainer, proxy.admin_key, bound_host=args.host)
     return trainer
 
 
@@ -128,7 +139,10 @@ async def serve(args: argparse.Namespace) -> None:
     except ValueError as exc:  # the engine refused its context or KV budget: say which flag
         raise UsageError(f"--max-context: {exc}") from None
     store = SQLiteStore(args.store)
-    proxy = Proxy(engine, store, host=args.host, port=args.port, api_key=args.key, workers=args.workers)
+    proxy = Proxy(
+        engine, store, host=args.host, port=args.port, api_key=args.keys[0] if args.keys else None,
+        app_keys=args.keys, admin_key=args.admin, workers=args.workers,
+    )  # fmt: skip
     trainer = None
     if args.train is not None:
         trainer = await _online(args, proxy, str(resolve_model(args.model)), pick_device(args.device))
@@ -136,13 +150,17 @@ async def serve(args: argparse.Namespace) -> None:
     online = (
         f"  online training:          {trainer.online.sessions_per_update} rewarded sessions per update, "
         f"{'gate: ' + str(trainer.online.eval_tasks) if trainer.evaluate else 'no gate (every update served)'}; "
-        f"run folder {trainer.run_dir}\n  admin:                    {proxy.url}/v1/admin/versions, "
-        "agentloop rollback --to N\n"
+        f"run folder {trainer.run_dir}\n  admin:                    "
+        + (
+            f"{proxy.url}/v1/admin/versions, agentloop rollback --to N (admin key)\n"
+            if args.admin is not None
+            else f"off (no admin key: --admin-key-file PATH or ${ADMIN_KEY_ENV})\n"
+        )
         if trainer is not None
         else ""
     )
     sys.stdout.write(
-        f"agentloop proxy serving {args.model}; key {args.key_source}\n"
+        f"agentloop proxy serving {args.model}; key {args.key_source}; {args.admin_source}\n"
         f"  OpenAI base URL (apps):   {proxy.session_base_url}\n"
         f"  per-attempt template:     {proxy.url_template}\n"
         + "".join(f"  worker {i} template:      {t}\n" for i, t in enumerate(proxy.worker_url_templates))
@@ -198,8 +216,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.workers < 0:
         raise UsageError(f"--workers must be >= 0, got {args.workers}")
-    args.key, args.key_source = read_serve_key(args)
-    if args.key is None and not is_loopback(args.host):
+    args.keys, args.key_source = read_serve_keys(args)
+    args.admin, args.admin_source = read_admin_key(args)
+    if not args.keys and not is_loopback(args.host):
         raise UsageError(
             f"--host {args.host} is not a loopback address, so a key is required: pass --api-key-file PATH "
             f"or set ${KEY_ENV} (or serve on 127.0.0.1)"
@@ -212,26 +231,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_serve_key(args: argparse.Namespace) -> tuple[SecretStr | None, str]:
-    """The key from --api-key-file, --api-key or $AGENTLOOP_PROXY_API_KEY (in that order), and where it
-    came from (for the banner; the key itself is never printed)."""
+def read_serve_keys(args: argparse.Namespace) -> tuple[list[SecretStr], str]:
+    """The app keys from --api-key-file and --api-key (each repeatable), else $AGENTLOOP_PROXY_API_KEY,
+    and where they came from (for the banner; a key itself is never printed)."""
     from agentloop.keys import read_key
 
-    if args.api_key_file is not None and args.api_key:
-        raise UsageError("give --api-key-file or --api-key, not both")
+    keys: list[SecretStr] = []
+    sources: list[str] = []
     try:
-        if args.api_key_file is not None:
-            key = read_key(f"file:{args.api_key_file}", "--api-key-file")
-            return key, f"required (from {args.api_key_file})"
-        if args.api_key:
-            if not args.api_key.startswith(("env:", "file:")):
+        for path in args.api_key_file:
+            keys.append(read_key(f"file:{path}", "--api-key-file"))  # type: ignore[arg-type]
+            sources.append(str(path))
+        for ref in args.api_key:
+            if not ref.startswith(("env:", "file:")):
                 sys.stderr.write(
                     "agentloop serve: note: a key on the command line is visible to every user (ps); "
                     f"prefer --api-key-file or ${KEY_ENV}\n"
                 )
-            return read_key(args.api_key, "--api-key"), "required (from --api-key)"
-        if os.environ.get(KEY_ENV):
-            return read_key(f"env:{KEY_ENV}", KEY_ENV), f"required (from ${KEY_ENV})"
+            key = read_key(ref, "--api-key")
+            if key is None:
+                raise ValueError("--api-key is empty")
+            keys.append(key)
+            sources.append("--api-key")
+        if not keys and os.environ.get(KEY_ENV):
+            keys.append(read_key(f"env:{KEY_ENV}", KEY_ENV))  # type: ignore[arg-type]
+            sources.append(f"${KEY_ENV}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return None, "not required (loopback only)"
+    if not keys:
+        return [], "not required (loopback only)"
+    what = "" if len(keys) == 1 else f"{len(keys)} app keys, "
+    return keys, f"required ({what}from {', '.join(dict.fromkeys(sources))})"
+
+
+def read_admin_key(args: argparse.Namespace) -> tuple[SecretStr | None, str]:
+    """The admin key from --admin-key-file, --admin-key or $AGENTLOOP_ADMIN_KEY (in that order), and
+    the banner's words for it. It must differ from every app key."""
+    from agentloop.keys import read_key
+
+    if args.admin_key_file is not None and args.admin_key:
+        raise UsageError("give --admin-key-file or --admin-key, not both")
+    try:
+        if args.admin_key_file is not None:
+            key, source = (
+                read_key(f"file:{args.admin_key_file}", "--admin-key-file"),
+                str(args.admin_key_file),
+            )
+        elif args.admin_key:
+            if not args.admin_key.startswith(("env:", "file:")):
+                sys.stderr.write(
+                    "agentloop serve: note: a key on the command line is visible to every user (ps); "
+                    f"prefer --admin-key-file or ${ADMIN_KEY_ENV}\n"
+                )
+            key, source = read_key(args.admin_key, "--admin-key"), "--admin-key"
+        elif os.environ.get(ADMIN_KEY_ENV):
+            key, source = read_key(f"env:{ADMIN_KEY_ENV}", ADMIN_KEY_ENV), f"${ADMIN_KEY_ENV}"
+        else:
+            return None, "admin routes off (no admin key)"
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if key is None:
+        raise UsageError("--admin-key is empty")
+    if any(key.get_secret_value() == k.get_secret_value() for k in args.keys):
+        raise UsageError("the admin key must differ from every app key (else that app is the admin)")
+    return key, f"admin key from {source}"

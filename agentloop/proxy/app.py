@@ -15,8 +15,10 @@ Every error answers with an OpenAI-style body ``{"error": {"message", "type", "p
 400 bad input (``context_length_exceeded`` included), 401 missing/wrong bearer token (and the
 connection is closed: a client without the key holds no socket), 404 unknown
 rollout/attempt/session/route (``model_not_found``: a session request naming a model not served),
-408 body not sent in time, 409 stale attempt, 413 body too large, 503 engine or store failure (or
-engine timeout).
+403 a web page's request on the app routes (a foreign ``Host`` on loopback, another ``Origin``),
+408 body not sent in time, 409 stale attempt, 413 body too large, 415 a POST on the app routes that
+is not ``application/json``, 503 engine or store failure (or engine timeout). Who may use the app
+routes (app keys, each owning its sessions; the admin key) is agentloop/proxy/access.py.
 An unexpected exception is logged and answered 503, never 500. The HTTP server in front of the app
 (agentloop/http_limits.py) answers in plain text 408 for headers or a body not sent in time, 431 for
 headers over the size limit, and 503 when every connection slot is answering a request.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -39,6 +41,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from agentloop.proxy import anthropic, anthropic_output, openai_responses, responses, responses_output
+from agentloop.proxy.access import AppKeys, Caller, check_browser, check_json
 from agentloop.proxy.attempt_keys import attempt_key
 from agentloop.proxy.disconnect import ClientWatch
 from agentloop.proxy.schemas import (
@@ -51,7 +54,7 @@ from agentloop.proxy.schemas import (
     parse_model,
 )
 from agentloop.proxy.service import ProxyService, Target
-from agentloop.proxy.sessions import new_session_id, valid_session_id
+from agentloop.proxy.sessions import new_session_id, session_not_found, valid_session_id
 from agentloop.types import Reward
 
 log = structlog.get_logger("agentloop.proxy")
@@ -133,16 +136,31 @@ def build_app(
     api_key: SecretStr | str | None,
     max_body_bytes: int,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    app_keys: Sequence[SecretStr | str] | None = None,
+    admin_key: SecretStr | str | None = None,
+    bound_host: str | None = None,
 ) -> Starlette:
-    """The proxy's ASGI app around ``service``."""
+    """The proxy's ASGI app around ``service``. ``api_key``: the per-attempt routes' key, and the one
+    app key when ``app_keys`` is None; ``app_keys`` and ``admin_key``: who may use the session routes
+    (agentloop/proxy/access.py); ``bound_host``: the address the server listens on (on loopback, the
+    session routes refuse foreign ``Host`` names and other origins)."""
     # Starlette, not FastAPI: the routes below are plain Starlette routes, and FastAPI's own middleware
     # (telemetry, body limit, exit stack) cost event-loop CPU on every request for nothing here
     app = Starlette()
-    auth = BearerAuth(api_key)
+    auth = BearerAuth(api_key)  # the per-attempt routes
+    access = AppKeys([api_key] if app_keys is None else app_keys, admin_key)  # the session routes
+
+    def app_caller(request: Request) -> Caller:
+        """The caller of an app-facing route: 401 without an accepted key; 403 from a web page (another
+        origin, or a foreign Host on loopback); 415 for a POST that is not JSON."""
+        caller = access.caller(request)
+        if caller is None:
+            raise _unauthorized()
+        check_browser(request, bound_host)
+        check_json(request)
+        return caller
 
     async def read_json(request: Request) -> Any:
-        if not auth.allows(request):
-            raise _unauthorized()
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise ProxyError(
@@ -178,6 +196,7 @@ def build_app(
         return flag or bool(body.get("return_token_ids"))
 
     def session_target(request: Request) -> tuple[Target, dict[str, str]]:
+        caller = app_caller(request)
         # Codex CLI names its thread in a ``session-id`` header: its calls then form one session
         sid = (
             request.headers.get(SESSION_HEADER)
@@ -188,7 +207,10 @@ def build_app(
             raise bad_request(
                 f"{SESSION_HEADER} must be 1-128 characters of [A-Za-z0-9._:-], got {sid!r:.60}"
             )
-        return Target(session_id=sid), {"X-Session-Id": sid}
+        held = service.sessions.get(sid)
+        if held is not None and not caller.may_use(held.owner):  # another key's session: as if unknown
+            raise session_not_found(sid)
+        return Target(session_id=sid, owner=caller.owner, admin=caller.admin), {"X-Session-Id": sid}
 
     Handler = Callable[[Request, Target, dict[str, str]], Awaitable[Response]]
 
@@ -201,6 +223,8 @@ def build_app(
                 if session:
                     target, headers = session_target(request)
                 else:
+                    if not auth.allows(request):
+                        raise _unauthorized()
                     params = request.path_params
                     target = Target(rollout_id=params["rollout_id"], attempt_id=params["attempt_id"])
                 return await handler(request, target, headers)
@@ -285,8 +309,6 @@ def build_app(
         return _json(responses_output.response_json(answer, service.tokenizer, ids), headers)
 
     async def models(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        if not auth.allows(request):
-            raise _unauthorized()
         if target.session_id is None:
             await service.check_live(target)
         card = {"id": service.model_name, "object": "model", "created": int(time.time()), "owned_by": "agentloop",
@@ -312,9 +334,12 @@ def build_app(
     async def post_reward(request: Request) -> Response:
         session_id = request.path_params["session_id"]
         try:
+            caller = app_caller(request)
             body = await read_json(request)
             req: RewardRequest = parse_model(RewardRequest, body, "reward")
-            rec = await service.add_session_reward(session_id, Reward(value=req.value, name=req.name))
+            rec = await service.add_session_reward(
+                session_id, Reward(value=req.value, name=req.name), caller.owner, any_owner=caller.admin
+            )
             return _json(orjson.dumps({"session_id": session_id, "num_calls": len(rec.calls),
                                        "rewards": [r.model_dump() for r in rec.rewards]}))  # fmt: skip
         except ProxyError as exc:
@@ -322,17 +347,21 @@ def build_app(
 
     async def get_session(request: Request) -> Response:
         session_id = request.path_params["session_id"]
-        if not auth.allows(request):
-            return error_response(_unauthorized())
+        try:
+            caller = app_caller(request)
+        except ProxyError as exc:
+            return error_response(exc)
         rec = service.sessions.get(session_id)
-        if rec is None:
-            return error_response(ProxyError(404, f"session {session_id!r} not found", "not_found_error"))
+        if rec is None or not caller.may_use(rec.owner):  # another key's session: as if unknown
+            return error_response(session_not_found(session_id))
         return _json(orjson.dumps(rec.to_json()))
 
     async def list_sessions(request: Request) -> Response:
-        if not auth.allows(request):
-            return error_response(_unauthorized())
-        data = [rec.summary() for rec in service.sessions.records()]
+        try:
+            caller = app_caller(request)
+        except ProxyError as exc:
+            return error_response(exc)
+        data = [rec.summary() for rec in service.sessions.records() if caller.may_use(rec.owner)]
         return _json(orjson.dumps({"object": "list", "data": data}))
 
     async def health(request: Request) -> Response:

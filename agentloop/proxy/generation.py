@@ -14,6 +14,8 @@ class Target:
     rollout_id: str | None = None
     attempt_id: str | None = None
     session_id: str | None = None
+    owner: str = ""  # a session's: the caller's owner id (agentloop/proxy/access.py)
+    admin: bool = False  # a session's: the caller holds the admin key (may use any session)
 
     @property
     def key(self) -> str:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import gc
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,11 @@ class Proxy:
         host, port: bind address; port 0 picks a free port (see ``.port`` after start). An address
             other than loopback needs ``api_key`` (else ValueError).
         api_key: when set, requests must carry ``Authorization: Bearer <api_key>`` (else 401); kept
-            as a SecretStr (``.api_key``), handed to agents through ``as_resource()``.
+            as a SecretStr (``.api_key``), handed to agents through ``as_resource()``. It is also the
+            app key of the session routes (``/v1``) unless ``app_keys`` is given.
+        app_keys: the keys of the session routes (``/v1``, apps outside training), each owning the
+            sessions it creates: another key gets 404 on them (agentloop/proxy/access.py). None: ``api_key``.
+        admin_key: may use every session, and is the key of the admin routes (``add_admin_routes``).
         max_body_bytes: larger request bodies get 413.
         limits: connection limit, header and body deadlines, header size (``HttpLimits()``: defaults
             that hold against idle, slow and oversized clients; see agentloop/http_limits.py).
@@ -118,6 +123,8 @@ class Proxy:
         port: int = 0,
         api_key: str | SecretStr | None = None,
         *,
+        app_keys: Sequence[str | SecretStr] | None = None,
+        admin_key: str | SecretStr | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
         limits: HttpLimits | None = None,
         model_name: str | None = None,
@@ -151,6 +158,8 @@ class Proxy:
         if key is not None and not key.get_secret_value():
             key = None
         check_bind(host, key, "the proxy", "pass api_key=")
+        if app_keys is not None:  # off loopback, the session routes need a key of their own too
+            check_bind(host, next((k for k in app_keys if k), None), "the proxy", "pass app_keys=")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"workers must be an int >= 0, got {workers!r}")
         self.engine, self.store, self.host = engine, store, host
@@ -178,11 +187,16 @@ class Proxy:
             default_max_tokens=default_max_tokens,
             default_sampling=default_sampling or {},
         )
+        admin = SecretStr(admin_key) if isinstance(admin_key, str) else admin_key
+        self._admin_key = admin if admin is not None and admin.get_secret_value() else None
         self.app = build_app(
             self.service,
             api_key=key,
             max_body_bytes=max_body_bytes,
             body_timeout_s=self.limits.body_timeout_s,
+            app_keys=app_keys,
+            admin_key=self._admin_key,
+            bound_host=host,
         )
         worker_settings: dict[str, Any] = {
             "api_key": key, "max_body_bytes": max_body_bytes, "limits": self.limits, "model_name": name,
@@ -202,6 +216,11 @@ class Proxy:
     def api_key(self) -> SecretStr | None:
         """The bearer key requests must carry (None: none required, loopback only)."""
         return self._api_key
+
+    @property
+    def admin_key(self) -> SecretStr | None:
+        """The admin key (None: the admin routes are off)."""
+        return self._admin_key
 
     @property
     def open_connections(self) -> int:

@@ -151,7 +151,7 @@ class ProxyService:
         """Validate the call's fields once as an LLMCall and write it to the store (or the session)."""
         call = LLMCall(**fields)
         if target.session_id is not None:
-            if not self.sessions.add_call(target.session_id, call):
+            if not self.sessions.add_call(target.session_id, call, target.owner, any_owner=target.admin):
                 log.warning("session call not recorded: over the session's byte cap", key=target.key)
             with store_errors("saving the session call", self.store_timeout_s):
                 await self.sessions.flush()
@@ -163,11 +163,13 @@ class ProxyService:
         with store_errors("add_span", self.store_timeout_s):
             await self.store.add_span(span)
 
-    async def add_session_reward(self, session_id: str, reward: Reward) -> SessionRecord:
-        """Record an app session's reward and wait until the store saved it (404: unknown session,
-        409: too many rewards, 503: the store failed)."""
+    async def add_session_reward(
+        self, session_id: str, reward: Reward, owner: str = "", *, any_owner: bool = False
+    ) -> SessionRecord:
+        """Record an app session's reward and wait until the store saved it (404: unknown session, or
+        another owner's unless ``any_owner``; 409: too many rewards, 503: the store failed)."""
         try:
-            rec = self.sessions.add_reward(session_id, reward)
+            rec = self.sessions.add_reward(session_id, reward, owner, any_owner=any_owner)
         except KeyError:
             raise ProxyError(404, f"session {session_id!r} not found (no calls recorded under it)",
                              "not_found_error", code="not_found") from None  # fmt: skip

@@ -15,6 +15,10 @@ session tables (``agentloop/store/sessions.py``) and committed before the app is
 server loses nothing it answered), and a table opened on a store starts with the sessions it holds,
 so they survive a restart of ``agentloop serve`` and ``agentloop inspect X.db`` shows them.
 
+Owners: a session belongs to the key that created it (``SessionRecord.owner``, a fingerprint of the
+key, saved with the session); another app key is answered 404 on it, as for an unknown session, and
+only the admin key sees every session (agentloop/proxy/access.py).
+
 Bounds (``SessionTable``'s arguments; the defaults need no tuning):
 
 - a session unused for ``ttl_s`` is dropped, with its token ledger (``on_drop``);
@@ -49,6 +53,11 @@ from agentloop.types import LLMCall, Reward, Span
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MiB = 1024 * 1024
+
+
+def session_not_found(session_id: str) -> ProxyError:
+    """The 404 for an unknown session, and for another key's (the same answer: nothing is revealed)."""
+    return ProxyError(404, f"session {session_id!r} not found", "not_found_error", code="not_found")
 
 
 def new_session_id() -> str:
@@ -87,6 +96,7 @@ class SessionRecord:
     the bytes counted against the caps are the memory held; ``calls`` parses them."""
 
     session_id: str
+    owner: str = ""  # who may use it: the fingerprint of the key that created it (agentloop/proxy/access.py)
     call_json: list[bytes] = field(default_factory=list)
     rewards: list[Reward] = field(default_factory=list)
     reward_after: list[int] = field(default_factory=list)  # calls the session had when each reward came
@@ -148,7 +158,9 @@ class SessionRecord:
 
 def record_from_saved(saved: SavedSession) -> SessionRecord:
     """A session read from the store as a SessionRecord (a reward this version cannot read is skipped)."""
-    rec = SessionRecord(saved.session_id, created_at=saved.created_at, updated_at=saved.updated_at)
+    rec = SessionRecord(
+        saved.session_id, owner=saved.owner, created_at=saved.created_at, updated_at=saved.updated_at
+    )
     rec.call_json = list(saved.calls)
     rec.nbytes = sum(len(raw) for raw in rec.call_json)
     for reward in saved.rewards:
@@ -263,10 +275,12 @@ class SessionTable:
                 break
             self._remove(sid)
 
-    def _touch(self, session_id: str, now: float) -> SessionRecord:
+    def _touch(self, session_id: str, now: float, owner: str = "") -> SessionRecord:
         rec = self._sessions.get(session_id)
         if rec is None:
-            rec = self._sessions[session_id] = SessionRecord(session_id, created_at=now, updated_at=now)
+            rec = self._sessions[session_id] = SessionRecord(
+                session_id, owner=owner, created_at=now, updated_at=now
+            )
         else:
             self._sessions.move_to_end(session_id)
             rec.updated_at = max(rec.updated_at, now)
@@ -285,29 +299,37 @@ class SessionTable:
 
     # ------------------------------------------------------------ events
 
-    def add_call(self, session_id: str, call: LLMCall) -> bool:
-        """Record a call; False (nothing kept) when the call alone is over ``max_session_bytes``."""
+    def add_call(self, session_id: str, call: LLMCall, owner: str = "", *, any_owner: bool = False) -> bool:
+        """Record a call; a new session is ``owner``'s. False (nothing kept) when the call alone is over
+        ``max_session_bytes``; a 404 ProxyError when the session is another owner's (``any_owner``:
+        the admin, who may write into any)."""
         raw = orjson.dumps(call.model_dump(mode="json"))
         if len(raw) > self.max_session_bytes:
             return False
         self._expire()
+        held = self._sessions.get(session_id)
+        if held is not None and not any_owner and held.owner != owner:
+            raise session_not_found(session_id)
         now = self.clock()
-        rec = self._touch(session_id, now)
+        rec = self._touch(session_id, now, owner)
         rec.call_json.append(raw)
         rec.nbytes += len(raw)
         self._bytes += len(raw)
         if self.journal is not None:
-            self.journal.call(session_id, raw, at=now, created_at=rec.created_at)
+            self.journal.call(session_id, raw, at=now, created_at=rec.created_at, owner=rec.owner)
         self._trim(rec)
         self._evict(session_id)
         return True
 
-    def add_reward(self, session_id: str, reward: Reward) -> SessionRecord:
-        """Record a reward; KeyError for a session the proxy has not seen (or has dropped); a 409
-        ProxyError when the session already has ``max_rewards_per_session``."""
+    def add_reward(
+        self, session_id: str, reward: Reward, owner: str = "", *, any_owner: bool = False
+    ) -> SessionRecord:
+        """Record a reward; KeyError for a session the proxy has not seen (or has dropped) and for
+        another owner's (unless ``any_owner``); a 409 ProxyError when the session already has
+        ``max_rewards_per_session``."""
         self._expire()
         rec = self._sessions.get(session_id)
-        if rec is None:
+        if rec is None or (not any_owner and rec.owner != owner):
             raise KeyError(session_id)
         if len(rec.rewards) >= self.max_rewards:
             raise ProxyError(

@@ -5,6 +5,8 @@
 
 - ``sessions``: one row per session (``created_at``, ``updated_at``, its rewards as a JSON list);
 - ``session_calls``: one row per recorded call (the ``LLMCall`` JSON, token ids included), in order;
+- ``session_owners``: the owner of each session (a fingerprint of the key that created it, never the
+  key; agentloop/proxy/access.py); a table of its own so that stores made before owners open as they are;
 - ``store_meta``: ``serve`` -> the served model and tokenizer folder (what ``inspect`` decodes with).
 
 The proxy's ``SessionTable`` holds the live sessions in memory and applies the caps; it tells a
@@ -39,6 +41,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS session_calls (
     id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, data BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS session_calls_by_session ON session_calls(session_id, id);
+CREATE TABLE IF NOT EXISTS session_owners (session_id TEXT PRIMARY KEY, owner TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
 
@@ -52,6 +55,7 @@ class SavedSession:
     updated_at: float
     calls: list[bytes] = field(default_factory=list)
     rewards: list[dict[str, Any]] = field(default_factory=list)
+    owner: str = ""  # the fingerprint of the key that created it ("": none, or saved before owners)
 
 
 def read_sessions(path: str | Path, *, read_only: bool = True) -> tuple[dict[str, Any], list[SavedSession]]:
@@ -70,11 +74,19 @@ def read_sessions(path: str | Path, *, read_only: bool = True) -> tuple[dict[str
             if "no such table" in str(exc):
                 return {}, []
             raise
+        try:
+            owners = dict(conn.execute("SELECT session_id, owner FROM session_owners").fetchall())
+        except sqlite3.OperationalError as exc:  # a store written before owners, opened read-only
+            if "no such table" not in str(exc):
+                raise
+            owners = {}
     finally:
         conn.close()
     meta = orjson.loads(meta_row[0]) if meta_row else {}
     sessions = {
-        sid: SavedSession(sid, float(created), float(updated), rewards=orjson.loads(rewards))
+        sid: SavedSession(
+            sid, float(created), float(updated), rewards=orjson.loads(rewards), owner=str(owners.get(sid, ""))
+        )
         for sid, created, updated, rewards in rows
     }
     for sid, data in calls:
@@ -115,13 +127,18 @@ class SessionJournal:
             (orjson.dumps(info).decode(),),
         )
 
-    def call(self, session_id: str, call_json: bytes, at: float, created_at: float) -> None:
+    def call(self, session_id: str, call_json: bytes, at: float, created_at: float, owner: str = "") -> None:
         def op(conn: sqlite3.Connection) -> tuple[None, list[str]]:
             conn.execute(
                 "INSERT INTO sessions(session_id, created_at, updated_at) VALUES(?, ?, ?) "
                 "ON CONFLICT(session_id) DO UPDATE SET updated_at=excluded.updated_at",
                 (session_id, created_at, at),
             )
+            if owner:
+                conn.execute(
+                    "INSERT OR IGNORE INTO session_owners(session_id, owner) VALUES(?, ?)",
+                    (session_id, owner),
+                )
             conn.execute("INSERT INTO session_calls(session_id, data) VALUES(?, ?)", (session_id, call_json))
             return None, []
 
@@ -145,6 +162,7 @@ class SessionJournal:
         def op(conn: sqlite3.Connection) -> tuple[None, list[str]]:
             conn.execute("DELETE FROM session_calls WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM sessions WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM session_owners WHERE session_id=?", (session_id,))
             return None, []
 
         self._add(self.store.submit(op))

@@ -7,12 +7,15 @@ side of a fixed split; the held-out side is the promotion gate's evaluation (``-
 it as ``eval.jsonl`` for ``online.yaml``), so the gate never scores a question the app trained on.
 
     python -m examples.online_app.app --write-eval examples/online_app/eval.jsonl
+    export AGENTLOOP_ADMIN_KEY=$(openssl rand -hex 16)   # both shells: the app reads the promotions with it
     agentloop serve --train examples/online_app/online.yaml --run-dir runs/online     # another shell
     python -m examples.online_app.app --url http://127.0.0.1:8000 --minutes 15 --out online.json
 
 ``--wrong-sign`` posts the negated reward: a deliberately bad signal the gate must refuse to serve.
 The JSON it writes: the app's reward per minute, before/after (first and last ``--window-min``),
-requests served, p50/p99 latency, and the server's promotions and rollbacks.
+requests served, p50/p99 latency, and the server's promotions and rollbacks (read from the admin
+routes, so with the server's admin key: ``--admin-key`` or ``$AGENTLOOP_ADMIN_KEY``; without it they
+are left out).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -104,9 +108,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     before = _mean([r for m, r in stats.rewards if m < args.window_min])
     after = _mean([r for m, r in stats.rewards if m >= minutes - args.window_min])
     lat = sorted(stats.latencies)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(timeout=30, headers=headers) as http:
-        versions = (await http.get(f"{args.url}/v1/admin/versions")).json()
+    versions = await read_versions(args)
     history = versions.get("history", [])
     return {
         "reward_before": before,
@@ -127,10 +129,30 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def admin_headers(args: argparse.Namespace) -> dict[str, str]:
+    """The admin key's header (``--admin-key``, else ``$AGENTLOOP_ADMIN_KEY``); none without one."""
+    from agentloop.keys import key_value, read_key
+
+    key = key_value(read_key(args.admin_key or os.environ.get("AGENTLOOP_ADMIN_KEY"), "--admin-key"))
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def read_versions(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's promotions (``GET /v1/admin/versions``); ``{}`` when its admin routes refuse us."""
+    async with httpx.AsyncClient(timeout=30, headers=admin_headers(args)) as http:
+        r = await http.get(f"{args.url}/v1/admin/versions")
+    return r.json() if r.status_code == 200 else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (agentloop serve --train)")
-    p.add_argument("--api-key", default=None, help="the server's key, if it has one")
+    p.add_argument("--api-key", default=None, help="the server's app key, if it has one")
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="the server's admin key as env:NAME or file:PATH (or $AGENTLOOP_ADMIN_KEY)",
+    )
     p.add_argument("--model", default="smollm2-135m-instruct", help="the model name the server serves")
     p.add_argument("--minutes", type=float, default=15.0, help="how long the users ask")
     p.add_argument("--users", type=int, default=8, help="users asking at once")

@@ -20,7 +20,8 @@ KEY = "serve-key-3b1f9a"
 
 def _serve(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "agentloop.cli", "serve", *args]
-    full_env = {k: v for k, v in os.environ.items() if k != "AGENTLOOP_PROXY_API_KEY"} | (env or {})
+    keys = ("AGENTLOOP_PROXY_API_KEY", "AGENTLOOP_ADMIN_KEY")
+    full_env = {k: v for k, v in os.environ.items() if k not in keys} | (env or {})
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=120)
 
 
@@ -37,14 +38,19 @@ def test_serve_off_loopback_without_a_key_is_one_line_error(tmp_path: Path) -> N
 def test_serve_key_file_errors_are_one_line(tmp_path: Path) -> None:
     empty = tmp_path / "empty.key"
     empty.write_text("\n")
+    key = tmp_path / "app.key"
+    key.write_text(KEY)
     cases = [
         (["--api-key-file", str(tmp_path / "missing.key")], "cannot read the key file"),
         (["--api-key-file", str(empty)], "is empty"),
-        (["--api-key-file", str(empty), "--api-key", "x"], "not both"),
         (["--api-key", "env:AL_TEST_NOT_SET"], "AL_TEST_NOT_SET"),
+        (["--api-key-file", str(key), "--admin-key-file", str(empty)], "is empty"),
+        (["--api-key-file", str(key), "--admin-key-file", str(key), "--admin-key", "env:X"], "not both"),
+        # the admin key may not be an app key too (that app would be the admin)
+        (["--api-key-file", str(key), "--api-key", "env:AL_K", "--admin-key-file", str(key)], "must differ"),
     ]
     for args, match in cases:
-        out = _serve("--host", "0.0.0.0", "--port", "0", *args, cwd=tmp_path)
+        out = _serve("--host", "0.0.0.0", "--port", "0", *args, cwd=tmp_path, env={"AL_K": "other-key"})
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert match in out.stderr
 

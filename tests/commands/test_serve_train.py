@@ -9,6 +9,7 @@ the real store, trainer and gate.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+ADMIN = "serve-train-admin-key"
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
@@ -31,7 +34,10 @@ def test_serve_trains_online_promotes_and_rolls_back(tmp_path: Path, tiny_model_
     cmd = [sys.executable, "-m", "agentloop.cli", "serve", "--model", str(tiny_model_dir), "--port", "0"]
     cmd += ["--store", str(tmp_path / "serve.db"), "--train", str(tmp_path / "online.yaml")]
     cmd += ["--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "AGENTLOOP_ADMIN_KEY": ADMIN}  # the admin routes (versions, rollback) need it
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         lines: list[str] = []
@@ -42,6 +48,7 @@ def test_serve_trains_online_promotes_and_rolls_back(tmp_path: Path, tiny_model_
         url = base.removesuffix("/v1")
         assert any("online training:" in line and "tasks.jsonl" in line for line in lines), lines
         with httpx.Client(timeout=60) as http:
+            assert http.get(f"{url}/v1/admin/versions").status_code == 401  # the app (no key) may not
             for sid, reward in (("a", 1.0), ("b", 0.0)):
                 chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
                 r = http.post(f"{base}/chat/completions", json=chat, headers={"X-Session-Id": sid})
@@ -49,7 +56,9 @@ def test_serve_trains_online_promotes_and_rolls_back(tmp_path: Path, tiny_model_
                 assert http.post(f"{base}/sessions/{sid}/reward", json={"value": reward}).status_code == 200
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # the update, the gate (score 0.5 >= 0.5 - margin), promotion
-                versions = http.get(f"{url}/v1/admin/versions").json()
+                versions = http.get(
+                    f"{url}/v1/admin/versions", headers={"Authorization": f"Bearer {ADMIN}"}
+                ).json()
                 if versions["current"] == 1:
                     break
                 time.sleep(0.5)
@@ -57,13 +66,13 @@ def test_serve_trains_online_promotes_and_rolls_back(tmp_path: Path, tiny_model_
             assert [v["score"] for v in versions["versions"]] == [0.5, 0.5]
         done = subprocess.run(
             [sys.executable, "-m", "agentloop.cli", "rollback", "--url", url, "--to", "0"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=120, env=env,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["current"] == 0
         bad = subprocess.run(
             [sys.executable, "-m", "agentloop.cli", "rollback", "--url", url, "--to", "9"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=120, env=env,
         )  # fmt: skip
         assert bad.returncode == 2 and "no promoted version 9" in bad.stderr
     finally:

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from examples.online_app import app
@@ -44,7 +43,11 @@ def test_the_checker_is_strict() -> None:
 
 
 @pytest.mark.slow  # end to end, > 10 s: .ci/run runs it, make test does not
-def test_the_app_against_serve_train(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_the_app_against_serve_train(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the server's admin key, which the app reads the promotions with
+    monkeypatch.setenv("AGENTLOOP_ADMIN_KEY", "online-app-admin-key")
     for name in ("online.yaml", "eval.jsonl", "reward.py"):
         shutil.copy(HERE / name, tmp_path / name)
     config = (
@@ -77,7 +80,7 @@ def test_the_app_against_serve_train(tmp_path: Path, tiny_model_dir: Path) -> No
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and summary["updates"] == 0:
             time.sleep(1)
-            summary["updates"] = httpx.get(f"{args.url}/v1/admin/versions").json()["updates"]
+            summary["updates"] = anyio.run(app.read_versions, args)["updates"]
     finally:
         proc.terminate()
         proc.communicate(timeout=60)

@@ -84,7 +84,7 @@ async def test_ten_of_a_hundred_body_bytes_are_cut_at_the_body_deadline(
     limits = HttpLimits(body_timeout_s=0.5)
     async with running_proxy(EchoEngine(tokenizer), api_key=key, limits=limits) as proxy:
         async with raw(proxy) as (r, w):
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n" + b'{"messages"')  # fmt: skip
             answer, took = await read_until_closed(r, 5)
         # no key: the app waits for the body and the deadline answers 408; with a key the request is

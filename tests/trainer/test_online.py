@@ -64,6 +64,9 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k].float(), b[k].float()) for k in shared)
 
 
+ADMIN = "online-admin-key"
+
+
 @pytest.mark.e2e
 async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores(
     tiny_model_dir: Path, tmp_path: Path
@@ -73,7 +76,12 @@ async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores
 
     async def evaluate(base_url: str, model: str, api_key: str | None) -> float:
         async with httpx.AsyncClient() as http:  # the candidate engine answers, not the serving one
-            asked.append((await http.get(f"{base_url}/models")).json()["data"][0]["id"])
+            # the gate's private proxy has a random key (issue 44, finding 7): nobody else may ask it
+            assert (
+                api_key and len(api_key) >= 32 and (await http.get(f"{base_url}/models")).status_code == 401
+            )
+            listed = await http.get(f"{base_url}/models", headers={"Authorization": f"Bearer {api_key}"})
+            asked.append(listed.json()["data"][0]["id"])
         return next(scores)
 
     config, online = online_trainer_config(
@@ -85,9 +93,9 @@ async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores
     assert config.algorithm.adv_estimator == "reinforce_plus_plus" and config.actor_rollout_ref.rollout.n == 1
     engine = TorchEngine(tiny_model_dir, device="cpu")
     store = SQLiteStore(tmp_path / "serve.db")
-    proxy = Proxy(engine, store)
+    proxy = Proxy(engine, store, admin_key=ADMIN)
     trainer = OnlineTrainer(proxy, config, online, tiny_model_dir, tmp_path / "run", evaluate=evaluate)
-    add_admin_routes(proxy.app, trainer, proxy.api_key)
+    add_admin_routes(proxy.app, trainer, proxy.admin_key, bound_host=proxy.host)
     batches: list[Any] = []
     update = trainer.worker.update
 
@@ -101,6 +109,7 @@ async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores
         await proxy.start()
         await trainer.start()
         async with httpx.AsyncClient(timeout=60) as http:
+            admin = {"Authorization": f"Bearer {ADMIN}"}
             with anyio.fail_after(120):
                 # s1: two calls sampled at T = 0.7, reward 1; s2: one greedy call (T = 0), reward 0
                 await _chat(http, proxy, "s1", "Say hi", temperature=0.7)
@@ -139,14 +148,15 @@ async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores
                 assert _same(trainer.worker.actor.named_weights(), v1)  # the policy went back too
                 assert not trainer.worker.actor.optimizer.state
 
-                r = await http.post(f"{proxy.url}/v1/admin/rollback", json={"version": 0})
+                r = await http.post(f"{proxy.url}/v1/admin/rollback", json={"version": 0}, headers=admin)
                 assert r.status_code == 200 and r.json()["current"] == 0, r.text
                 assert _same(_engine_weights(engine), v0) and trainer.current == 0
                 assert (
-                    await http.post(f"{proxy.url}/v1/admin/rollback", json={"version": 7})
+                    await http.post(f"{proxy.url}/v1/admin/rollback", json={"version": 7}, headers=admin)
                 ).status_code == 404
-                assert (await http.post(f"{proxy.url}/v1/admin/rollback", json={"v": 1})).status_code == 400
-                listing = (await http.get(f"{proxy.url}/v1/admin/versions")).json()
+                bad = await http.post(f"{proxy.url}/v1/admin/rollback", json={"v": 1}, headers=admin)
+                assert bad.status_code == 400
+                listing = (await http.get(f"{proxy.url}/v1/admin/versions", headers=admin)).json()
         assert [h["kind"] for h in listing["history"]] == ["baseline", "promoted", "refused", "rollback"]
         assert [v["version"] for v in listing["versions"]] == [0, 1] and listing["current"] == 0
         assert listing["sessions_trained"] == 4
@@ -184,10 +194,17 @@ def test_the_admin_routes_need_the_key(tiny_model_dir: Path, tmp_path: Path) -> 
         assert client.get("/v1/admin/versions").status_code == 401
         ok = client.get("/v1/admin/versions", headers={"Authorization": "Bearer secret"})
         assert ok.status_code == 200 and ok.json()["current"] == 0
-        big = client.post(
-            "/v1/admin/rollback", content=b"x" * 5000, headers={"Authorization": "Bearer secret"}
-        )
+        json_body = {"Authorization": "Bearer secret", "Content-Type": "application/json"}
+        big = client.post("/v1/admin/rollback", content=b"x" * 5000, headers=json_body)
         assert big.status_code == 413
+        text = client.post(
+            "/v1/admin/rollback", content=b'{"version": 0}', headers={"Authorization": "Bearer secret"}
+        )
+        assert text.status_code == 415  # not declared JSON: what a web page sends without asking
+    off = Starlette()
+    add_admin_routes(off, Control(), None)  # no admin key: the routes are off
+    with TestClient(off) as client:
+        assert client.get("/v1/admin/versions").status_code == 403
 
 
 def test_jsonl_evaluator_checks_its_tasks(tmp_path: Path) -> None:
