@@ -36,6 +36,7 @@ from anyio.abc import TaskStatus
 
 from agentloop import event_loop, tracing
 from agentloop.agent import Agent, FunctionAgent, attempt_context, check_reward
+from agentloop.agent_errors import fold_traceback, user_location
 from agentloop.errors import InvalidTransitionError, StoreUnavailableError
 from agentloop.logging import get_logger
 from agentloop.store.base import Store
@@ -371,13 +372,13 @@ class Runner:
                     log.error("attempt_report_failed", rollout_id=rid, attempt_id=aid, error=repr(exc))
                     kind = "lost"
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
-        event = log.debug  # no spam at 1000s/s; a failure's first occurrence is a warning (below)
-        if outcome.error is not None and outcome.status is not AttemptStatus.SUCCEEDED:
-            key = (outcome.error.type, outcome.error.message.splitlines()[0] if outcome.error.message else "")
+        error = outcome.error
+        if error is not None and outcome.status is not AttemptStatus.SUCCEEDED and kind != "stopped":
+            key = (error.type, error.message.splitlines()[0] if error.message else "")
             if key not in self._errors_seen:  # the store keeps every attempt's error; counts: the trainer
                 self._errors_seen.add(key)
-                event = log.warning
-        event(
+                self._first_failure(rid, aid, error)
+        log.debug(  # no spam at 1000s/s: a failure's first occurrence is a warning (above)
             "attempt_finished",
             rollout_id=rid,
             attempt_id=aid,
@@ -387,3 +388,16 @@ class Runner:
             duration_s=round(duration_s, 4),
             error=outcome.error.message if outcome.error else None,
         )
+
+    def _first_failure(self, rollout_id: str, attempt_id: str, error: ErrorInfo) -> None:
+        """The first failure of each kind (type, first line) in a run, as a warning with the traceback
+        folded to the user's own frames (agentloop.agent_errors); later ones are counted by the trainer
+        and listed by ``agentloop inspect RUN --errors``."""
+        message = error.message.strip().splitlines()[0] if error.message.strip() else ""
+        fields: dict[str, Any] = {"error": f"{error.type}: {message}" if message else error.type}
+        where = user_location(error.traceback)
+        if where is not None:
+            fields["where"] = where
+        if error.traceback:
+            fields["exception"] = fold_traceback(error.traceback)
+        log.warning("attempt_failed", rollout_id=rollout_id, attempt_id=attempt_id, **fields)

@@ -286,8 +286,14 @@ async def test_per_rollout_lines_are_debug_and_each_distinct_error_warns_once() 
     per_attempt = [e for e in events if e["event"].startswith("attempt_")]
     assert per_attempt  # (debug events are captured only while structlog's level lets them through)
     loud = [e for e in per_attempt if e["log_level"] != "debug"]
-    assert sorted(e["error"] for e in loud) == ["bad task kind 1", "bad task kind 3"]
-    assert all(e["log_level"] == "warning" for e in loud)
+    assert sorted(e["error"] for e in loud) == ["ValueError: bad task kind 1", "ValueError: bad task kind 3"]
+    assert all(e["log_level"] == "warning" and e["event"] == "attempt_failed" for e in loud)
+    # issue 46: where the agent raised (this file), and its traceback without agentloop's frames
+    assert all(e["where"].startswith(f"{os.path.relpath(__file__)}:") for e in loud)
+    assert all(e["where"].endswith(" in agent") for e in loud)
+    assert all("agentloop/runner.py" not in e["exception"] for e in loud)
+    assert all("frames of agentloop hidden]" in e["exception"] for e in loud)
+    assert all(e["exception"].endswith(e["error"]) for e in loud)
 
 
 async def test_stop_from_another_thread() -> None:

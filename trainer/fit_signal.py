@@ -90,10 +90,16 @@ class SignalWatch:
                 parts.append(f"{self.counts[key]} {what.format(errors=detail)}")
         judge = self.counts["judge/failed_groups"]
         if judge:
-            parts.append(f"the judge failed on {judge} groups of attempts (judge.jsonl; on_failure='skip')")
+            groups = "1 group" if judge == 1 else f"{judge} groups"
+            parts.append(f"the judge failed on {groups} of attempts (judge.jsonl; on_failure='skip')")
+        tracebacks = (
+            f", their tracebacks with `agentloop inspect {self.run_dir} --errors`"
+            if self.counts["rollout/failed"]
+            else ""
+        )
         return EmptyBatchError(
             f"no learning signal: {steps} trained nothing (trainer.max_steps_without_signal={self.limit}): "
             f"none of {self.counts['rollouts']} rollouts gave a usable attempt: "
             f"{', '.join(parts) or 'no reason recorded'}; the model was not updated by them and no final "
-            f"model was written; look at the attempts with `agentloop inspect {self.run_dir}`"
+            f"model was written; look at the attempts with `agentloop inspect {self.run_dir}`{tracebacks}"
         )

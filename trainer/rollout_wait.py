@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from agentloop.agent_errors import user_location
 from agentloop.errors import AgentLoopError, TrainerTimeoutError
 from agentloop.store.base import Store
 
@@ -52,18 +53,25 @@ async def wait_all(
 
 
 async def failure_summary(store: Store, rollout_ids: list[str], limit: int = 5) -> str:
-    """The distinct errors of the rollouts' failed attempts with their counts, most frequent first:
-    ``"12 x AgentError: the agent returned 'abc', not a reward; 3 x Timeout: ..."``."""
+    """The distinct errors of the rollouts' failed attempts with their counts, most frequent first, each
+    with where the user's code raised it (agentloop.agent_errors; ``agentloop inspect RUN --errors``
+    shows the tracebacks): ``"12 x KeyError: 'answr' at agent.py:6 in score; 3 x Timeout: ..."``."""
     counts: Counter[str] = Counter()
+    where: dict[str, str] = {}  # the first attempt's location for each kind of error
     for rid in rollout_ids:
         for attempt in await store.list_attempts(rid):
             if attempt.error is not None:
                 first = (attempt.error.message or "").strip().splitlines()
                 text = f"{attempt.error.type}: {first[0][:300]}" if first else attempt.error.type
                 counts[text] += 1
+                if text not in where and (at := user_location(attempt.error.traceback)) is not None:
+                    where[text] = at
     if not counts:
         return "no attempt recorded an error"
-    items = [f"{n} x {text}" for text, n in counts.most_common(limit)]
+    items = [
+        f"{n} x {text}" + (f" at {where[text]}" if text in where else "")
+        for text, n in counts.most_common(limit)
+    ]
     more = len(counts) - limit
     return "; ".join(items) + (f"; and {more} other errors" if more > 0 else "")
 

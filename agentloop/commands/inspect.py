@@ -68,6 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="the tokenizer to decode with (default: the run's model or the served one)",
     )
     p.add_argument("--no-color", action="store_true", help="plain text with [model]...[/model] marks")
+    p.add_argument(
+        "--errors",
+        action="store_true",
+        help="list the failed attempts and where the agent raised, with their tracebacks "
+        "(--rollout ID: that rollout's in full)",
+    )
     p.set_defaults(func=run)
 
 
@@ -278,6 +284,17 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     db = locate(args.run_dir)
     run_dir = db.parent
+    if args.errors:  # agentloop/commands/inspect_errors.py
+        from agentloop.commands.inspect_errors import print_errors
+
+        store = ReadOnlyStore(db)
+        try:
+            where = db if db.name != "store.db" else run_dir
+            return print_errors(
+                store._conn, where, sys.stdout.write, printable, rollout=args.rollout, limit=args.limit
+            )
+        finally:
+            anyio.run(store.close)
     rows = anyio.run(collect, db)
     try:
         server, sessions = read_saved_sessions(db)
@@ -315,6 +332,10 @@ def _run(args: argparse.Namespace) -> int:
             scored = [(0.0, rec.session_id) for rec in sessions[-1:] if rec.call_json]
         if not scored:
             w("no rollout with LLM calls and a reward to print\n")
+            failed = sum(r.status.value == "failed" for r, _, _ in rows)
+            if failed:
+                hint = f"`agentloop inspect {args.run_dir} --errors` shows where the agent raised"
+                w(f"{failed} failed: {hint}\n")
             return 0
         chosen = max(scored)[1]
     rollout_ids = [r.rollout_id for r, _, _ in rows]

@@ -105,9 +105,10 @@ def test_the_watch_counts_rollouts_by_kind_over_the_steps_in_a_row(tmp_path: Pat
         "1 failed (the agent raised or timed out; their attempts' errors: 2 x ValueError: boom), "
         "1 had every prompt over data.max_prompt_length, "
         "1 made no LLM call through llm.base_url (the proxy records the tokens), "
-        "the judge failed on 1 groups of attempts (judge.jsonl; on_failure='skip'); "
+        "the judge failed on 1 group of attempts (judge.jsonl; on_failure='skip'); "
         "the model was not updated by them and no final model was written; "
-        f"look at the attempts with `agentloop inspect {tmp_path / 'run'}`"
+        f"look at the attempts with `agentloop inspect {tmp_path / 'run'}`, "
+        f"their tracebacks with `agentloop inspect {tmp_path / 'run'} --errors`"
     )
 
 
