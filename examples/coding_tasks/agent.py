@@ -130,7 +130,19 @@ async def fix_repo(
             check=check_command(task), timeout_s=timeout_s, args=spec["args"], env=spec["env"],
             home_files=_home_files(spec, task),
         )  # fmt: skip
+    if result.run.timed_out:
+        # not the model's failure: an overloaded machine or a slow engine. Failing the attempt keeps it out
+        # of training (counted as rollout/failed) instead of teaching the model that its answer scored 0
+        raise HarnessTimeoutError(
+            f"{spec['harness']} ran past its deadline of {timeout_s:.0f} s on {task.get('name', 'a task')!r} "
+            f"after {result.run.usage.wall_s:.0f} s: the engine is too slow for this timeout (an overloaded CPU?); "
+            "raise timeout_s or lower the concurrency"
+        )
     return 1.0 if result.check is not None and result.check.exit_code == 0 else 0.0
+
+
+class HarnessTimeoutError(TimeoutError):
+    """A harness session ran past its deadline: the attempt fails rather than scoring 0."""
 
 
 def _home_files(spec: dict[str, Any], task: dict[str, Any]) -> Any:

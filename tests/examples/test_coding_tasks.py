@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+import socket
 from pathlib import Path
 
 import anyio
 import pytest
 
+import agentloop as al
 from agentloop.harness import harness_binary
 from agentloop.sandbox import Sandbox, SandboxConfig
 from agentloop.sandbox.errors import SandboxUnavailableError
@@ -147,3 +149,32 @@ def test_a_perfect_model_is_rewarded_and_the_prompt_is_short() -> None:
     assert row["check_passed"] and row["exit_code"] == 0 and row["calls"] == 2
     assert all(n < 1600 for n in row["prompt_tokens_per_call"]), row
     assert row["sampled_temperature"] == [0.6]  # Claude Code sends none: the trainer's resource decides
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not claude_installed(), reason="no claude: make harnesses installs @anthropic-ai/claude-code"
+)
+async def test_a_session_past_its_deadline_fails_the_attempt_instead_of_scoring_zero(tmp_path: Path) -> None:
+    """A model that never answers (nothing listens on the port) and a 2 s deadline: Claude Code is killed
+    at the deadline, and the attempt raises rather than returning 0.0, so an overloaded machine does not
+    teach the model that its answers fail."""
+    from examples.coding_tasks.agent import HarnessTimeoutError, fix_repo
+
+    task = make_tasks()[1][0]
+    silent = socket_that_never_answers()
+    port = silent.getsockname()[1]
+    dead = al.LLM(base_url=f"http://127.0.0.1:{port}/rollout/r/attempt/a/v1", model="m")
+    try:
+        with pytest.raises(HarnessTimeoutError, match="ran past its deadline of 2 s"):
+            await fix_repo(task, dead, timeout_s=2.0)
+    finally:
+        silent.close()
+
+
+def socket_that_never_answers() -> socket.socket:
+    """A listening socket nobody accepts from: connections open, requests never get an answer."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
