@@ -8,7 +8,10 @@
 
 Traps: the session lives in a task owned by the connection (so a transport failure, which the SDK
 raises into its own task group, ends that task and never the caller's); a timed-out or cancelled call
-is cancelled on the server too (a ``notifications/cancelled``, best effort). A stdio server inherits
+is cancelled on the server too (a ``notifications/cancelled``, best effort). Closing is bounded by
+``close_timeout_s``: the SDK ends an HTTP session with a ``DELETE`` under the client's 300 s read
+timeout, so a server that never answers it held ``__aexit__`` for five minutes; past the bound the
+close is abandoned (cancelled) with a warning. A stdio server inherits
 only a minimal environment (the SDK's ``HOME``, ``PATH``, ...) plus ``StdioServer.env``.
 """
 
@@ -118,11 +121,16 @@ class MCPConnection:
     ``__aexit__``), calls in flight end with ``connection_lost`` and later calls fail at once.
     """
 
-    def __init__(self, server: MCPServer, *, connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, server: MCPServer, *, connect_timeout_s: float = 30.0, close_timeout_s: float = 5.0
+    ) -> None:
         if not isinstance(server, StdioServer | HttpServer):
             raise TypeError(f"server must be a StdioServer or HttpServer, got {type(server).__name__}")
         self.server = server
         self.connect_timeout_s = connect_timeout_s
+        # a stdio server's own shutdown (close stdin, wait 2 s, SIGTERM, wait 2 s, SIGKILL) fits in 5 s
+        self.close_timeout_s = close_timeout_s
+        self._ended = anyio.Event()  # the owner task finished (session and transport closed)
         self.listed: list[types.Tool] = []  # the server's tools as tools/list gave them
         self._session: ClientSession | None = None
         self._failure: str | None = None  # why the session ended (None while it lives)
@@ -159,9 +167,23 @@ class MCPConnection:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self._closing.set()  # the owner task closes the session and the transport, then ends
+        self._tg.start_soon(self._close_within)
         # Not handing the body's exception to the task group: anyio would raise it wrapped in an
         # ExceptionGroup; the owner task raises nothing, so the body's exception propagates as it is.
         await self._tg.__aexit__(None, None, None)
+
+    async def _close_within(self) -> None:
+        """Give the owner task ``close_timeout_s`` to close; then cancel it (and say so)."""
+        with anyio.move_on_after(self.close_timeout_s):
+            await self._ended.wait()
+            return
+        log.warning(
+            "mcp server did not close in time",
+            server=self.server.label,
+            timeout_s=self.close_timeout_s,
+            reason="abandoned the close (an HTTP server that never answers the session's DELETE?)",
+        )
+        self._tg.cancel_scope.cancel()
 
     async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         started = False
@@ -187,6 +209,7 @@ class MCPConnection:
                 scope.cancel()
             if not started:
                 task_status.started()
+            self._ended.set()
 
     def _transport(self) -> Any:
         server = self.server

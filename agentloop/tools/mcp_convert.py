@@ -1,5 +1,6 @@
 """The MCP boundary's conversions: the model's arguments checked against a tool's ``inputSchema``
-(JSON Schema, ``jsonschema``; no ``$ref`` fetched from the network) before anything is sent, and an
+(JSON Schema, ``jsonschema``; no ``$ref`` fetched from the network; its regular expressions matched
+within a time budget, :mod:`agentloop.tools._bounded_patterns`) before anything is sent, and an
 MCP ``CallToolResult`` turned into agentloop's ``ToolResult`` (text, images as data: URLs, bounded).
 """
 
@@ -15,6 +16,7 @@ from referencing import Registry
 
 from agentloop.errors import ToolArgumentError, ToolDefinitionError
 from agentloop.logging import get_logger
+from agentloop.tools import _bounded_patterns
 from agentloop.tools.base import ToolResponse, ToolResult
 from agentloop.tools.mcp_connection import short
 
@@ -60,13 +62,20 @@ def _problem(err: jsonschema.ValidationError) -> str:
 
 
 def check_arguments(
-    validator: jsonschema.protocols.Validator, arguments: dict[str, Any], tool_name: str
+    validator: jsonschema.protocols.Validator,
+    arguments: dict[str, Any],
+    tool_name: str,
+    budget_s: float = _bounded_patterns.DEFAULT_BUDGET_S,
 ) -> None:
-    """Raise ToolArgumentError naming up to five problems of ``arguments`` against the tool's schema."""
-    errors = sorted(
-        validator.iter_errors(arguments),
-        key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))),
-    )
+    """Raise ToolArgumentError naming up to five problems of ``arguments`` against the tool's schema.
+
+    The schema's patterns share ``budget_s`` of matching time (a match past it is a problem); the
+    rest is linear in the arguments. Blocks: MCPTool runs it in a thread, within the call's deadline."""
+    with _bounded_patterns.budget(budget_s):
+        errors = sorted(
+            validator.iter_errors(arguments),
+            key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))),
+        )
     if not errors:
         return
     problems = list(dict.fromkeys(_problem(e) for e in errors))
@@ -76,7 +85,8 @@ def check_arguments(
 
 
 def schema_validator(schema: dict[str, Any], tool_name: str, server: str) -> jsonschema.protocols.Validator:
-    """A validator of ``schema`` (its own draft, Draft 2020-12 by default); ToolDefinitionError if it is invalid."""
+    """A validator of ``schema`` (its own draft, Draft 2020-12 by default, its patterns matched within a
+    time budget); ToolDefinitionError if it is invalid or cannot be checked within a budget."""
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
@@ -85,7 +95,14 @@ def schema_validator(schema: dict[str, Any], tool_name: str, server: str) -> jso
             f"MCP server {server!r}: tool {tool_name!r} has an invalid inputSchema ({short(exc.message, 200)}); "
             "leave it out with include=[...]"
         ) from None
-    return cls(schema, registry=Registry())  # an empty registry: no $ref is fetched from the network
+    unbounded = _bounded_patterns.refuse_unbounded(schema)
+    if unbounded:
+        raise ToolDefinitionError(
+            f"MCP server {server!r}: tool {tool_name!r} has an inputSchema agentloop cannot check safely "
+            f"({unbounded}); leave it out with include=[...]"
+        )
+    bounded = _bounded_patterns.extend(cls)
+    return bounded(schema, registry=Registry())  # type: ignore[no-any-return]  # an empty registry: no $ref is fetched
 
 
 def result_from_mcp(

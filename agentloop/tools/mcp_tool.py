@@ -11,7 +11,9 @@ later calls fail at once with the same reason).
 from __future__ import annotations
 
 import copy
+import functools
 import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,10 +82,16 @@ class MCPTool(BaseTool):
         self._validator = schema_validator(self.parameters, self.mcp_name, self.server.label)
 
     def parse_arguments(self, raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
-        """Decode the model's arguments and check them against the server's inputSchema."""
-        args = decode_arguments(raw, self.name)
-        check_arguments(self._validator, args, self.name)
-        return args
+        """Decode the model's arguments. The check against the server's inputSchema comes in
+        :meth:`call`: the schema is the server's (its patterns may backtrack), so it runs off the
+        event loop and inside the call's deadline."""
+        return decode_arguments(raw, self.name)
+
+    async def check_arguments(self, args: dict[str, Any]) -> None:
+        """Raise ToolArgumentError if ``args`` break the inputSchema; the check runs in a worker thread
+        (the event loop keeps serving the other agents) and a caller's deadline abandons it."""
+        check = functools.partial(check_arguments, self._validator, args, self.name)
+        await anyio.to_thread.run_sync(check, abandon_on_cancel=True)
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         return result_from_mcp(await self.call(arguments), self.name, self.max_output_chars)
@@ -94,16 +102,34 @@ class MCPTool(BaseTool):
         ``_meta`` names the kind (``{"agentloop/error": "timeout"}``)."""
         try:
             args = self.parse_arguments(arguments)
-            if self.connection is not None:
-                return await self.connection.call_tool(self.mcp_name, args, timeout_s=self.timeout_s)
-            return await self._call_detached(args)
+            started = time.monotonic()
+            with anyio.move_on_after(self.timeout_s) as checking:  # the check counts in the call's time
+                await self.check_arguments(args)
+            if checking.cancelled_caught:
+                raise CallFailed(
+                    "timeout", f"checking the arguments of tool {self.name!r} took over {self.timeout_s:g} s"
+                )
+            left = (
+                None if self.timeout_s is None else max(self.timeout_s - (time.monotonic() - started), 0.001)
+            )
+            if self.connection is None:
+                return await self._call_detached(args, left)
+            try:
+                return await self.connection.call_tool(self.mcp_name, args, timeout_s=left)
+            except CallFailed as exc:
+                if exc.kind != "timeout":
+                    raise
+                # the call's deadline, not what the check left of it
+                raise CallFailed(
+                    "timeout", f"tool {self.name!r} did not finish within {self.timeout_s:g} s"
+                ) from None
         except ToolArgumentError as exc:
             return error_result("invalid_arguments", str(exc), self.name)
         except CallFailed as exc:
             return error_result(exc.kind, str(exc), self.name)
 
-    async def _call_detached(self, args: dict[str, Any]) -> types.CallToolResult:
-        with anyio.move_on_after(self.timeout_s) as deadline:  # connecting counts in the call's time
+    async def _call_detached(self, args: dict[str, Any], timeout_s: float | None) -> types.CallToolResult:
+        with anyio.move_on_after(timeout_s) as deadline:  # connecting counts in the call's time
             try:
                 async with MCPConnection(self.server) as conn:
                     return await conn.call_tool(self.mcp_name, args)

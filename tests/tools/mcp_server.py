@@ -1,7 +1,8 @@
 """A real MCP server for the MCP tool tests, built with the official SDK's FastMCP.
 
 Run as ``python mcp_server.py stdio`` (the client starts it and talks over its stdin/stdout) or
-``python mcp_server.py http PORT`` (streamable HTTP on 127.0.0.1:PORT, path ``/mcp``).
+``python mcp_server.py http PORT`` (streamable HTTP on 127.0.0.1:PORT, path ``/mcp``; ``http-ignoring-delete``:
+the same, but the session's closing ``DELETE`` is never answered).
 
 Its tools cover what a client must handle: typed arguments with defaults, enums and nested objects
 (``search``), text, structured and image results, a tool that raises (``boom``: an ``isError``
@@ -14,7 +15,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 from mcp.server.fastmcp import Context, FastMCP, Image
@@ -113,9 +114,25 @@ def crash() -> str:
     os._exit(3)
 
 
+def ignore_delete(app: Any) -> Any:
+    """The app, except that a DELETE (the client ending its session) is never answered."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "DELETE":
+            await anyio.sleep_forever()
+        await app(scope, receive, send)
+
+    return wrapped
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["http"]:
         server.settings.port = int(sys.argv[2])
         server.run("streamable-http")
+    elif sys.argv[1:2] == ["http-ignoring-delete"]:  # a server that never answers the session's DELETE
+        import uvicorn
+
+        app = ignore_delete(server.streamable_http_app())
+        uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
     else:
         server.run("stdio")

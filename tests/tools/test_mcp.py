@@ -56,10 +56,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_http_server() -> tuple[HttpServer, subprocess.Popen[bytes]]:
+def start_http_server(mode: str = "http") -> tuple[HttpServer, subprocess.Popen[bytes]]:
     """The test server over streamable HTTP on a free loopback port, once it accepts connections."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "http", str(port)], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, str(SERVER), mode, str(port)], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:
         assert proc.poll() is None, "the HTTP MCP server exited at start"
@@ -280,6 +280,22 @@ async def test_an_http_server_killed_mid_session_gives_clear_errors() -> None:
     for result in (lost, again):
         assert result.metrics["error"] == "connection_lost", result
         assert "MCP server 'test-http' is not" in (result.response.text or ""), result.response.text
+
+
+async def test_closing_does_not_wait_for_a_server_that_never_answers_its_delete() -> None:
+    """Issue 44 finding 10: the SDK ends an HTTP session with a DELETE under the client's 300 s read
+    timeout, and leaving ``mcp_tools`` waited all of it for a server that never answers."""
+    srv, proc = await anyio.to_thread.run_sync(start_http_server, "http-ignoring-delete")
+    try:
+        with anyio.fail_after(60):  # today: 300 s
+            async with mcp_tools(srv) as tools:
+                assert (await tool_text(tools, "add", {"a": 1, "b": 2})) == "3"
+                start = time.monotonic()
+            closed_in = time.monotonic() - start
+    finally:
+        proc.kill()
+        proc.wait()
+    assert closed_in < 5 + 2, closed_in  # close_timeout_s (5 s) and a margin
 
 
 async def test_a_tool_the_server_no_longer_has_gives_an_error_result() -> None:
