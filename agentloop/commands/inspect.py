@@ -14,7 +14,10 @@ each call's advantage is shown as the trainer computed it (``trainer.sample_adva
 attempts at the same task in the same step, with the run's config).
 
 Read-only: the store is opened with SQLite's ``mode=ro`` (``ReadOnlyStore``), so inspecting a run,
-even one still being written, never changes its files. Model text is hostile input: control
+even one still being written, never changes its files. The tokenizer a run's files name (its
+``config.json``, the served model in a store's metadata) is loaded only from a local folder (or the
+bundled SmolLM2 alias): a hostile store once named a hub repo and ``inspect`` downloaded it. A hub id
+is fetched only when the user names it with ``--model``. Model text is hostile input: control
 characters and terminal escape sequences in it (and in ids, names and inputs read from the files) are
 printed escaped (``\x1b``), never sent to the terminal as they are (``printable``).
 """
@@ -65,7 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--model",
         default=None,
-        help="the tokenizer to decode with (default: the run's model or the served one)",
+        help="the tokenizer to decode with: a local folder, or a hub id to download (default: the run's "
+        "model or the served one, from a local folder only)",
     )
     p.add_argument("--no-color", action="store_true", help="plain text with [model]...[/model] marks")
     p.add_argument(
@@ -361,11 +365,12 @@ def _run(args: argparse.Namespace) -> int:
         advantages: list[float | None] = [None] * len(per_call)  # no groups outside training
         title = f"session {printable(match)}"
         model = args.model or server.get("tokenizer") or server.get("model")
+        named_by = None if args.model else f"the store's metadata ({db})"
     else:
         per_call, _, advantages = anyio.run(trajectory, run_dir, match, db)
-        title, model = printable(match), args.model
+        title, model, named_by = printable(match), args.model, None
     triplets = merge_turns(per_call)
-    tokenizer = _tokenizer(run_dir, model)
+    tokenizer = _tokenizer(run_dir, model, named_by)
     w(
         f"\n{BOLD if color else ''}trajectory of {title}{RESET if color else ''} "
         f"({len(triplets)} sample(s); green: model tokens, trained; yellow: masked)\n"
@@ -388,12 +393,26 @@ def _config(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _tokenizer(run_dir: Path, model: str | None = None) -> Any:
+def _tokenizer(run_dir: Path, model: str | None = None, named_by: str | None = None) -> Any:
+    """The tokenizer ``model`` names (the user's ``--model``: may be downloaded), else the one the run's
+    files name (``named_by``, or the run's config.json): a local folder only, never a download."""
     from transformers import AutoTokenizer
 
-    from agentloop.engine.models import resolve_model
+    from agentloop.engine.models import ModelResolutionError, resolve_model
 
-    if model is None:
-        config = _config(run_dir)
-        model = config.get("actor_rollout_ref", {}).get("model", {}).get("path", "smollm2-135m-instruct")
-    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    if model is None or named_by is not None:
+        if model is None:
+            config = _config(run_dir)
+            model = config.get("actor_rollout_ref", {}).get("model", {}).get("path", "smollm2-135m-instruct")
+            named_by = str(run_dir / "config.json")
+        try:
+            path = resolve_model(str(model), download=False)
+        except ModelResolutionError as exc:
+            raise InspectError(
+                f"{named_by} names the model {printable(str(model))[:200]!r}: {printable(str(exc))[:300]}. "
+                "inspect loads only local folders that a run's files name; pass --model with a local "
+                "folder (or a hub id you trust)"
+            ) from None
+    else:
+        path = resolve_model(model)
+    return AutoTokenizer.from_pretrained(str(path))

