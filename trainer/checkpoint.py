@@ -38,6 +38,8 @@ from typing import Any, Literal
 
 import torch
 
+from agentloop.private_files import private_dir, tighten_tree
+
 WEIGHTS_FILE = "model.safetensors"  # in a checkpoint step folder
 CRITIC_DIR = "critic"  # a step folder's value model (PPO with gae): its weights and optimizer
 OPTIMIZER_FILE = "optimizer.pt"
@@ -90,13 +92,14 @@ class CheckpointManager:
 
     def begin(self, step: int) -> Path:
         path = self.root / f"global_step_{step}"
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)  # the run's owner only (write_run)
         return path
 
     def commit(self, step: int, state: dict[str, Any]) -> None:
         """Publish step ``step``: its files (whoever wrote them) and folder fsynced, then its
         trainer_state.json, then ``latest`` (each written atomically and fsynced with its folder)."""
         path = self.root / f"global_step_{step}"
+        tighten_tree(path)  # the workers' files: the run's owner only
         fsync_tree(path)
         fsync_dir(self.root)  # the step folder's own entry
         _atomic_write(path / "trainer_state.json", json.dumps(state))
@@ -288,7 +291,11 @@ def read_run(run_dir: Path) -> dict[str, Any] | None:
 
 
 def write_run(run_dir: Path, record: dict[str, Any]) -> None:
+    """Write run.json; the run folder and everything in it (config, store, checkpoints, metrics, logs)
+    are made its owner's only (folders 0700, files 0600: they hold the tasks and every rollout)."""
+    private_dir(run_dir)
     _atomic_write(run_dir / RUN_FILE, json.dumps(record, indent=2, default=str))
+    tighten_tree(run_dir)
 
 
 def _holds_run(path: Path) -> bool:
@@ -383,7 +390,7 @@ def fsync_tree(path: Path) -> None:
 def _atomic_write(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file fsynced, renamed over it, the folder fsynced."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -48,6 +48,7 @@ import anyio
 import structlog
 
 from agentloop.errors import ConfigError, EmptyBatchError
+from agentloop.private_files import private_dir, write_private_text
 from agentloop.store.base import Store
 from agentloop.types import Triplet
 from trainer import checkpoint as ck
@@ -167,8 +168,8 @@ def _train(
 
     run = cfg.trainer
     run_dir = plan.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dump, indent=2))
+    private_dir(run_dir)  # 0700: the training data and the checkpoints (agentloop.private_files)
+    write_private_text(run_dir / "config.json", json.dumps(dump, indent=2))
     record: dict[str, Any] = {"identity": identity, "kind": "sft", "status": "running", "step": plan.step}
     ckpt = ck.CheckpointManager(run_dir / "checkpoints")
     cursor = ck.DataCursor(len(train), cfg.data.train_batch_size, run.seed)

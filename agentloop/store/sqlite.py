@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 
 from agentloop.errors import AgentLoopError, InvalidRequestError, NotFoundError
+from agentloop.private_files import private_file, tighten
 from agentloop.resources import Resources, ResourcesLike
 from agentloop.store import state
 from agentloop.store._sqlite_thread import DURABLE, READ, WRITE, ConnectionThread, Op
@@ -99,6 +100,7 @@ class SQLiteStore:
         if synchronous not in ("FULL", "NORMAL"):
             raise InvalidRequestError(f"synchronous must be 'FULL' or 'NORMAL', got {synchronous!r}")
         self.path = Path(path)
+        _make_private(self.path)
         self._clock = clock
         self._poll_interval_s = poll_interval_s  # how often waiters look for other processes' writes
         self._worker = ConnectionThread(str(path), _SCHEMA, synchronous, busy_timeout_s, max_batch=512)
@@ -440,3 +442,17 @@ class SQLiteStore:
         self._closed = True
         self._worker.jobs.put(None)
         await anyio.to_thread.run_sync(self._worker.join)
+
+
+def _make_private(path: Path) -> None:
+    """The database created 0600 before SQLite opens it (SQLite gives its -wal and -shm files the
+    database's mode), or an existing one tightened with its -wal and -shm: it holds every task,
+    rollout and token, and a served store every app conversation."""
+    if str(path) == ":memory:" or str(path).startswith("file:"):
+        return
+    try:
+        private_file(path)
+    except OSError:
+        return  # a folder that is missing or not writable: SQLite says so, in its own words
+    for suffix in ("-wal", "-shm", "-journal"):
+        tighten(path.with_name(path.name + suffix))
