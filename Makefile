@@ -40,8 +40,16 @@ harnesses: $(STAMP)
 # The Python agent frameworks at pinned versions (pyproject's `frameworks` extra), for
 # tests/integrations/test_frameworks.py; torch stays the CPU build on disk. It never fails the build: the tests
 # of a framework that did not install skip and say why.
+# Strands and AutoGen pin what the test venv cannot hold (pyproject says which): each gets a virtualenv of its
+# own, .venv/frameworks/<name>, at exact versions, and its test runs the agent there as a subprocess
+# (tests/integrations/side_agents.py). set -f: the extras' brackets are not globs.
+SIDE_FRAMEWORKS := strands:strands-agents[openai]==1.62.0 autogen:autogen-agentchat==0.7.5,autogen-ext[openai]==0.7.5
 frameworks: $(STAMP)
 	timeout 900 $(BIN)/pip install -q -e '.[frameworks]' torch==2.13.0 || echo "frameworks: pip install failed: their tests skip"
+	set -f; for side in $(SIDE_FRAMEWORKS); do name=$${side%%:*}; dir=$(VENV)/frameworks/$$name; \
+	  { test -x $$dir/bin/python || $(PY) -m venv $$dir; } && \
+	  timeout 900 $$dir/bin/pip install -q $$(echo $${side#*:} | tr , ' ') || \
+	  echo "frameworks: the $$name virtualenv failed: its test skips"; done
 
 test-slow: $(STAMP) sandbox-deps harnesses frameworks
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)

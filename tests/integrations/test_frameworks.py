@@ -9,16 +9,21 @@ call's prompt extends the last call's prompt + response token for token (one tra
 
 The frameworks come with ``make frameworks`` (pyproject's ``frameworks`` extra, exact versions); each test
 skips with the reason when its package is not importable. Strands and AutoGen are not in the extra (their
-pins conflict with the venv's; pyproject says which): their tests run where they are installed.
+pins conflict with the venv's; pyproject says which): ``make frameworks`` gives each its own virtualenv
+(``.venv/frameworks/<name>``, exact versions), and their agents (side_agents.py) run there as a subprocess
+against the attempt's URL, as a user's agent process would.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -38,7 +43,9 @@ CITY = "Paris"
 WEATHER = "sunny and 21 degrees"  # the tool's result: the script answers once it is in the prompt
 ANSWER = "It is sunny and 21 degrees in Paris."
 MISSING = "is not installed: make frameworks installs pyproject's frameworks extra"
-NOT_IN_EXTRA = "is not installed, nor in the frameworks extra: its pins conflict with the venv's (pyproject)"
+SIDE_MISSING = (
+    "has no virtualenv: make frameworks makes one (its pins conflict with the test venv's, pyproject)"
+)
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> str:
@@ -80,19 +87,22 @@ class Session:
     url: str  # the attempt's OpenAI base URL (.../v1)
 
     async def recorded(self, *, resends: bool = True) -> list[LLMCall]:
-        """Every engine call is one LLMCall span holding the engine's prompt and response ids; with
-        ``resends``, each prompt extends the last call's prompt + response exactly, with no ledger break."""
+        """Every engine call is one LLMCall span holding the engine's prompt and response ids and its call id;
+        with ``resends``, each prompt extends the last call's prompt + response exactly, with no ledger
+        break, and the call is linked to it (its parent, on the main branch)."""
         spans = await self.store.query_spans(self.attempt.rollout_id)
         calls = [s.payload for s in spans if isinstance(s.payload, LLMCall)]
         assert len(calls) >= 2 and len(calls) == len(self.engine.calls), (len(calls), len(self.engine.calls))
         for call, seen in zip(calls, self.engine.calls, strict=True):
             assert call.error is None and seen.output is not None
             assert call.prompt_ids == seen.prompt_ids and call.response_ids == seen.output.token_ids
+        assert [c.call_id for c in calls] == list(range(1, len(calls) + 1))  # the ledger's ids, in order
         if resends:
             for one, two in itertools.pairwise(calls):
                 head = one.prompt_ids + one.response_ids
                 assert two.ledger_break is None, two.ledger_break
                 assert two.prompt_ids[: len(head)] == head
+                assert two.parent_call_id == one.call_id and two.branch == one.branch == "main"
         return calls
 
 
@@ -205,71 +215,45 @@ async def test_smolagents_tool_calling_agent(tokenizer: Any) -> None:
     assert two.prompt_ids[: len(one.prompt_ids)] == one.prompt_ids  # the same system prompt and task
 
 
-# --- Strands --------------------------------------------------------------------------------------------
+# --- Strands and AutoGen: each in its own virtualenv --------------------------------------------------------
+
+SIDE_AGENTS = Path(__file__).with_name("side_agents.py")
 
 
-async def test_strands_openai_model(weather_session: Session) -> None:
-    strands = pytest.importorskip("strands", reason=f"strands-agents {NOT_IN_EXTRA}")
-    from strands.models.openai import OpenAIModel
-
-    weather = Weather()
-    model = OpenAIModel(
-        client_args={"base_url": weather_session.url, "api_key": "x", "max_retries": 0, "timeout": 60},
-        model_id="tiny",
-        params={"max_tokens": 256},
-    )
-    agent = strands.Agent(
-        model=model,
-        tools=[strands.tool(weather.tool())],
-        system_prompt=INSTRUCTIONS,
-        callback_handler=None,  # the default prints the stream
-    )
-    with anyio.fail_after(120):
-        result = await agent.invoke_async(QUESTION)
-    assert str(result).strip() == ANSWER
-    assert weather.cities == [CITY]
-    assert len(await weather_session.recorded()) == 2
+def side_python(framework: str) -> Path:
+    """The python of ``make frameworks``' virtualenv for ``framework`` (next to the test venv's own prefix)."""
+    return Path(sys.prefix) / "frameworks" / framework / "bin" / "python"
 
 
-# --- AutoGen --------------------------------------------------------------------------------------------
-
-
-# what AutoGen must be told of a model it does not know by name
-AUTOGEN_MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
-                      "structured_output": False}  # fmt: skip
-
-
-async def test_autogen_assistant_agent(weather_session: Session) -> None:
-    pytest.importorskip("autogen_agentchat", reason=f"autogen-agentchat {NOT_IN_EXTRA}")
-    pytest.importorskip("autogen_ext.models.openai", reason=f"autogen-ext[openai] {NOT_IN_EXTRA}")
-    from autogen_agentchat.agents import AssistantAgent
-    from autogen_ext.models.openai import OpenAIChatCompletionClient
-
-    weather = Weather()
-    client = OpenAIChatCompletionClient(
-        model="tiny",
-        base_url=weather_session.url,
-        api_key="x",
-        max_retries=0,
-        timeout=60,
-        model_info=AUTOGEN_MODEL_INFO,
-    )
-    agent = AssistantAgent(
-        "forecaster",
-        model_client=client,
-        tools=[weather.tool()],
-        system_message=INSTRUCTIONS,
-        # the model is called again, with the same tools, until it answers in text (reflect_on_tool_use would
-        # make that call without tools: a new prompt, not the conversation extended)
-        max_tool_iterations=4,
-    )
-    try:
-        with anyio.fail_after(120):
-            result = await agent.run(task=QUESTION)
-    finally:
-        await client.close()
-    assert result.messages[-1].content == ANSWER
-    assert weather.cities == [CITY]
+@pytest.mark.parametrize(
+    "framework",
+    [
+        pytest.param("strands", id="strands-openai-model"),
+        pytest.param("autogen", id="autogen-assistant-agent"),
+    ],
+)
+async def test_framework_in_its_own_virtualenv(framework: str, weather_session: Session) -> None:
+    """Strands' OpenAIModel in an Agent, and AutoGen's AssistantAgent on an OpenAIChatCompletionClient, each
+    run by side_agents.py in its own virtualenv as a subprocess against the attempt's URL: the answer and
+    the tool call come back on its stdout, and every call is recorded, each extending the last."""
+    python = side_python(framework)
+    if not python.exists():
+        pytest.skip(f"{framework} {SIDE_MISSING} ({python} not found)")
+    config = {
+        "url": weather_session.url,
+        "question": QUESTION,
+        "instructions": INSTRUCTIONS,
+        "weather": WEATHER,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # nothing of the test venv's
+    with anyio.fail_after(180):
+        done = await anyio.run_process(
+            [str(python), str(SIDE_AGENTS), framework, json.dumps(config)], check=False, env=env
+        )
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, err[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == {"answer": ANSWER, "cities": [CITY]}, (result, err[-2000:])
     assert len(await weather_session.recorded()) == 2
 
 
