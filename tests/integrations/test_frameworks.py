@@ -187,6 +187,30 @@ async def test_pydantic_ai(provider: str, weather_session: Session) -> None:
     assert len(await weather_session.recorded()) == 2
 
 
+# --- LangGraph + LangChain's ChatAnthropic -------------------------------------------------------------------
+
+
+async def test_langgraph_react_agent_with_chat_anthropic(weather_session: Session) -> None:
+    """A LangGraph prebuilt ReAct agent over LangChain's ChatAnthropic: the Messages API, the tool call as a
+    tool_use block and its result as a tool_result, sent back as the model wrote them."""
+    pytest.importorskip("langchain_anthropic", reason=f"langchain-anthropic {MISSING}")
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import create_react_agent
+
+    weather = Weather()
+    base = weather_session.url.removesuffix("/v1")  # the Anthropic client appends /v1/messages
+    model = ChatAnthropic(
+        model_name="tiny", base_url=base, api_key="x", max_retries=0, timeout=60, max_tokens=256
+    )
+    agent = create_react_agent(model, tools=[tool(weather.tool())], prompt=INSTRUCTIONS)
+    with anyio.fail_after(120):
+        result = await agent.ainvoke({"messages": [("user", QUESTION)]})
+    assert result["messages"][-1].content == ANSWER
+    assert weather.cities == [CITY]
+    assert len(await weather_session.recorded()) == 2
+
+
 # --- smolagents -----------------------------------------------------------------------------------------
 
 
