@@ -255,7 +255,7 @@ async def connect(target: Target) -> tuple[asyncio.StreamReader, asyncio.StreamW
 
 
 def head(method: str, path: str, key: str | None = None, length: int | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: store"]
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost"]  # a loopback name: the proxy refuses others
     if key is not None:
         lines.append(f"Authorization: Bearer {key}")
     if length is not None:
