@@ -48,9 +48,9 @@ def clipped_step(
     gradients are zeroed either way."""
     read, grad_norm = clip_and_read_back(params, max_norm, totals)
     if math.isfinite(grad_norm):
-        if optim.lr_warmup_steps > 0:
-            for group in optimizer.param_groups:
-                group["lr"] = optim.lr * min(1.0, (step + 1) / optim.lr_warmup_steps)
+        warmup = min(1.0, (step + 1) / optim.lr_warmup_steps) if optim.lr_warmup_steps > 0 else 1.0
+        for group in optimizer.param_groups:  # every step: a run continued with a new lr takes it at once
+            group["lr"] = optim.lr * warmup
         optimizer.step()
     else:
         log.warning(f"{role}.skip_step_nonfinite_grad", grad_norm=grad_norm)

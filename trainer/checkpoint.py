@@ -22,7 +22,9 @@ still load.
 One run, one folder (``plan_run``): a new run never appends to another run's files. With
 ``trainer.resume=auto`` a folder whose run has this config and data is continued from its latest
 checkpoint, or, when it finished, returned as it is; any other run's folder is left alone and the run
-goes to the first free sibling (``<name>-2``, ``<name>-3``, ...). The log says which.
+goes to the first free sibling (``<name>-2``, ``<name>-3``, ...), or, as ``trainer.on_config_change``
+says, stops naming the keys that differ or continues that run with them (trainer/run_changes.py). The log
+says which.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from agentloop.errors import ConfigError
 from agentloop.private_files import private_dir, tighten_tree
+from trainer.run_changes import Change, changes, describe
 
 WEIGHTS_FILE = "model.safetensors"  # in a checkpoint step folder
 CRITIC_DIR = "critic"  # a step folder's value model (PPO with gae): its weights and optimizer
@@ -247,14 +251,13 @@ def export_hf_model(weights: dict[str, torch.Tensor], model_path: str | Path, ou
 
 _NOT_IDENTITY = {  # keys that do not change what a run computes: a re-run may differ in them
     "trainer": {"resume", "logger", "default_local_dir", "save_freq", "test_freq", "val_before_train"}
-    | {"ray_address", "timeouts", "max_steps_without_signal"},
+    | {"ray_address", "timeouts", "max_steps_without_signal", "save_last", "on_config_change"},
     "placement": None,  # None: the whole section
 }
 
 
-def run_identity(config: dict[str, Any], *datasets: Any) -> str:
-    """A digest of what a run computes: its config (less logging, placement and checkpoint cadence)
-    and its data. Two runs with one identity produce the same model."""
+def identity_view(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config (``model_dump(mode="json")``) that makes a run's identity."""
     kept = {k: v for k, v in config.items() if k not in _NOT_IDENTITY or _NOT_IDENTITY[k] is not None}
     for section, keys in _NOT_IDENTITY.items():
         if keys is not None and isinstance(kept.get(section), dict):
@@ -263,7 +266,13 @@ def run_identity(config: dict[str, Any], *datasets: Any) -> str:
     if isinstance(rollout, dict):
         rollout = {k: v for k, v in rollout.items() if k != "concurrency"}
         kept["actor_rollout_ref"] = {**kept["actor_rollout_ref"], "rollout": rollout}
-    text = json.dumps([kept, list(datasets)], sort_keys=True, default=str)
+    return kept
+
+
+def run_identity(config: dict[str, Any], *datasets: Any) -> str:
+    """A digest of what a run computes: its config (less logging, placement and checkpoint cadence)
+    and its data. Two runs with one identity produce the same model."""
+    text = json.dumps([identity_view(config), list(datasets)], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -275,7 +284,9 @@ class RunPlan:
     action: Literal["new", "resume", "finished"]
     checkpoint: tuple[Path, dict[str, Any]] | None = None  # resume: the step folder and its state
     note: str = ""  # why this folder (for the log)
-    record: dict[str, Any] | None = None  # finished: the run's run.json
+    record: dict[str, Any] | None = None  # finished, or resumed with changes: the run's run.json
+    changed_from: Path | None = None  # the folder whose run differs from this one (None: none did)
+    changes: list[Change] = field(default_factory=list)  # what differs from changed_from's run
 
     @property
     def step(self) -> int:
@@ -313,18 +324,45 @@ def _same_run(path: Path, identity: str, config: dict[str, Any]) -> bool:
     return run_identity(old) == run_identity(config)
 
 
-def plan_run(run_dir: Path, resume: str, identity: str, config: dict[str, Any]) -> RunPlan:
+# How plan_run's errors name the two ways out (the CLI passes its flags instead).
+CONFIG_OPTIONS = {
+    "resume": "trainer.on_config_change=resume",
+    "new_folder": "trainer.on_config_change=new_folder",
+}
+
+
+def plan_run(
+    run_dir: Path,
+    resume: str,
+    identity: str,
+    config: dict[str, Any],
+    *,
+    inputs: dict[str, str] | None = None,
+    on_change: str = "new_folder",
+    options: dict[str, str] | None = None,
+) -> RunPlan:
     """Decide the folder of a run (module docstring): resume, return a finished run, or start anew in
-    ``run_dir`` or its first free sibling."""
+    ``run_dir`` or its first free sibling. When ``run_dir`` holds a run of another identity, the plan
+    names what differs (``changes``; ``inputs`` are this run's ``run_changes.input_digests``) and
+    ``on_change`` decides: ``new_folder`` (the sibling), ``error`` or ``resume`` (a ConfigError saying
+    what differs and how to go on, ``options`` naming the ways, unless the run can continue)."""
     if resume not in ("auto", "disable"):  # an explicit checkpoint: continue from it, in run_dir
         found = CheckpointManager(run_dir).load_path(Path(resume))
         return RunPlan(run_dir, "resume", found, note=f"trainer.resume names {resume}")
     why = ""
+    other: Path | None = None  # the first folder holding a run of another identity
     for i in range(1, 10_000):
         path = run_dir if i == 1 else run_dir.with_name(f"{run_dir.name}-{i}")
         if not _holds_run(path):
             note = f"{run_dir} {why}" if why else ""
-            return RunPlan(path, "new", note=note)
+            plan = RunPlan(path, "new", note=note)
+            if other is not None:
+                plan.changed_from = other
+                plan.changes = _changes(other, config, inputs)
+                plan.note = f"{other} holds another run ({describe(plan.changes)})"
+                if on_change != "new_folder":
+                    return _continue_with_changes(plan, config, on_change, options or CONFIG_OPTIONS)
+            return plan
         if resume == "auto" and _same_run(path, identity, config):
             record = read_run(path)
             if record is not None and record.get("status") == "finished":
@@ -335,7 +373,63 @@ def plan_run(run_dir: Path, resume: str, identity: str, config: dict[str, Any]) 
             why = why or "holds this config's run, stopped before its first checkpoint"
         elif not why:
             why = "holds another run" if resume == "auto" else "holds a run (trainer.resume=disable)"
+            if resume == "auto":
+                other = path
     raise FileExistsError(f"no free run folder next to {run_dir}")
+
+
+def _changes(path: Path, config: dict[str, Any], inputs: dict[str, str] | None) -> list[Change]:
+    try:
+        old: dict[str, Any] | None = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        old = None
+    record = read_run(path) or {}
+    return changes(old, config, record.get("inputs"), inputs or {}, identity_view)
+
+
+def _continue_with_changes(
+    plan: RunPlan, config: dict[str, Any], on_change: str, options: dict[str, str]
+) -> RunPlan:
+    """``on_change`` error: raise, saying what differs; resume: the plan that continues the other
+    folder's run from its latest checkpoint, if every change may be taken on (run_changes.RESUMABLE)."""
+    assert plan.changed_from is not None
+    other, found = plan.changed_from, plan.changes
+    fresh = f"start a new run in {plan.run_dir} with {options['new_folder']}"
+    if on_change != "resume":
+        raise ConfigError(
+            f"{other} holds a run of other settings: {describe(found)}; continue that run with these "
+            f"changes with {options['resume']}, or {fresh}"
+        )
+    refused = (
+        [c.key for c in found if not c.resumable] if found else ["(unknown: the run.json predates them)"]
+    )
+    if refused:
+        raise ConfigError(
+            f"cannot continue the run in {other} with {', '.join(refused)} changed: a continued run may "
+            f"change only its steps, learning rates, logging and validation ({describe(found)}); {fresh}"
+        )
+    latest = CheckpointManager(other / "checkpoints").latest()
+    if latest is None:
+        raise ConfigError(
+            f"cannot continue the run in {other}: it has no checkpoint (it ran with trainer.save_last=false "
+            f"and no trainer.save_freq, or stopped before its first); {fresh}"
+        )
+    total = (config.get("trainer") or {}).get("total_training_steps")
+    step = int(latest[1]["step"])
+    if total is not None and step > total:
+        raise ConfigError(
+            f"cannot continue the run in {other} to trainer.total_training_steps={total}: it is at step "
+            f"{step} already; ask for more steps than that, or {fresh}"
+        )
+    return RunPlan(
+        other,
+        "resume",
+        latest,
+        note=f"continued with changes: {describe(found)}",
+        record=read_run(other),
+        changed_from=other,
+        changes=found,
+    )
 
 
 def keep_metrics_until(path: Path, step: int) -> int:

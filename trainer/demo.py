@@ -220,6 +220,7 @@ def grpo_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dic
             "device": args.device,
             "logger": ["jsonl"],
             "resume": "disable",
+            "save_last": False,  # a fresh folder per demo: nothing continues it, no 1.6 GB checkpoint
             "seed": args.seed,
         },
     }

@@ -54,6 +54,7 @@ from trainer.fit_stop import FitState, Stopped, clean_stop, single_error
 from trainer.metrics import MetricsLogger, plot_curves
 from trainer.placement import init_ray, place, serve_store
 from trainer.rollout_wait import cancel_quietly, deadline, failure_summary, wait_all
+from trainer.run_changes import input_digests
 from trainer.train_step import Pending, enqueue_batch, train_step
 from trainer.train_step import rollout_config as rollout_config
 from trainer.training_proxy import served_llm
@@ -82,6 +83,7 @@ class Trainer:
         self._reward: Any = None  # fit(reward=...): an agentloop.judge.RewardJudge
         self._judge: Any = None  # this run's copy of it (verdicts kept in <run folder>/judge.jsonl)
         self._served: Any = None  # (the proxy's session route as an LLM, the engine): a judge without llm
+        self._inputs: dict[str, str] = {}  # digests of this fit's data and judge (run.json: what changed)
 
     # ------------------------------------------------------------ entry point
 
@@ -117,10 +119,7 @@ class Trainer:
         if len(train) < bs:
             raise ValueError(f"train_dataset has {len(train)} tasks, fewer than data.train_batch_size ({bs})")
         quiet_defaults(self.config)
-        cfg = self.config
-        dump = cfg.model_dump(mode="json")
-        identity = ck.run_identity(dump, train, val, *([reward.describe()] if reward is not None else []))
-        plan = ck.plan_run(cfg.trainer.run_dir, cfg.trainer.resume, identity, dump)
+        plan, identity = self._plan(train, val, reward)
         if plan.action == "finished":
             log.warning("run already finished; returning its result", run_dir=str(plan.run_dir))
             return finished_result(plan)
@@ -146,6 +145,41 @@ class Trainer:
             if not state.started and created:  # a failed start leaves no folder behind
                 shutil.rmtree(plan.run_dir, ignore_errors=True)
             raise
+
+    def plan(
+        self,
+        train_dataset: Sequence[Any],
+        val_dataset: Sequence[Any] | None = None,
+        *,
+        reward: Any = None,
+        options: dict[str, str] | None = None,
+    ) -> ck.RunPlan:
+        """What ``fit`` with these inputs would do, without doing it: the folder it would write and
+        whether it starts anew, resumes or returns a finished run there (``changed_from`` and ``changes``:
+        the folder holding a run of other settings and what differs). A ConfigError when
+        ``trainer.on_config_change`` stops the run; ``options`` name its two ways on (the CLI's flags)."""
+        train = check_dataset(train_dataset, "train_dataset")
+        val = check_dataset(val_dataset, "val_dataset") if val_dataset is not None else None
+        return self._plan(train, val, check_reward(reward), options)[0]
+
+    def _plan(
+        self, train: list[Any], val: list[Any] | None, reward: Any, options: dict[str, str] | None = None
+    ) -> tuple[ck.RunPlan, str]:
+        cfg = self.config
+        dump = cfg.model_dump(mode="json")
+        described = [reward.describe()] if reward is not None else []
+        identity = ck.run_identity(dump, train, val, *described)
+        self._inputs = input_digests(train, val, described[0] if described else None)
+        plan = ck.plan_run(
+            cfg.trainer.run_dir,
+            cfg.trainer.resume,
+            identity,
+            dump,
+            inputs=self._inputs,
+            on_change=cfg.trainer.on_config_change,
+            options=options,
+        )
+        return plan, identity
 
     # ------------------------------------------------------------ the loop
 
@@ -189,7 +223,18 @@ class Trainer:
         private_dir(run_dir)  # 0700: the tasks, every rollout, the checkpoints (agentloop.private_files)
         write_private_text(run_dir / "config.json", cfg.model_dump_json(indent=2))
         self._judge = self._reward.for_run(run_dir / "judge.jsonl") if self._reward is not None else None
-        record: dict[str, Any] = {"identity": state.identity, "status": "running", "step": plan.step}
+        record: dict[str, Any] = {
+            "identity": state.identity,
+            "inputs": self._inputs,
+            "status": "running",
+            "step": plan.step,
+        }
+        previous = (ck.read_run(run_dir) or {}) if plan.action == "resume" else {}
+        continued = list(previous.get("continued", []))  # each continuation with changes, kept
+        if plan.action == "resume" and plan.changes:
+            continued.append({"step": plan.step, "changes": [str(c) for c in plan.changes]})
+        if continued:
+            record["continued"] = continued
         ck.write_run(run_dir, record)
         device = str(resolve_device(cfg.trainer.device))
         own_store = store is None
@@ -337,7 +382,8 @@ class Trainer:
                     result.history.append(metrics)
                     progress.update(1)
                     progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-                    if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
+                    every = cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0
+                    if every or (last and (cfg.trainer.save_freq > 0 or cfg.trainer.save_last)):
                         # async mode has batches enqueued but not trained: resume re-draws them
                         data_state = pending[0].cursor_before if pending else cursor.state()
                         await save_checkpoint(cfg, ckpt, worker, step, data_state)

@@ -11,6 +11,13 @@ every path in it is relative to the file, so ``agentloop train capitals/job.yaml
     trainer: {total_training_steps: 20}
     reward: {judge: {rubric: "...", on_failure: skip}}   # optional: an LLM judge rewards the attempts
 
+A run writes to ``runs/<job file's name>/`` beside the job file (``runs/<experiment_name>/`` when the
+job names one; ``trainer.default_local_dir`` to choose). Run again, the job continues its run there (or
+returns it, finished); when the folder's run has other settings, the command names the keys that differ
+and stops: ``--resume-with-changes`` continues that run with them (steps, learning rates, logging and
+validation may change), ``--fresh`` starts a new run in ``<folder>-2``. ``--more-steps N`` trains a run N
+steps past where it stopped.
+
 ``reward.judge`` (``agentloop.judge.config.JudgeConfig``) makes ``fit(reward=...)``'s RewardJudge: the
 served model judges unless it names a ``base_url`` and ``model``. ``--set KEY=VALUE`` overrides a key of the job file, dotted as it is nested in the file
 (``--set trainer.total_training_steps=2``); a path given with ``--set`` is relative to the working
@@ -53,7 +60,15 @@ The job file (every path in it is relative to the file):
 
 --set KEY=VALUE overrides a job-file key, dotted as it is nested in the file; the value is YAML:
   agentloop train job.yaml --set trainer.total_training_steps=2 --set actor_rollout_ref.actor.optim.lr=1e-5
+
+The run folder is runs/<job file's name>/ beside the job file (trainer.default_local_dir to choose).
+Run again, a job continues its run there; if the folder's run has other settings, the keys that differ
+are named and nothing starts: --resume-with-changes continues that run with them, --fresh starts anew.
+  agentloop train job.yaml --more-steps 10      # the run, 10 steps past where it stopped
 """
+
+# How the trainer's run-folder errors name the two ways on (trainer/checkpoint.py plan_run).
+RUN_OPTIONS = {"resume": "--resume-with-changes", "new_folder": "--fresh"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -72,6 +87,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=[],
         metavar="KEY=VALUE",
         help="override a job-file key, e.g. --set trainer.total_training_steps=2 (repeatable)",
+    )
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--resume-with-changes",
+        action="store_true",
+        help="the run folder's run has other settings: continue it with them (steps, learning rates, logging "
+        "and validation may change)",
+    )
+    when.add_argument(
+        "--fresh",
+        action="store_true",
+        help="the run folder's run has other settings: start a new run in the first free <folder>-N",
+    )
+    when.add_argument(
+        "--more-steps",
+        type=int,
+        metavar="N",
+        help="continue the run in the run folder and train N steps past where it stopped",
     )
     p.set_defaults(func=run)
 
@@ -318,6 +351,10 @@ def load_job(
             note(line)
     doc = resolve_paths(doc, path.resolve().parent)  # before --set: paths on the command line are the cwd's
     doc = apply_overrides(doc, list(overrides or []), Path.cwd())
+    run = doc.get("trainer", {}) if isinstance(doc.get("trainer", {}), dict) else None
+    if run is not None and not run.get("default_local_dir"):  # the job's own folder, not the cwd's runs/
+        name = run.get("experiment_name") or path.stem
+        doc["trainer"] = {**run, "default_local_dir": str(path.resolve().parent / "runs" / str(name))}
     for key in ("agent", "train_data"):
         if not isinstance(doc.get(key), str) or not doc[key].strip():
             raise UsageError(f"{path}: '{key}' is required and must be a string (see agentloop train --help)")
@@ -345,11 +382,50 @@ def load_job(
 
 def run(args: argparse.Namespace) -> int:
     from trainer import Trainer
+    from trainer.run_changes import describe
 
     def note(line: str) -> None:
         sys.stderr.write(f"agentloop train: {line}\n")
 
     job = load_job(args.config, args.overrides, note=note)
-    result = Trainer(job.config).fit(job.agent, job.train, job.val, reward=job.reward)
+    trainer = Trainer(_on_config_change(job.config, args))
+    plan = _plan(trainer, job)
+    if plan.action == "resume" and plan.changes:
+        note(f"continuing the run in {plan.run_dir} from step {plan.step} with {describe(plan.changes)}")
+    result = trainer.fit(job.agent, job.train, job.val, reward=job.reward)
     sys.stdout.write(f"trained {result.steps} steps; run folder: {result.run_dir}\n")
     return 0
+
+
+def _on_config_change(config: Any, args: argparse.Namespace) -> Any:
+    """``config`` with what the run does when its folder holds a run of other settings: as the flags
+    say; by default stop and name the keys (unless the job file sets trainer.on_config_change)."""
+    from trainer.checkpoint import read_run
+
+    if args.more_steps is not None:
+        if args.more_steps < 1:
+            raise UsageError(f"--more-steps must be at least 1, got {args.more_steps}")
+        run_dir = config.trainer.run_dir
+        record = read_run(run_dir)
+        if record is None:
+            raise UsageError(
+                f"--more-steps: {run_dir} holds no run to continue; train it first: agentloop train {args.config}"
+            )
+        config.trainer.total_training_steps = int(record.get("step", 0)) + args.more_steps
+    if args.resume_with_changes or args.more_steps is not None:
+        config.trainer.on_config_change = "resume"
+    elif args.fresh:
+        config.trainer.on_config_change = "new_folder"
+    elif "on_config_change" not in config.trainer.model_fields_set:
+        config.trainer.on_config_change = "error"
+    return config
+
+
+def _plan(trainer: Any, job: Job) -> Any:
+    """The run's plan before anything loads: a run folder that stops the run is a one-line error."""
+    from agentloop.errors import ConfigError
+
+    try:
+        return trainer.plan(job.train, job.val, reward=job.reward, options=RUN_OPTIONS)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None

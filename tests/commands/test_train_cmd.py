@@ -105,9 +105,69 @@ def test_nested_form_still_reads_with_a_note(tmp_path: Path, monkeypatch: pytest
     old_notes: list[str] = []
     new = load_job(flat, ["trainer.seed=7"], note=new_notes.append)
     old = load_job(nested, ["trainer.seed=7"], note=old_notes.append)
+    assert old.config.trainer.run_dir == tmp_path / "runs" / "nested"  # each job file its own run folder
+    assert new.config.trainer.run_dir == tmp_path / "runs" / "job"
+    old.config.trainer.default_local_dir = new.config.trainer.default_local_dir
     assert old.config == new.config and old.config.trainer.seed == 7
     assert new_notes == [] and len(old_notes) == 1 and "deprecated" in old_notes[0]
     assert "data, trainer" in old_notes[0] and "top level" in old_notes[0]
+
+
+def test_the_run_folder_is_beside_the_job_file_named_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 46 item 2: every job defaulted to runs/agentloop/default under the working folder."""
+    path = _job(
+        tmp_path / "proj",
+        {"agent": "folder_agent:agent", "train_data": "train.jsonl"},
+        "folder_agent",
+        "qa.yaml",
+    )
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert load_job(Path("../proj/qa.yaml")).config.trainer.run_dir == path.parent / "runs" / "qa"
+    named = load_job(Path("../proj/qa.yaml"), ["trainer.experiment_name=lr-sweep"]).config.trainer
+    assert named.run_dir == path.parent / "runs" / "lr-sweep"
+    chosen = load_job(Path("../proj/qa.yaml"), ["trainer.default_local_dir=out"]).config.trainer
+    assert chosen.run_dir == tmp_path / "elsewhere" / "out"  # --set paths: the working folder's
+
+
+def test_a_changed_key_stops_before_anything_loads_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run folder holds a finished 3-step run of this job; asking for 2 steps names the key."""
+    from trainer import checkpoint as ck
+
+    doc = {
+        "agent": "changed_agent:agent",
+        "train_data": "train.jsonl",
+        "trainer": {"total_training_steps": 3},
+    }
+    path = _job(tmp_path, doc, "changed_agent")
+    monkeypatch.chdir(tmp_path)
+    job = load_job(path)
+    run = tmp_path / "runs" / "job"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(job.config.model_dump_json())
+    ck.write_run(run, {"identity": "another", "status": "finished", "step": 3})
+    assert main(["train", "job.yaml", "--set", "trainer.total_training_steps=2"]) == 2
+    assert _err_line(capsys) == (
+        f"agentloop train: error: {run} holds a run of other settings: trainer.total_training_steps: 3 -> 2; "
+        "continue that run with these changes with --resume-with-changes, or start a new run in "
+        f"{run.with_name('job-2')} with --fresh"
+    )
+    assert (
+        main(["train", "job.yaml", "--set", "trainer.total_training_steps=5", "--resume-with-changes"]) == 2
+    )
+    assert "it has no checkpoint" in _err_line(capsys)
+    assert main(["train", "job.yaml", "--more-steps", "0"]) == 2
+    assert _err_line(capsys) == "agentloop train: error: --more-steps must be at least 1, got 0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "changed_agent.py",
+        "job.yaml",
+        "runs",
+        "train.jsonl",
+    ]
 
 
 def test_set_keys_are_the_job_file_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,14 +302,14 @@ def test_other_errors_are_one_line_and_debug_shows_the_traceback(
 
 
 def test_per_rollout_events_print_only_with_verbose(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["version"]) == 0
+    assert main(["version", "--log-format", "json"]) == 0
     get_logger("agentloop.runner").info("attempt_started", rollout_id="ro-1", attempt_id="at-1")
     get_logger("agentloop.runner").warning("attempt_finished", rollout_id="ro-2", status="failed")
     get_logger("agentloop.trainer").info("step", step=1)
     err = capsys.readouterr().err
-    events = [json.loads(line)["event"] for line in err.splitlines()]  # stderr is not a TTY: JSON lines
+    events = [json.loads(line)["event"] for line in err.splitlines()]  # JSON lines, as asked
     assert events == ["attempt_finished", "step"]
-    assert main(["-v", "version"]) == 0
+    assert main(["--log-format", "json", "-v", "version"]) == 0
     get_logger("agentloop.runner").info("attempt_started", rollout_id="ro-1", attempt_id="at-1")
     get_logger("agentloop.runner").debug("attempt_finished", rollout_id="ro-1", status="succeeded")
     events = [json.loads(line)["event"] for line in capsys.readouterr().err.splitlines()]
