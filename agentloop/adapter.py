@@ -273,6 +273,8 @@ def spans_to_triplets(
             "parent_call_id": tree[index].parent_call_id,
             "branch": tree[index].branch,
         }
+        if call.tool_call_parse_error:  # the trainer counts them (rollout/tool_call_parse_errors)
+            meta["tool_call_parse_error"] = True
         if rollout is not None:
             meta["input"] = rollout.input
             meta["mode"] = rollout.mode

@@ -5,12 +5,14 @@ Every subcommand gets three things from :func:`main`:
 - **Errors in one line.** A :class:`UsageError` (a bad argument, job file, path or import) prints
   ``agentloop CMD: error: <what is wrong and how to fix it>`` and exits 2; any other exception
   prints one line and exits 1. ``--debug`` shows the traceback instead.
-- **A quiet console.** Logs go to stderr; events about one rollout (``attempt_started`` and the
-  like) print only with ``-v``; tracebacks in logs never carry local variables.
+- **A quiet console.** Logs go to stderr as human lines (``--log-format json``: JSON lines), on a
+  terminal and when piped; events about one rollout (``attempt_started`` and the like) print only
+  with ``-v``; libraries' download and loading progress bars are off (on with ``-v``); tracebacks in
+  logs never carry local variables. A training run keeps the rest in its ``log.txt``.
 - **Clean stops.** Ctrl-C or SIGTERM lets the command clean up without logging, prints
   ``agentloop CMD: stopped by SIGINT`` and exits 130 (SIGTERM: 143); a second signal exits at once.
 
-``--debug`` and ``-v`` are accepted before or after the command name.
+``--debug``, ``-v`` and ``--log-format`` are accepted before or after the command name.
 """
 
 from __future__ import annotations
@@ -36,13 +38,19 @@ class UsageError(ValueError):
     """A mistake in what the user gave a command; the message says what came and how to fix it."""
 
 
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``2 steps``, ``0 steps``: a count with its noun (nouns that take an s)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _version(_: argparse.Namespace) -> int:
     sys.stdout.write(f"agentloop {agentloop.__version__}\n")
     return 0
 
 
 def _add_global_flags(parser: argparse.ArgumentParser, default: Any) -> None:
-    """--debug and -v; on a subcommand their default is SUPPRESS, so they never undo the top-level ones."""
+    """--debug, -v and --log-format; on a subcommand their default is SUPPRESS, so they never undo the
+    top-level ones (the top level's: False, False, None)."""
     parser.add_argument(
         "--debug", action="store_true", default=default, help="on an error, show the full traceback"
     )
@@ -53,6 +61,12 @@ def _add_global_flags(parser: argparse.ArgumentParser, default: Any) -> None:
         default=default,
         help="log everything, per-rollout events and debug lines included",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=("human", "json"),
+        default=default,
+        help="log lines for people (default) or JSON lines for machines",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="COMMAND --help shows a command's options; --debug and -v also work after the command.",
     )
     _add_global_flags(parser, default=False)
+    parser.set_defaults(log_format=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the installed version")
     version.set_defaults(func=_version)
@@ -182,13 +197,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first} (run again with --debug for the traceback)"
 
 
-def _configure_logging(verbose: bool) -> None:
+def _configure_logging(verbose: bool, log_format: str | None) -> None:
     from agentloop.logging import configure_logging
 
+    if not verbose:  # transformers' and the hub's "Loading weights" bars: one progress bar is enough
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    as_json = None if log_format is None else log_format == "json"
     if verbose:
-        configure_logging("DEBUG")
+        configure_logging("DEBUG", json=as_json)
     else:
-        configure_logging(rollout_level="WARNING")
+        configure_logging(json=as_json, rollout_level="WARNING")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     prog = f"agentloop {args.command}"
-    _configure_logging(args.verbose)
+    _configure_logging(args.verbose, args.log_format)
     stop = _Stop(prog)
     with stop.installed():
         try:

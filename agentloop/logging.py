@@ -1,9 +1,15 @@
-"""structlog, configured in one function: JSON lines when stderr is not a TTY, a console renderer otherwise.
+"""structlog, configured in one function: human lines (colored on a terminal, plain when piped), or
+JSON lines when asked (``json=True``, ``AGENTLOOP_LOG_FORMAT=json``, the CLI's ``--log-format json``).
 
 Library code only calls :func:`get_logger`; entry points (the CLI, the trainer, ``Runner.run_sync``)
 call :func:`configure_logging` once. Calling it again with the same arguments changes nothing.
 
-Two rules hold in every configuration this module makes:
+A training run also keeps a log file (:func:`run_log`, ``<run folder>/log.txt``): every event at INFO
+and up as a JSON line (DEBUG too with ``-v``), whatever the console shows, plus what the user need not
+see on the console: Python warnings raised by libraries and the output of Ray's worker processes
+(:func:`write_run_log`). On a terminal, log lines print above the progress bar, not through it.
+
+Three rules hold in every configuration this module makes:
 
 - Tracebacks are plain text. structlog's default console renderer formats exceptions with rich and
   ``show_locals=True``, which prints every local variable of every frame: API keys and prompts
@@ -11,14 +17,21 @@ Two rules hold in every configuration this module makes:
 - Events about one rollout (they carry ``rollout_id``) have their own threshold, ``rollout_level``:
   a run of 1,000 rollouts logs 1,000 ``attempt_started`` lines at INFO, which drown out the few
   lines a person wants to read. The CLI shows them only with ``--verbose``.
+- Colors only on a terminal: a piped console gets no escape sequences.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json as _json
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+import threading
+import time
+import warnings
+from collections.abc import Iterator, MutableMapping
+from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
@@ -32,6 +45,7 @@ _LEVELS["EXCEPTION"] = logging.ERROR  # the level name structlog gives log.excep
 # The arguments of the configuration in force (None: never configured by us). Module state, not a
 # global of the program: it only remembers what structlog was told, to make repeat calls no-ops.
 _configured: tuple[int, int, bool, int] | None = None
+FORMATS = ("human", "json")  # the CLI's --log-format choices
 
 
 def _parse_level(level: str | int | None, what: str = "level") -> int:
@@ -46,19 +60,80 @@ def _parse_level(level: str | int | None, what: str = "level") -> int:
     return _LEVELS[level.upper()]
 
 
-class _RolloutFilter:
-    """Drops events that name a rollout (``rollout_id``) below ``min_level``; runs after add_log_level."""
+def _json_from_env() -> bool:
+    fmt = os.environ.get("AGENTLOOP_LOG_FORMAT", "human").strip().lower()
+    if fmt not in FORMATS:
+        raise ValueError(f"AGENTLOOP_LOG_FORMAT must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return fmt == "json"
 
-    def __init__(self, min_level: int) -> None:
-        self.min_level = min_level
 
-    def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-        if "rollout_id" in event and _LEVELS.get(str(event.get("level", "")).upper(), 0) < self.min_level:
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False
+
+
+class _AboveProgressBars:
+    """A terminal stream that writes whole lines through ``tqdm.write``: a log line then prints above a
+    running progress bar instead of tearing it into two bars."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        self._partial += text
+        if "\n" in self._partial:
+            lines, _, self._partial = self._partial.rpartition("\n")
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self.out.write(lines + "\n")
+            else:
+                tqdm.write(lines, file=self.out)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _render_json(_: Any, __: str, event: MutableMapping[str, Any]) -> str:
+    return _json.dumps(event, default=repr)
+
+
+class _RunLogSink:
+    """The final processor: writes each event to the run log file (when one is open) as a JSON line,
+    then passes on to the console only the events the console's levels let through."""
+
+    def __init__(self, console_level: int, rollout_level: int, renderer: Any) -> None:
+        self.console_level = console_level
+        self.rollout_level = rollout_level  # events with a rollout_id: this level and up on the console
+        self.renderer = renderer
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> Any:
+        if _run_log.active:
+            record = structlog.processors.format_exc_info(logger, name, dict(event))
+            _run_log.write(_render_json(logger, name, record) + "\n", early=True)
+        level = _LEVELS.get(str(event.get("level", "")).upper(), 0)
+        if level < self.console_level or ("rollout_id" in event and level < self.rollout_level):
             raise structlog.DropEvent
-        return event
+        if isinstance(self.renderer, structlog.processors.JSONRenderer):
+            event = structlog.processors.format_exc_info(logger, name, event)  # Python's own format
+        elif "timestamp" in event:  # a person reads the console: the local time of day is enough
+            event["timestamp"] = time.strftime("%H:%M:%S")
+        return self.renderer(logger, name, event)
 
-    def __eq__(self, other: object) -> bool:  # equal configs compare equal (the idempotence check)
-        return isinstance(other, _RolloutFilter) and other.min_level == self.min_level
+    def __eq__(self, other: object) -> bool:
+        mine = (self.console_level, self.rollout_level, type(self.renderer))
+        return isinstance(other, _RunLogSink) and mine == (
+            other.console_level,
+            other.rollout_level,
+            type(other.renderer),
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -73,37 +148,39 @@ def configure_logging(
     """Configure structlog for agentloop (and everything else that uses structlog).
 
     ``level``: a level name or number; None reads ``AGENTLOOP_LOG_LEVEL`` (default INFO).
-    ``json``: True for JSON lines, False for the console renderer, None to pick JSON unless the
-    stream is a TTY. ``stream``: where lines go (default stderr). ``rollout_level``: the lowest
-    level at which events about one rollout (those with a ``rollout_id``) print; None: ``level``.
+    ``json``: True for JSON lines, False for human lines, None to read ``AGENTLOOP_LOG_FORMAT``
+    (``human``, the default, or ``json``). ``stream``: where lines go (default stderr); colored when
+    it is a terminal. ``rollout_level``: the lowest level at which events about one rollout (those
+    with a ``rollout_id``) print; None: ``level``. A run log (:func:`run_log`) gets INFO and up
+    whatever ``level`` is (DEBUG too when ``level`` is DEBUG).
     """
     global _configured
     out = stream if stream is not None else sys.stderr
     lvl = _parse_level(level)
     per_rollout = lvl if rollout_level is None else max(lvl, _parse_level(rollout_level, "rollout_level"))
-    as_json = json if json is not None else not (hasattr(out, "isatty") and out.isatty())
+    as_json = json if json is not None else _json_from_env()
     key = (lvl, per_rollout, bool(as_json), id(out))
     if key == _configured:
         return
-    processors: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-    ]
-    if per_rollout > lvl:
-        processors.append(_RolloutFilter(per_rollout))
-    processors += [
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-        structlog.processors.StackInfoRenderer(),
-    ]
+    tty = _isatty(out)
+    renderer: Any
     if as_json:
-        processors.append(structlog.processors.format_exc_info)  # Python's own format: no locals
-        processors.append(structlog.processors.JSONRenderer())
+        renderer = structlog.processors.JSONRenderer()
     else:
-        processors.append(structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback))
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=tty and "NO_COLOR" not in os.environ, exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            _RunLogSink(lvl, per_rollout, renderer),  # the run's log.txt, then the console's levels
+        ],
+        # a run's log.txt keeps INFO and up whatever the console shows (DEBUG with -v)
+        wrapper_class=structlog.make_filtering_bound_logger(min(lvl, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=_AboveProgressBars(out) if tty else out),
         cache_logger_on_first_use=False,
     )
     _configured = key
@@ -118,6 +195,89 @@ def silence() -> None:
     global _configured
     structlog.configure(processors=[_drop])
     _configured = None  # the next configure_logging call configures again
+
+
+class _RunLog:
+    """The run log, shared by the structlog sink, the warnings hook and Ray's worker output (a thread
+    of Ray's): one file, one lock. :func:`run_log` sets the path; the file is opened at the first
+    write once its folder exists (a run creates its folder after the checks that may refuse it)."""
+
+    _EARLY_MAX = 1 << 16  # chars kept while the folder does not exist yet (then written first)
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.file: TextIO | None = None
+        self.early: list[str] = []
+        self.lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None
+
+    def write(self, text: str, *, early: bool = False) -> bool:
+        """Append ``text``; False when no run log is open or its folder does not exist yet (``early``:
+        then keep it, up to ``_EARLY_MAX`` chars, for the file's start)."""
+        with self.lock:
+            if self.file is None and self.path is not None and self.path.parent.is_dir():
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                self.file = os.fdopen(fd, "a", encoding="utf-8")
+                text, self.early = "".join(self.early) + text, []
+            if self.file is None:
+                if early and self.path is not None and sum(map(len, self.early)) < self._EARLY_MAX:
+                    self.early.append(text)
+                return False
+            try:
+                self.file.write(text)
+                self.file.flush()  # a crash loses nothing
+            except (OSError, ValueError):  # a full disk: the console still works
+                return False
+            return True
+
+    def close(self) -> None:
+        with self.lock:
+            if self.file is not None:
+                self.file.close()
+            self.path, self.file, self.early = None, None, []
+
+
+_run_log = _RunLog()
+
+
+def write_run_log(text: str) -> bool:
+    """Append ``text`` (a line ending added) to the run log; False when there is none to write to."""
+    return _run_log.write(text if text.endswith("\n") else text + "\n")
+
+
+@contextlib.contextmanager
+def run_log(path: Path) -> Iterator[Path]:
+    """While inside: log events also go to ``path`` (JSON lines, INFO and up), and Python warnings and
+    :func:`write_run_log` text go there instead of the console. The file is created 0600 once its
+    folder exists; a run inside a run (a demo's fit) keeps the outer file. Yields ``path``."""
+    if _run_log.active:
+        yield path
+        return
+    previous = warnings.showwarning
+
+    def to_run_log(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if not write_run_log(warnings.formatwarning(message, category, filename, lineno, line)):
+            previous(message, category, filename, lineno, file, line)  # no folder yet: the console
+
+    with _run_log.lock:
+        _run_log.path = Path(path)
+    warnings.showwarning = to_run_log
+    try:
+        yield path
+    finally:
+        if warnings.showwarning is to_run_log:
+            warnings.showwarning = previous
+        _run_log.close()
 
 
 def get_logger(name: str, **initial: Any) -> Any:

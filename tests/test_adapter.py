@@ -348,3 +348,16 @@ def test_rewards_out_of_range_are_refused_and_a_nonfinite_sum_drops_the_attempt(
     ]
     out = spans_to_triplets(spans)
     assert out.triplets == [] and out.stats.attempts_nonfinite_reward == 1
+
+
+def test_a_malformed_tool_call_is_flagged_for_the_trainers_count() -> None:
+    """issue 46: the proxy logs "failed to decode tool call" at debug; the step's metrics count them
+    (rollout/tool_call_parse_errors, from this flag)."""
+    trace = _Trace().call(2).call(3).reward(1.0)
+    payload = trace.spans[1].payload
+    assert isinstance(payload, LLMCall)
+    trace.spans[1] = trace.spans[1].model_copy(
+        update={"payload": payload.model_copy(update={"tool_call_parse_error": True})}
+    )
+    first, second = spans_to_triplets(trace.spans).triplets
+    assert "tool_call_parse_error" not in first.metadata and second.metadata["tool_call_parse_error"] is True

@@ -1,10 +1,13 @@
-"""configure_logging: JSON lines off a TTY, console on a TTY, level filtering, idempotence."""
+"""configure_logging: human lines (colors on a TTY only), JSON when asked, level filtering, idempotence;
+run_log: a run's log.txt with every event, the warnings and Ray's worker output kept off the console."""
 
 from __future__ import annotations
 
 import io
 import json
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
@@ -26,14 +29,26 @@ def _restore_structlog() -> Iterator[None]:
     al_logging._configured = None
 
 
-def test_json_lines_when_not_a_tty() -> None:
+def test_human_lines_when_piped_and_json_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 46: piped output mixed JSON lines with everything else; now JSON is asked for."""
     out = io.StringIO()
-    configure_logging("INFO", stream=out)  # json=None: StringIO is not a TTY
+    configure_logging("INFO", stream=out)  # not a TTY: still human lines, without colors
+    get_logger("agentloop.test").warning("attempt_failed", where="agent.py:6 in score")
+    line = out.getvalue()
+    assert "attempt_failed" in line and "where='agent.py:6 in score'" in line and "\x1b[" not in line
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(line)
+    monkeypatch.setenv("AGENTLOOP_LOG_FORMAT", "json")
+    out = io.StringIO()
+    configure_logging("INFO", stream=out)
     get_logger("agentloop.test").info("attempt_finished", rollout_id="ro-1", reward=0.5)
     record = json.loads(out.getvalue().strip())
     assert record["event"] == "attempt_finished"
     assert record["logger"] == "agentloop.test" and record["level"] == "info"
     assert record["rollout_id"] == "ro-1" and record["reward"] == 0.5 and "timestamp" in record
+    monkeypatch.setenv("AGENTLOOP_LOG_FORMAT", "xml")
+    with pytest.raises(ValueError, match="AGENTLOOP_LOG_FORMAT must be one of human, json, got 'xml'"):
+        configure_logging("DEBUG", stream=out)
 
 
 def test_console_renderer_on_a_tty() -> None:
@@ -42,6 +57,7 @@ def test_console_renderer_on_a_tty() -> None:
     get_logger("agentloop.test").warning("runner_signal", signal="SIGTERM")
     line = out.getvalue()
     assert "runner_signal" in line and "signal" in line and "SIGTERM" in line
+    assert "\x1b[" in line  # colors on a terminal
     with pytest.raises(json.JSONDecodeError):
         json.loads(line)
 
@@ -66,7 +82,7 @@ def test_idempotent_and_env_level(monkeypatch: pytest.MonkeyPatch) -> None:
     configure_logging("INFO", json=True, stream=out)
     assert structlog.get_config() == config  # the same configuration, not rebuilt
     monkeypatch.setenv("AGENTLOOP_LOG_LEVEL", "ERROR")
-    configure_logging(stream=out)
+    configure_logging(json=True, stream=out)
     get_logger("x").warning("filtered")
     get_logger("x").error("shown")
     events = [json.loads(line)["event"] for line in out.getvalue().splitlines()]
@@ -88,7 +104,7 @@ def _fail_with_a_secret_local() -> None:
 @pytest.mark.parametrize("stream", [_TTY, io.StringIO], ids=["console", "json"])
 def test_tracebacks_never_show_local_variables(stream: type[io.StringIO]) -> None:
     out = stream()
-    configure_logging("INFO", stream=out)
+    configure_logging("INFO", stream=out, json=stream is io.StringIO)
     try:
         _fail_with_a_secret_local()
     except ValueError:
@@ -127,11 +143,56 @@ def test_a_logger_made_before_configuring_follows_the_configuration() -> None:
     """Module-level loggers are made at import, before any entry point configures logging."""
     early = get_logger("agentloop.early", component="x")
     first, second = io.StringIO(), io.StringIO()
-    configure_logging("INFO", stream=first)
+    configure_logging("INFO", json=True, stream=first)
     early.info("one")
-    configure_logging("WARNING", stream=second)
+    configure_logging("WARNING", json=True, stream=second)
     early.info("hidden")
     early.warning("two")
     assert json.loads(first.getvalue())["event"] == "one"
     record = json.loads(second.getvalue())
     assert record["event"] == "two" and record["logger"] == "agentloop.early" and record["component"] == "x"
+
+
+def test_a_run_log_keeps_what_the_console_does_not_show(tmp_path: Path) -> None:
+    """The console shows warnings and up; log.txt gets every INFO event as JSON, per-rollout ones
+    included, the Python warnings libraries raise and Ray's worker lines (write_run_log)."""
+    out = io.StringIO()
+    configure_logging("WARNING", stream=out, rollout_level="WARNING")
+    log = get_logger("agentloop.test")
+    assert al_logging.write_run_log("nowhere") is False  # no run log open
+    saved = warnings.showwarning
+    with al_logging.run_log(tmp_path / "run" / "log.txt") as path:
+        log.info("writing run", run_dir="x")  # before the run's folder exists: kept for the file
+        (tmp_path / "run").mkdir()
+        log.info("attempt_started", rollout_id="ro-1")
+        log.warning("attempt_failed", rollout_id="ro-1", error="KeyError: 'answr'")
+        log.debug("too_fine")
+        warnings.warn("No artists with labels found to put in legend.", UserWarning, stacklevel=1)
+        assert al_logging.write_run_log("(TrainerWorker pid=7) Loading weights: 100%") is True
+        with al_logging.run_log(tmp_path / "inner.txt"):  # a run inside a run: the outer file
+            log.info("inner")
+    log.info("after the run")  # the file is closed: neither there nor on the console
+    assert not (tmp_path / "inner.txt").exists()
+    console = out.getvalue()
+    assert console.count("\n") == 1 and "attempt_failed" in console and "No artists" not in console
+    text = path.read_text()
+    events = [json.loads(line)["event"] for line in text.splitlines() if line.startswith("{")]
+    assert events == ["writing run", "attempt_started", "attempt_failed", "inner"]
+    assert "UserWarning: No artists with labels found to put in legend." in text
+    assert "(TrainerWorker pid=7) Loading weights: 100%\n" in text
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert warnings.showwarning is saved  # put back
+
+
+def test_log_lines_print_above_a_progress_bar() -> None:
+    """On a terminal each log line goes through tqdm.write, which clears and redraws the bar."""
+    from tqdm import tqdm
+
+    out = _TTY()
+    configure_logging("INFO", stream=out)
+    with tqdm(total=3, file=out, desc="training") as bar:
+        bar.update(1)
+        get_logger("agentloop.test").info("step", step=1)
+        bar.update(1)
+    text = out.getvalue()
+    assert "step" in text and text.count("training") >= 2  # redrawn after the line

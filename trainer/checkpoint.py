@@ -4,7 +4,8 @@ the trained model as a Hugging Face folder.
 A run folder (``trainer.default_local_dir``, default ``runs/<project>/<experiment>``)::
 
     run.json                        this run: its identity (config + data), status, step, outputs
-    config.json  metrics.jsonl  reward_curve.png  store.db
+    config.json  metrics.jsonl  store.db  log.txt (every event, Ray workers' output, warnings)
+    report.md  curves.png  summary.json   written when the run finishes (trainer/report.py)
     checkpoints/global_step_4/model.safetensors    the policy's weights (LoRA: base + adapter, peft names)
     checkpoints/global_step_4/optimizer.pt         optimizer state, actor step, LoRA rank
     checkpoints/global_step_4/trainer_state.json   step, data cursor (epoch, position, seed)

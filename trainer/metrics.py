@@ -138,14 +138,17 @@ def plot_curves(
 
     rows = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
     for key in keys:
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", markersize=3, label=key)
+            plotted = True
     ax.set_xlabel("training step")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    if plotted:  # a legend without lines is a matplotlib UserWarning on the user's console
+        ax.legend(loc="lower right")
     ax.set_title(out_path.parent.name)
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from agentloop.errors import ConfigError
+from agentloop.logging import write_run_log
 from trainer._config_actor import shard_group_size
 from trainer.config import TrainerConfig, engine_kwargs
 
@@ -192,7 +193,8 @@ def check_memory(
 
 
 def init_ray(config: TrainerConfig) -> None:
-    """Join ``trainer.ray_address`` (or start a local Ray) unless Ray is already initialised."""
+    """Join ``trainer.ray_address`` (or start a local Ray) unless Ray is already initialised; the
+    workers' output goes to the run's log.txt (:func:`route_worker_output`), not the console."""
     import ray
 
     if not ray.is_initialized():
@@ -203,6 +205,32 @@ def init_ray(config: TrainerConfig) -> None:
             log_to_driver=True,
             configure_logging=False,
         )
+        route_worker_output()
+
+
+def route_worker_output() -> bool:
+    """Send what Ray's worker processes print (``(TrainerWorker pid=...)`` lines: loading bars, library
+    warnings) to the run's log file (``agentloop.logging.write_run_log``) instead of the driver's
+    console. Ray's own printer is the handler ``ray_print_logs`` of its stdout dispatcher (Ray 2.x);
+    where that is not found nothing changes (the lines still print) and False is returned. Lines that
+    come with no run log open are dropped here; Ray's session folder keeps every worker's output."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    if not any(name == "ray_print_logs" for name, _ in getattr(dispatcher, "handlers", [])):
+        return False
+
+    def to_run_log(data: dict[str, Any]) -> None:
+        if data.get("pid") == "autoscaler":  # its status every 5 s (Ray prints only its events)
+            return
+        who = data.get("actor_name") or data.get("task_name") or "worker"
+        prefix = f"({who} pid={data.get('pid')}) "
+        write_run_log("".join(prefix + str(line) + "\n" for line in data.get("lines", [])))
+
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("agentloop_run_log", to_run_log)
+    return True
 
 
 @dataclass

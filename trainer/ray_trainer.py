@@ -37,6 +37,7 @@ import structlog
 from agentloop import event_loop
 from agentloop.agent import Agent
 from agentloop.errors import TrainerTimeoutError
+from agentloop.logging import run_log
 from agentloop.private_files import private_dir, write_private_text
 from agentloop.proxy.attempt_keys import PER_ATTEMPT, AttemptKeyStore
 from agentloop.resources import ProxyLLM, Resources
@@ -51,7 +52,7 @@ from trainer.fit_inputs import check_dataset, check_reward, quiet_defaults
 from trainer.fit_result import FitResult, final_metrics, finished_result
 from trainer.fit_signal import SignalWatch
 from trainer.fit_stop import FitState, Stopped, clean_stop, single_error
-from trainer.metrics import MetricsLogger, plot_curves
+from trainer.metrics import MetricsLogger
 from trainer.placement import init_ray, place, serve_store
 from trainer.rollout_wait import cancel_quietly, deadline, failure_summary, wait_all
 from trainer.run_changes import input_digests
@@ -129,10 +130,10 @@ class Trainer:
             where["resume_from_step"] = str(plan.step)
         if plan.note:
             where["why"] = plan.note
-        log.warning("writing run", **where)  # once per fit: where the outputs go
+        log.info("writing run", **where)  # once per fit: where the outputs go
         state = FitState(plan=plan, identity=identity)
         try:
-            with clean_stop(state):
+            with clean_stop(state), run_log(plan.run_dir / "log.txt"):  # Ray workers, warnings, all events
                 try:
                     # uvloop where installed: the proxy it hosts spends less CPU per call
                     return event_loop.run(self._fit, agent, train, val, store, engine, state)
@@ -213,6 +214,7 @@ class Trainer:
         from agentloop.engine.models import resolve_model
         from agentloop.store.sqlite import SQLiteStore
 
+        t_fit = time.perf_counter()
         cfg = self.config
         limits = cfg.trainer.timeouts
         plan = state.plan
@@ -417,12 +419,8 @@ class Trainer:
                 await layout.aclose()
                 if own_store:
                     await store.close()
-        if (run_dir / "metrics.jsonl").exists():
-            plot_curves(
-                run_dir / "metrics.jsonl",
-                run_dir / "reward_curve.png",
-                keys=("reward/mean", "val/reward_mean"),
-            )
+        if (run_dir / "metrics.jsonl").exists():  # report.md, curves.png, summary.json (trainer/report.py)
+            _write_report(run_dir, cfg, time.perf_counter() - t_fit, len(train), len(val) if val else None)
         result.metrics = final_metrics(result.history, result.val_history)
         record.update(
             status="finished",
@@ -486,9 +484,33 @@ def _start_worker(config: TrainerConfig, model_path: str, device: str) -> Any:
 
 
 def _progress(total: int, initial: int) -> Any:
+    """The one progress bar, on a terminal; piped, the metrics' console sink prints a line per step."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="training",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not sys.stderr.isatty(),
+    )
+
+
+def _write_report(
+    run_dir: Any, cfg: TrainerConfig, wall_s: float, train_size: int, val_size: int | None
+) -> None:
+    """report.md and curves.png as the demo writes them; a finished run does not fail on its report."""
+    from trainer.report import write_fit_report
+
+    try:
+        write_fit_report(
+            run_dir, cfg.model_dump(mode="json"), wall_s=wall_s, train_size=train_size, val_size=val_size
+        )
+    except Exception as exc:  # matplotlib missing or broken, a full disk: the model is saved already
+        log.warning("report not written", run_dir=str(run_dir), error=repr(exc))
 
 
 __all__ = ["FitResult", "Trainer", "TrainerWorker", "failure_summary"]

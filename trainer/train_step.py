@@ -111,6 +111,10 @@ async def train_step(
         **judged,
     }
     metrics.update(attempt_metrics(triplets))
+    # the model's malformed tool calls (returned as text; the proxy logs them at debug)
+    metrics["rollout/tool_call_parse_errors"] = float(
+        sum(bool(t.metadata.get("tool_call_parse_error")) for t in triplets)
+    )
     with_calls = len(group_by_attempt(triplets))  # succeeded attempts that left a triplet
     metrics["rollout/without_calls"] = max(metrics["rollout/succeeded"] - with_calls, 0.0)
     versions = [v for t in triplets if (v := t.metadata.get("weights_version")) is not None]

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from agentloop.cli import UsageError
+from agentloop.cli import UsageError, plural
 from agentloop.commands.train import CONFIG_SECTIONS, JOB_KEYS, apply_overrides, resolve_paths
 
 EPILOG = """\
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     except (EmptyBatchError, ConfigError, ModelResolutionError, FileNotFoundError) as exc:
         raise UsageError(f"{db}: {exc}") from None
     sys.stdout.write(
-        f"trained {result.steps} steps on {result.train_attempts} attempts ({result.val_attempts} held out)"
+        f"trained {plural(result.steps, 'step')} on {plural(result.train_attempts, 'attempt')} "
+        f"({result.val_attempts} held out)"
         + (f"; val NLL {result.metrics['val/nll']:.4f}" if "val/nll" in result.metrics else "")
         + f"\nrun folder: {result.run_dir}\nmodel: {result.model_dir}\n"
         f"warm-start RL from it: --set actor_rollout_ref.model.path={result.model_dir}\n"

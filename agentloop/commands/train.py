@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from agentloop.cli import UsageError
+from agentloop.cli import UsageError, plural
 from agentloop.commands.runner import load_object
 
 JOB_KEYS = ("agent", "train_data", "val_data", "reward")
@@ -393,7 +393,10 @@ def run(args: argparse.Namespace) -> int:
     if plan.action == "resume" and plan.changes:
         note(f"continuing the run in {plan.run_dir} from step {plan.step} with {describe(plan.changes)}")
     result = trainer.fit(job.agent, job.train, job.val, reward=job.reward)
-    sys.stdout.write(f"trained {result.steps} steps; run folder: {result.run_dir}\n")
+    sys.stdout.write(
+        f"trained {plural(result.steps, 'step')}; run folder: {result.run_dir} "
+        "(report.md, curves.png, metrics.jsonl, log.txt, final_model/)\n"
+    )
     return 0
 
 

@@ -308,7 +308,9 @@ class ProxyService:
         if use_tools:
             parsed = parse_tool_calls(text)
             if parsed.error:
-                log.warning("failed to decode tool call", key=target.key, error=parsed.error)
+                # the model's own mistake, common early in training: debug, counted per step in the
+                # trainer's metrics (rollout/tool_call_parse_errors), scored by the reward function
+                log.debug("failed to decode tool call", key=target.key, error=parsed.error)
                 call["tool_call_parse_error"] = True
             content, tool_calls = parsed.content, parsed.tool_calls
         finish = "tool_calls" if tool_calls else out.finish_reason

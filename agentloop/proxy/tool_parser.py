@@ -1,8 +1,9 @@
 """Hermes-style tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` -> OpenAI tool_calls.
 
 All or nothing: when any call in the output is malformed (bad JSON, no name, an unclosed tag),
-the whole output stays as text content, the proxy logs "failed to decode tool call" and flags the
-span (``LLMCall.tool_call_parse_error``); the reward function then scores the text.
+the whole output stays as text content, the proxy logs "failed to decode tool call" (at debug: the
+trainer counts them per step, ``rollout/tool_call_parse_errors``) and flags the span
+(``LLMCall.tool_call_parse_error``); the reward function then scores the text.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -28,9 +29,14 @@ async def agent(task, llm):
 """
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agentloop.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+        [sys.executable, "-m", "agentloop.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -92,6 +98,81 @@ def test_train_console_has_no_per_rollout_lines(trained: tuple[Path, str]) -> No
     console = trained[1]
     assert "attempt_started" not in console and "attempt_finished" not in console  # 8 rollouts ran
     assert "Traceback" not in console
+
+
+def test_train_console_is_for_people_and_the_rest_is_in_log_txt(trained: tuple[Path, str]) -> None:
+    """issue 46: piped output mixed JSON lines, progress bars and Ray's ``(TrainerWorker pid=...)``
+    prefixes, a matplotlib UserWarning leaked, every run opened with a warning and said "trained 1 steps"."""
+    run_dir, console = trained
+    lines = console.splitlines()
+    assert not [line for line in lines if line.lstrip().startswith("{")]  # no JSON unless asked
+    assert "pid=" not in console and "Loading weights" not in console and "\r" not in console
+    assert "Warning" not in console and "\x1b[" not in console  # no library warnings, no colors piped
+    assert not [line for line in lines if "[warning" in line]  # a run that went well warns of nothing
+    assert any("[info     ] writing run" in line for line in lines)
+    assert "trained 2 steps; run folder:" in console
+    log = (run_dir / "log.txt").read_text()
+    events = [json.loads(line)["event"] for line in log.splitlines() if line.startswith("{")]
+    assert events[0] == "writing run" and "run finished" in events  # every event, as JSON
+
+
+def test_train_writes_report_and_curves_as_the_demo(trained_run: Path) -> None:
+    """issue 46: `agentloop train` wrote no report.md/curves.png, though the demo did."""
+    assert (trained_run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    report = (trained_run / "report.md").read_text()
+    assert report.startswith(f"# Training run {trained_run}\n")
+    assert "| training steps | 2 |" in report and "| train reward (mean), last step |" in report
+    assert json.loads((trained_run / "summary.json").read_text())["steps"] == 2
+
+
+FAILING_AGENT = """
+import agentloop as al
+
+
+def score(task, text):
+    return float(text == task["answr"])
+
+
+@al.rollout
+async def agent(task, llm):
+    return score(task, "4")
+"""
+
+
+def test_an_agent_error_is_shown_where_it_happened(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """issue 46: the console said ``8 x KeyError: 'answr'``, no file, no line. Now the first failure
+    of each kind prints the user's frames, the summary names the line, and ``inspect --errors`` lists
+    the attempts. Ray's worker output goes to the run's log.txt."""
+    (tmp_path / "failing.py").write_text(FAILING_AGENT)
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "2+2?"}\n{"prompt": "3+1?"}\n')
+    doc = {
+        "agent": "failing.py:agent",
+        "train_data": "tasks.jsonl",
+        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 2},
+        "actor_rollout_ref": {"model": {"path": str(tiny_model_dir)}, "rollout": {"n": 2},
+                              "actor": {"ppo_mini_batch_size": 2}},
+        "trainer": {"total_training_steps": 1, "max_steps_without_signal": 1, "default_local_dir": "run",
+                    "device": "cpu", "logger": ["jsonl"], "val_before_train": False},
+    }  # fmt: skip
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    # the loading bars on: the trainer worker's goes to log.txt, not the console
+    out = _cli("train", "job.yaml", cwd=tmp_path, env={"HF_HUB_DISABLE_PROGRESS_BARS": "0"})
+    assert out.returncode == 1, out.stderr[-3000:]
+    err = out.stderr
+    assert "pid=" not in err and "(TrainerWorker pid=" in (tmp_path / "run" / "log.txt").read_text()
+    assert err.count("attempt_failed") == 1  # the first of its kind; 8 attempts failed
+    (failed,) = [line for line in err.splitlines() if "attempt_failed" in line]
+    assert "where='failing.py:6 in score'" in failed and "error=\"KeyError: 'answr'\"" in failed
+    assert f'File "{tmp_path / "failing.py"}", line 11, in agent' in err  # the user's frames
+    assert '    return float(text == task["answr"])' in err
+    assert "frames of agentloop hidden]" in err and "agentloop/runner.py" not in err  # ours folded
+    assert "8 x KeyError: 'answr' at failing.py:6 in score" in err.splitlines()[-1]
+    assert f"`agentloop inspect {tmp_path / 'run'} --errors`" in err.splitlines()[-1]
+
+    listed = _cli("inspect", "run", "--errors", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("8 failed attempts of 8 in run, 1 kind of error\n")
+    assert listed.stdout.count("failing.py:6 in score") == 8
 
 
 def test_inspect_prints_table_and_trajectory(trained_run: Path) -> None:

@@ -185,7 +185,7 @@ def test_agentloop_train_is_rewarded_by_the_configured_judge(
     monkeypatch.setenv("TEST_JUDGE_KEY", "k1")
     monkeypatch.chdir(tmp_path)
     assert main(["train", "job.yaml"]) == 0, capsys.readouterr().err
-    assert "trained 1 steps" in capsys.readouterr().out
+    assert "trained 1 step;" in capsys.readouterr().out
     assert len(judge_server.requests) == 2 and {h["authorization"] for h in judge_server.headers} == {
         "Bearer k1"
     }

@@ -90,7 +90,8 @@ def test_fit_learns_allowed_tokens(tmp_path: Path, tiny_model_dir: Path, stalene
     elapsed = [r["timing/elapsed_s"] for r in rows]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
     assert rows[-1]["weights_version"] == steps
-    assert (result.run_dir / "reward_curve.png").stat().st_size > 0
+    assert (result.run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"  # issue 46: as the demo's
+    assert f"| training steps | {steps} |" in (result.run_dir / "report.md").read_text()
 
 
 def test_a_given_engine_whose_policy_differs_from_the_config_is_logged() -> None:
