@@ -31,6 +31,9 @@ from bench_machine import cpu_model  # noqa: E402
 from tests.reliability.load import run_load  # noqa: E402
 from tests.reliability.report import ENV  # noqa: E402
 
+# one row per attack: the worst answer a legitimate client got during it and the server's memory growth
+ATTACK_COLUMNS = ("name", "tried", "held", "lost", "worst_legit_ms", "memory_growth_mb")
+
 
 def run_tests(report: Path) -> tuple[int, list[dict[str, Any]]]:
     env = {**os.environ, ENV: str(report)}
@@ -81,7 +84,7 @@ def main() -> None:
         "lost_rollouts": sum(f.get("lost_rollouts", 0) for f in faults) + big["lost_rollouts"]
         + (small["lost_rollouts"] if small else 0),
         "attacks_held": sum(1 for a in attacks if a["held"] and a["lost"] == 0),
-        "attacks": [{k: a[k] for k in ("name", "tried", "held", "lost")} for a in attacks],
+        "attacks": [{k: a[k] for k in ATTACK_COLUMNS if k in a} for a in attacks],
         "attacks_measured": [a["detail"] for a in attacks],
         "load": big,
         "load_in_tests": {k: v for k, v in small.items() if k != "kind"} if small else None,

@@ -234,7 +234,14 @@ async def measure(target: Target, name: str, attack: Attack) -> tuple[dict[str, 
     lost = await target.lost(legit) + len(ctx.accepted)
     grown = peak - base
     held = not failures and max(latencies) < ANSWER_S and grown < RSS_BOUND
-    row = {"name": name, "tried": tried, "held": held, "lost": lost}
+    row = {
+        "name": name,
+        "tried": tried,
+        "held": held,
+        "lost": lost,
+        "worst_legit_ms": round(max(latencies) * 1e3, 1),
+        "memory_growth_mb": round(grown / 2**20, 1),
+    }
     detail = {
         "name": name,
         "probes": len(latencies),
