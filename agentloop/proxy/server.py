@@ -31,6 +31,7 @@ from agentloop.engine.base import InferenceEngine
 from agentloop.errors import NotFoundError
 from agentloop.http_limits import HttpLimits, check_bind
 from agentloop.http_server import EmbeddedServer, ServerState
+from agentloop.proxy.access import owner_id
 from agentloop.proxy.app import build_app
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
@@ -173,6 +174,11 @@ class Proxy:
             tokenizer_dir = str(getattr(engine.tokenizer, "name_or_path", "") or "")
             journal.set_server({"model": name, "tokenizer": tokenizer_dir})
         self.sessions = SessionTable(max_sessions=max_sessions, journal=journal)
+        keys = [k for k in ([key] if app_keys is None else app_keys) if k]
+        if len(keys) == 1:  # sessions saved without an owner (no key, or before owners) are that key's
+            adopted = self.sessions.adopt_unowned(owner_id(keys[0]))
+            if adopted:
+                log.info("sessions_adopted", sessions=adopted, reason="saved without an owner; one app key")
         self.ledger = TokenLedger()
         self.service = ProxyService(
             engine,

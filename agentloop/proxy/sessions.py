@@ -366,6 +366,18 @@ class SessionTable:
         self._expire()
         return self._sessions.get(session_id)
 
+    def adopt_unowned(self, owner: str) -> int:
+        """Give ``owner`` the sessions that have none (made without a key, or saved before sessions had
+        owners), in memory and in the store; how many. ``Proxy`` does this when it has exactly one app
+        key: a server that used to run with one key, or none, keeps serving its sessions to that key."""
+        self._expire()
+        adopted = [rec for rec in self._sessions.values() if not rec.owner]
+        for rec in adopted:
+            rec.owner = owner
+            if self.journal is not None:
+                self.journal.owner(rec.session_id, owner)
+        return len(adopted)
+
     def pop(self, session_id: str) -> SessionRecord | None:
         """Remove and return a session (for example once a trainer has taken it); the store drops it."""
         self._expire()

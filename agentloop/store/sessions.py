@@ -158,6 +158,14 @@ class SessionJournal:
             (orjson.dumps(rewards).decode(), at, session_id),
         )
 
+    def owner(self, session_id: str, owner: str) -> None:
+        """Set a session's owner (a key's fingerprint)."""
+        self._queue(
+            "INSERT INTO session_owners(session_id, owner) VALUES(?, ?) "
+            "ON CONFLICT(session_id) DO UPDATE SET owner=excluded.owner",
+            (session_id, owner),
+        )
+
     def drop(self, session_id: str) -> None:
         def op(conn: sqlite3.Connection) -> tuple[None, list[str]]:
             conn.execute("DELETE FROM session_calls WHERE session_id=?", (session_id,))

@@ -23,6 +23,7 @@ import pytest
 from agentloop.proxy.access import AppKeys, owner_id
 from agentloop.proxy.admin import add_admin_routes
 from agentloop.proxy.server import Proxy
+from agentloop.proxy.sessions import read_saved_sessions
 from agentloop.store.sqlite import SQLiteStore
 from tests.proxy.engines import EchoEngine
 
@@ -209,3 +210,32 @@ def test_app_keys_refuse_an_admin_key_equal_to_an_app_key() -> None:
     with pytest.raises(ValueError, match="must differ"):
         AppKeys([APP_A, APP_B], APP_B)
     assert "key" not in repr(AppKeys([APP_A], ADMIN)).replace("app_keys", "")
+
+
+async def test_sessions_without_an_owner_go_to_the_one_app_key(tokenizer: Any, tmp_path: Path) -> None:
+    """Sessions saved without an owner (a keyless server, or one from before owners) are adopted by the
+    app key when there is exactly one (a server that gains its first key keeps its apps' sessions);
+    with several app keys they are the admin's alone."""
+    for keys, reader, owner_of_old in [
+        ({"app_keys": [APP_A, APP_B], "admin_key": ADMIN}, APP_A, None),  # several keys: nobody's
+        ({"api_key": APP_A}, APP_A, APP_A),  # one key, as before: the app's
+    ]:
+        store = SQLiteStore(tmp_path / f"{len(keys)}.db")
+        try:
+            async with Proxy(EchoEngine(tokenizer), store) as keyless, httpx.AsyncClient(timeout=20) as http:
+                made = await http.post(
+                    f"{keyless.session_base_url}/chat/completions", json=CHAT, headers={"X-Session-Id": "old"}
+                )
+                assert made.status_code == 200
+            async with (
+                Proxy(EchoEngine(tokenizer), store, **keys) as proxy,
+                httpx.AsyncClient(timeout=20) as http,
+            ):
+                read = await http.get(f"{proxy.session_base_url}/sessions/old", headers=bearer(reader))
+                admin = await http.get(f"{proxy.session_base_url}/sessions/old", headers=bearer(ADMIN))
+            assert read.status_code == (200 if owner_of_old else 404)
+            assert admin.status_code == (200 if "admin_key" in keys else 401)
+            _, saved = read_saved_sessions(store.path)  # the adoption is saved too
+            assert [s.owner for s in saved] == [owner_id(owner_of_old) if owner_of_old else ""]
+        finally:
+            await store.close()
