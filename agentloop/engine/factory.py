@@ -35,7 +35,7 @@ def load_engine(
     if backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise EngineError(
-                "backend='vllm' needs vLLM, which is not installed: pip install 'agentloop[vllm]'"
+                "backend='vllm' needs vLLM, which is not installed: pip install -e '.[vllm]' in a clone of agentloop (the vllm extra; no release is on PyPI)"
             )
         from agentloop.engine import vllm_engine  # type: ignore[attr-defined]
 

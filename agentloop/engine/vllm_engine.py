@@ -77,7 +77,7 @@ from agentloop.errors import EngineError
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-_VLLM_MISSING = "backend='vllm' needs vLLM, which is not installed: pip install 'agentloop[vllm]'"
+_VLLM_MISSING = "backend='vllm' needs vLLM, which is not installed: pip install -e '.[vllm]' in a clone of agentloop (the vllm extra; no release is on PyPI)"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
