@@ -10,7 +10,8 @@ session with an error. It writes no tool call, so its text is the session's answ
 the ids and log-probs it sampled (and a plain forward of the model agrees: greedy choices, same
 log-probs); the calls form a valid tree (agentloop/call_tree.py): ids unique, every parent an earlier call
 whose prompt + response the child's prompt starts with, one main root, and a root without tools (opencode's
-title call) marked ``side``.
+title call) marked ``side``. A text-only session is one main call for Claude Code and Codex; a second Claude
+Code session resuming the first (``--resume``) links its call to the first one's (parent, main branch).
 
 The scripted-model test of the same harnesses (a bug fixed through each one's shell tool, several calls
 extending each other) is in test_harness_run.py.
@@ -18,6 +19,7 @@ extending each other) is in test_harness_run.py.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -33,6 +35,7 @@ from agentloop.call_tree import call_tree
 from agentloop.engine.base import SamplingParams, TokenOutput
 from agentloop.harness import HARNESSES, harness_binary
 from agentloop.resources import Resources
+from agentloop.sandbox import bwrap_problem
 from agentloop.sandbox.errors import SandboxUnavailableError
 from agentloop.store.memory import MemoryStore
 from agentloop.types import LLMCall
@@ -225,3 +228,62 @@ async def test_each_harness_runs_one_session_on_a_tiny_long_context_model(
         f"\n{harness}: {len(calls)} calls, prompts {[len(c.prompt_ids) for c in calls]} tokens, "
         f"branches {branches}, engine latency {[round(c.latency_s or 0, 1) for c in calls]}s, {wall:.1f}s"
     )
+
+
+HOME, WORKDIR = ".home", "/workspace"  # the sandbox's HOME (relative to its workdir) and bwrap's workdir
+SESSION_ID = "5e55e000-0000-4000-8000-000000000043"  # the first session's id (--session-id), resumed after
+
+
+def session_file(workdir: str) -> str:
+    """Where Claude Code keeps session SESSION_ID, relative to HOME, for a session run in ``workdir``."""
+    return f".claude/projects/{re.sub(r'[^A-Za-z0-9]', '-', workdir)}/{SESSION_ID}.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
+@pytest.mark.skipif(
+    not installed("claude"), reason="no claude: make harnesses installs @anthropic-ai/claude-code"
+)
+async def test_a_resumed_claude_code_session_extends_the_first_sessions_call(
+    engine: Recording, long_model: tuple[Any, Any]
+) -> None:
+    """Two Claude Code sessions on one attempt, the second resuming the first (``--resume``, its session
+    file carried over): the second session's call sends the first call's conversation back with the
+    model's answer in it, so the ledger links it to that call (its parent, on the main branch) and its
+    prompt starts with the first call's prompt + the ids the model produced."""
+    store = MemoryStore()
+    async with running_proxy(engine, store) as proxy:
+        await store.add_resources(
+            Resources(items={"llm": proxy.as_resource("tiny-long", SAMPLING, enforce_sampling=True)})
+        )
+        await store.enqueue_rollout({"prompt": TASK})
+        att = await store.dequeue_rollout("test-worker")
+        assert att is not None
+        llm = al.LLM(base_url=attempt_url(proxy, att), model="tiny-long")
+        where = f"{HOME}/{session_file(WORKDIR)}"  # the bwrap sandbox's workdir
+        with anyio.fail_after(260):
+            first = await al.harness.run(
+                "claude", TASK, llm, timeout_s=120, args=["--session-id", SESSION_ID], collect=[where]
+            )
+            assert first.ok and where in first.files, first.run.stderr[-3000:]
+            transcript = first.files[where]
+            second = await al.harness.run(
+                "claude",
+                "Say it once more.",
+                llm,
+                timeout_s=120,
+                args=["--resume", SESSION_ID],
+                home_files=lambda workdir: {session_file(workdir): transcript},
+            )
+    assert second.ok, second.run.stderr[-3000:] + second.run.stdout[-2000:]
+    calls = [s.payload for s in await store.query_spans(att.rollout_id) if isinstance(s.payload, LLMCall)]
+    assert len(calls) == len(engine.calls) >= 2, [len(c.prompt_ids) for c in calls]
+    for c in calls:
+        check_greedy(long_model[0], c)
+    branches = check_tree(calls)
+    print(
+        f"\nresumed: {[(c.call_id, c.parent_call_id, len(c.prompt_ids), c.ledger_break) for c in calls]} {branches}"
+    )
+    one, two = calls[0], calls[-1]
+    assert two.parent_call_id == one.call_id and branches[-1] == "main", (two.ledger_break, branches)

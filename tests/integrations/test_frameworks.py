@@ -197,11 +197,12 @@ async def test_langgraph_react_agent_with_chat_anthropic(weather_session: Sessio
     from langchain_anthropic import ChatAnthropic
     from langchain_core.tools import tool
     from langgraph.prebuilt import create_react_agent
+    from pydantic import SecretStr
 
     weather = Weather()
     base = weather_session.url.removesuffix("/v1")  # the Anthropic client appends /v1/messages
     model = ChatAnthropic(
-        model_name="tiny", base_url=base, api_key="x", max_retries=0, timeout=60, max_tokens=256
+        model_name="tiny", base_url=base, api_key=SecretStr("x"), max_retries=0, timeout=60, stop=None
     )
     agent = create_react_agent(model, tools=[tool(weather.tool())], prompt=INSTRUCTIONS)
     with anyio.fail_after(120):
