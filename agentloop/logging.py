@@ -148,8 +148,9 @@ def configure_logging(
     """Configure structlog for agentloop (and everything else that uses structlog).
 
     ``level``: a level name or number; None reads ``AGENTLOOP_LOG_LEVEL`` (default INFO).
-    ``json``: True for JSON lines, False for human lines, None to read ``AGENTLOOP_LOG_FORMAT``
-    (``human``, the default, or ``json``). ``stream``: where lines go (default stderr); colored when
+    ``json``: True for JSON lines, False for human lines, None for the format in force (the demo's
+    call keeps the CLI's ``--log-format``), else ``AGENTLOOP_LOG_FORMAT`` (``human``, the default, or
+    ``json``). ``stream``: where lines go (default stderr); colored when
     it is a terminal. ``rollout_level``: the lowest level at which events about one rollout (those
     with a ``rollout_id``) print; None: ``level``. A run log (:func:`run_log`) gets INFO and up
     whatever ``level`` is (DEBUG too when ``level`` is DEBUG).
@@ -158,7 +159,12 @@ def configure_logging(
     out = stream if stream is not None else sys.stderr
     lvl = _parse_level(level)
     per_rollout = lvl if rollout_level is None else max(lvl, _parse_level(rollout_level, "rollout_level"))
-    as_json = json if json is not None else _json_from_env()
+    if json is not None:
+        as_json = json
+    elif _configured is not None:  # the format in force: a command's --log-format outlives a library's call
+        as_json = _configured[2]
+    else:
+        as_json = _json_from_env()
     key = (lvl, per_rollout, bool(as_json), id(out))
     if key == _configured:
         return

@@ -38,7 +38,12 @@ def test_human_lines_when_piped_and_json_only_when_asked(monkeypatch: pytest.Mon
     assert "attempt_failed" in line and "where='agent.py:6 in score'" in line and "\x1b[" not in line
     with pytest.raises(json.JSONDecodeError):
         json.loads(line)
+    configure_logging("WARNING", stream=out)  # json=None: the format in force stays
     monkeypatch.setenv("AGENTLOOP_LOG_FORMAT", "json")
+    configure_logging("WARNING", stream=out)
+    get_logger("agentloop.test").warning("still_human")
+    assert "still_human" in out.getvalue().splitlines()[-1] and not out.getvalue().startswith("{")
+    al_logging._configured = None  # never configured: the environment decides
     out = io.StringIO()
     configure_logging("INFO", stream=out)
     get_logger("agentloop.test").info("attempt_finished", rollout_id="ro-1", reward=0.5)
@@ -47,6 +52,7 @@ def test_human_lines_when_piped_and_json_only_when_asked(monkeypatch: pytest.Mon
     assert record["logger"] == "agentloop.test" and record["level"] == "info"
     assert record["rollout_id"] == "ro-1" and record["reward"] == 0.5 and "timestamp" in record
     monkeypatch.setenv("AGENTLOOP_LOG_FORMAT", "xml")
+    al_logging._configured = None
     with pytest.raises(ValueError, match="AGENTLOOP_LOG_FORMAT must be one of human, json, got 'xml'"):
         configure_logging("DEBUG", stream=out)
 

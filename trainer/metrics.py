@@ -44,7 +44,9 @@ class ConsoleSink:
     KEYS = ("reward/mean", "val/accuracy", "actor/pg_loss", "actor/grad_norm", "timing/step_s")
 
     def log(self, step: int, metrics: Metrics) -> None:
-        log.info("step", step=step, **{k: round(float(metrics[k]), 4) for k in self.KEYS if k in metrics})
+        shown = {k: round(float(metrics[k]), 4) for k in self.KEYS if metrics.get(k) is not None}
+        if shown:  # step 0 holds only the first validation, which logged its own line
+            log.info("step", step=step, **shown)
 
     def close(self) -> None:
         pass
