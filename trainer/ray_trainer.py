@@ -242,21 +242,31 @@ class Trainer:
         own_store = store is None
         store = store or SQLiteStore(run_dir / "store.db")
         layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
-        if engine is None and layout.engine is None:
-            kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
-            engine = await deadline(
-                anyio.to_thread.run_sync(
-                    lambda: load_engine(str(model_path), device=device, **kwargs), abandon_on_cancel=True
-                ),
-                limits.engine_s,
-                f"the inference engine to load {model_path}",
-                "engine_s",
-            )
-        engine = engine or layout.engine
+        loaded: dict[str, Any] = {}
+        async with anyio.create_task_group() as tg:  # the engine loads while Ray and the worker start
+            if engine is None and layout.engine is None:
+                kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
+
+                async def load() -> None:
+                    loaded["engine"] = await deadline(
+                        anyio.to_thread.run_sync(
+                            lambda: load_engine(str(model_path), device=device, **kwargs),
+                            abandon_on_cancel=True,
+                        ),
+                        limits.engine_s,
+                        f"the inference engine to load {model_path}",
+                        "engine_s",
+                    )
+
+                tg.start_soon(load)
+                await anyio.sleep(0)  # the loading thread is running before ray.init holds this loop
+            # ray.init (seconds: its processes start) runs in this thread, as it must (signal handlers);
+            # the worker then loads its model in its own process while the engine thread loads ours
+            worker = layout.worker or _start_worker(cfg, str(model_path), device)
+            if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
+                signal.signal(signal.SIGTERM, state.handler)
+        engine = engine or loaded.get("engine") or layout.engine
         _warn_if_policy_differs(engine, cfg.actor_rollout_ref.rollout.weight_update_policy)
-        worker = layout.worker or _start_worker(cfg, str(model_path), device)
-        if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
-            signal.signal(signal.SIGTERM, state.handler)
         if hasattr(worker, "ready"):
             await deadline(
                 worker.ready.remote(), limits.engine_s, f"the trainer worker to load {model_path}", "engine_s"
