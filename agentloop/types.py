@@ -161,7 +161,10 @@ class Rollout(_Model):
     """One task to run through an agent, with its lifecycle."""
 
     rollout_id: str = Field(default_factory=new_rollout_id)
-    input: JSON
+    input: JSON = Field(
+        description="The task. A dict's 'reference' field (the answer, a hidden test) is for trainer-side "
+        "scorers: a StoreServer never shows it to a runner key (agentloop/store/server.py)."
+    )
     mode: RolloutMode = "train"
     status: RolloutStatus = RolloutStatus.QUEUED
     config: RolloutConfig = Field(default_factory=RolloutConfig)
