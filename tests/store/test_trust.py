@@ -171,13 +171,16 @@ async def _capped(server: StoreServer, cap: int) -> None:
         async with anyio.create_task_group() as tg:
             for _ in range(cap):  # the hog holds its share of long-polls
                 tg.start_soon(hog.wait_for_rollouts, [rollout.rollout_id], 30)
-            await anyio.sleep(0.5)
             async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
-                resp = await http.post(
-                    "/v1/wait",
-                    json={"rollout_ids": [rollout.rollout_id], "timeout": 1},
-                    headers={"authorization": f"Bearer {server.runner_key('hog')}"},
-                )
+                with anyio.fail_after(30):  # until the hog's waits have all reached the server
+                    while True:
+                        resp = await http.post(
+                            "/v1/wait",
+                            json={"rollout_ids": [rollout.rollout_id], "timeout": 0.2},
+                            headers={"authorization": f"Bearer {server.runner_key('hog')}"},
+                        )
+                        if resp.status_code != 200:
+                            break
             assert resp.status_code == 429, resp.text
             assert resp.json()["error"]["type"] == "too_many_waits"
             assert f"at most {cap} at once" in resp.json()["error"]["message"]
