@@ -11,7 +11,7 @@ the ids and log-probs it sampled (and a plain forward of the model agrees: greed
 log-probs); the calls form a valid tree (agentloop/call_tree.py): ids unique, every parent an earlier call
 whose prompt + response the child's prompt starts with, one main root, and a root without tools (opencode's
 title call) marked ``side``. A text-only session is one main call for Claude Code and Codex; a second Claude
-Code session resuming the first (``--resume``) links its call to the first one's (parent, main branch).
+Code or Codex session resuming the first links its call to the first one's (parent, main branch).
 
 The scripted-model test of the same harnesses (a bug fixed through each one's shell tool, several calls
 extending each other) is in test_harness_run.py.
@@ -230,28 +230,62 @@ async def test_each_harness_runs_one_session_on_a_tiny_long_context_model(
     )
 
 
-HOME, WORKDIR = ".home", "/workspace"  # the sandbox's HOME (relative to its workdir) and bwrap's workdir
-SESSION_ID = "5e55e000-0000-4000-8000-000000000043"  # the first session's id (--session-id), resumed after
+SESSION_ID = (
+    "5e55e000-0000-4000-8000-000000000043"  # Claude Code's first session (--session-id), resumed after
+)
+# prints each session file Codex kept under its HOME (the workspace's .home): the check command's output
+CODEX_SESSIONS = 'cd .home/.codex/sessions && for f in */*/*/*.jsonl; do echo "FILE $f"; cat "$f"; done'
 
 
-def session_file(workdir: str) -> str:
+def claude_session(workdir: str) -> str:
     """Where Claude Code keeps session SESSION_ID, relative to HOME, for a session run in ``workdir``."""
     return f".claude/projects/{re.sub(r'[^A-Za-z0-9]', '-', workdir)}/{SESSION_ID}.jsonl"
+
+
+async def resumed_sessions(harness: str, llm: al.LLM) -> tuple[al.harness.HarnessResult, ...]:
+    """One session, then a second that resumes it with its session file carried into the new sandbox:
+    Claude Code ``--session-id`` then ``--resume`` (its file's path follows the workdir); Codex ``exec``
+    then ``exec resume <id>`` (the file read back by the first run's check command)."""
+    again = "Say it once more."
+    if harness == "claude":
+        where = f".home/{claude_session('/workspace')}"  # bwrap's workdir
+        first = await al.harness.run(
+            "claude", TASK, llm, timeout_s=120, args=["--session-id", SESSION_ID], collect=[where]
+        )
+        assert first.ok and where in first.files, first.run.stderr[-3000:]
+        kept = first.files[where]
+        second = await al.harness.run(
+            "claude", again, llm, timeout_s=120, args=["--resume", SESSION_ID],
+            home_files=lambda workdir: {claude_session(workdir): kept},
+        )  # fmt: skip
+        return first, second
+    first = await al.harness.run(
+        "codex", TASK, llm, timeout_s=120, context_window=CONTEXT, check=["sh", "-c", CODEX_SESSIONS]
+    )
+    assert first.ok and first.check is not None, first.run.stderr[-3000:]
+    found = re.match(r"FILE (\S+/rollout-\S+-([0-9a-f-]{36})\.jsonl)\n", first.check.stdout)
+    assert found is not None, first.check.stdout[:500]
+    path, session = found.groups()
+    kept = first.check.stdout[found.end() :]
+    second = await al.harness.run(
+        "codex", again, llm, timeout_s=120, context_window=CONTEXT, args=["resume", session],
+        home_files={f".codex/sessions/{path}": kept},
+    )  # fmt: skip
+    return first, second
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
-@pytest.mark.skipif(
-    not installed("claude"), reason="no claude: make harnesses installs @anthropic-ai/claude-code"
-)
-async def test_a_resumed_claude_code_session_extends_the_first_sessions_call(
-    engine: Recording, long_model: tuple[Any, Any]
+@pytest.mark.parametrize("harness", ["claude", "codex"])
+async def test_a_resumed_session_extends_the_first_sessions_call(
+    harness: str, engine: Recording, long_model: tuple[Any, Any]
 ) -> None:
-    """Two Claude Code sessions on one attempt, the second resuming the first (``--resume``, its session
-    file carried over): the second session's call sends the first call's conversation back with the
-    model's answer in it, so the ledger links it to that call (its parent, on the main branch) and its
-    prompt starts with the first call's prompt + the ids the model produced."""
+    """Two sessions on one attempt, the second resuming the first: its call sends the first call's
+    conversation back with the model's answer in it, so the ledger links it to that call (its parent, on
+    the main branch) and its prompt starts with the first call's prompt + the ids the model produced."""
+    if not installed(harness):
+        pytest.skip(f"{harness} is not installed: make harnesses installs {HARNESSES[harness].npm_package}")
     store = MemoryStore()
     async with running_proxy(engine, store) as proxy:
         await store.add_resources(
@@ -261,29 +295,14 @@ async def test_a_resumed_claude_code_session_extends_the_first_sessions_call(
         att = await store.dequeue_rollout("test-worker")
         assert att is not None
         llm = al.LLM(base_url=attempt_url(proxy, att), model="tiny-long")
-        where = f"{HOME}/{session_file(WORKDIR)}"  # the bwrap sandbox's workdir
         with anyio.fail_after(260):
-            first = await al.harness.run(
-                "claude", TASK, llm, timeout_s=120, args=["--session-id", SESSION_ID], collect=[where]
-            )
-            assert first.ok and where in first.files, first.run.stderr[-3000:]
-            transcript = first.files[where]
-            second = await al.harness.run(
-                "claude",
-                "Say it once more.",
-                llm,
-                timeout_s=120,
-                args=["--resume", SESSION_ID],
-                home_files=lambda workdir: {session_file(workdir): transcript},
-            )
+            _, second = await resumed_sessions(harness, llm)
     assert second.ok, second.run.stderr[-3000:] + second.run.stdout[-2000:]
     calls = [s.payload for s in await store.query_spans(att.rollout_id) if isinstance(s.payload, LLMCall)]
-    assert len(calls) == len(engine.calls) >= 2, [len(c.prompt_ids) for c in calls]
+    assert len(calls) == len(engine.calls) == 2, [len(c.prompt_ids) for c in calls]
     for c in calls:
         check_greedy(long_model[0], c)
-    branches = check_tree(calls)
-    print(
-        f"\nresumed: {[(c.call_id, c.parent_call_id, len(c.prompt_ids), c.ledger_break) for c in calls]} {branches}"
-    )
-    one, two = calls[0], calls[-1]
-    assert two.parent_call_id == one.call_id and branches[-1] == "main", (two.ledger_break, branches)
+    one, two = calls
+    assert check_tree(calls) == ["main", "main"] and two.parent_call_id == one.call_id, two.ledger_break
+    head = one.prompt_ids + one.response_ids
+    assert len(two.prompt_ids) > len(head) and two.prompt_ids[: len(head)] == head
