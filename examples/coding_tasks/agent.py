@@ -120,7 +120,7 @@ HARNESS = "claude-trimmed-bare-examples"
 
 
 async def fix_repo(
-    task: dict[str, Any], llm: al.LLM, *, option: str = HARNESS, timeout_s: float = 240.0
+    task: dict[str, Any], llm: al.LLM, *, option: str = HARNESS, timeout_s: float = 480.0
 ) -> float:
     """One attempt: the task's repository in a fresh sandbox, the harness on its statement, then the test."""
     spec = HARNESS_OPTIONS[option]
