@@ -89,7 +89,8 @@ async def user(
             await asyncio.sleep(args.delay_s)  # the feedback arrives later
             value = -reward if args.wrong_sign else reward
             try:
-                await http.post(f"{args.url}/v1/sessions/{session}/reward", json={"value": value})
+                answer = await http.post(f"{args.url}/v1/sessions/{session}/reward", json={"value": value})
+                stats.errors += answer.status_code != 200  # a refused reward is lost feedback
             except httpx.HTTPError:
                 stats.errors += 1
 
