@@ -79,7 +79,7 @@ def test_the_built_wheel_trains_the_readme_job_in_a_fresh_venv(tmp_path: Path, t
     (project / "tasks.jsonl").write_text(_run([py, "-c", code], project, 120, env))
     job = readme_block("yaml", "# job.yaml")
     for text, tiny in TINY.items():
-        job = job.replace(text, tiny.format(tiny=tiny_model_dir))
+        job = job.replace(text, tiny.replace("{tiny}", str(tiny_model_dir)))
     (project / "job.yaml").write_text(job)
 
     where = _run(
