@@ -17,6 +17,7 @@ even with one rank) and, with several replicas, the engine an EngineReplicaPool.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,18 +193,34 @@ def check_memory(
     return need
 
 
+# glibc gives freed memory back to the system only for blocks above its mmap threshold, and it raises that
+# threshold by itself as large blocks are freed (up to 32 MiB); a trainer's CPU tensors of ever-changing
+# shapes then fragment the heap, which keeps them. Measured on examples/coding_tasks (SmolLM2-135M,
+# ~3k-token micro-batches, 2-core CPU): a TrainerWorker idle between steps held 13.6 GB after 3 steps
+# (and Ray's OOM killer ended the run) without these settings, 3.0 GB with them.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 20)}
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for Ray's worker processes: :data:`MALLOC_ENV`, less what the user has set."""
+    return {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+
+
 def init_ray(config: TrainerConfig) -> None:
     """Join ``trainer.ray_address`` (or start a local Ray) unless Ray is already initialised; the
-    workers' output goes to the run's log.txt (:func:`route_worker_output`), not the console."""
+    workers' output goes to the run's log.txt (:func:`route_worker_output`), not the console, and
+    they start with :func:`worker_env`."""
     import ray
 
     if not ray.is_initialized():
+        env = worker_env()
         ray.init(
             address=config.trainer.ray_address,
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=True,
             configure_logging=False,
+            runtime_env={"env_vars": env} if env else None,
         )
         route_worker_output()
 

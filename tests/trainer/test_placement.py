@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +93,38 @@ def test_memory_counts_the_critic_beside_the_actor(tiny_model_dir: Path) -> None
     check_memory(grpo, tiny_model_dir, plan, tight)
     with pytest.raises(PlacementError, match=r"actor .*critic .*more trainer ranks"):
         check_memory(ppo, tiny_model_dir, plan, tight)
+
+
+def test_worker_env_keeps_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.placement import MALLOC_ENV, worker_env
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    assert worker_env() == MALLOC_ENV
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert worker_env() == {"MALLOC_TRIM_THRESHOLD_": MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"]}
+
+
+@pytest.mark.e2e
+def test_ray_workers_start_with_the_malloc_settings(tmp_path: Path) -> None:
+    """init_ray's local Ray starts its workers with glibc's fixed mmap and trim thresholds (read by glibc
+    at process start, so only a worker's environment can carry them); a value the user set wins."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import json, os, ray\n"
+        "from trainer.config import TrainerConfig\n"
+        "from trainer.placement import init_ray\n"
+        "init_ray(TrainerConfig())\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def env():\n"
+        "    return {k: os.environ.get(k) for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')}\n"
+        "print(json.dumps(ray.get(env.remote())))\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env |= {"MALLOC_TRIM_THRESHOLD_": "123456", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, check=True
+    ).stdout
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen == {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "123456"}
