@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
 from structlog._config import BoundLoggerLazyProxy  # what structlog.get_logger returns
@@ -186,7 +186,9 @@ def configure_logging(
         ],
         # a run's log.txt keeps INFO and up whatever the console shows (DEBUG with -v)
         wrapper_class=structlog.make_filtering_bound_logger(min(lvl, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=_AboveProgressBars(out) if tty else out),
+        logger_factory=structlog.PrintLoggerFactory(
+            file=cast("TextIO", _AboveProgressBars(out)) if tty else out
+        ),
         cache_logger_on_first_use=False,
     )
     _configured = key
