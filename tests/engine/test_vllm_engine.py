@@ -147,7 +147,7 @@ def test_lazy_export_and_missing_vllm(tiny_model_dir: Path) -> None:
     assert VLLMEngine.__name__ == "VLLMEngine"
     if vllm_available():
         pytest.skip("vLLM is installed here; the missing-vLLM error cannot be shown")
-    with pytest.raises(EngineError, match=r"agentloop\[vllm\]"):
+    with pytest.raises(EngineError, match=r"\.\[vllm\]"):
         load_engine(str(tiny_model_dir), device="cpu", backend="vllm")
     with pytest.raises(EngineError, match="not installed"):
         VLLMEngine(tiny_model_dir)
