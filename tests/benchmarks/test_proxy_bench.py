@@ -28,7 +28,9 @@ async def test_a_burst_is_answered_recorded_and_measured(workers: int) -> None:
     assert 0 < cpu["loop_thread"] <= cpu["process"]
     if workers:  # the workers record the calls (all n spans are there): this process's store thread idles
         # (the workers' CPU comes from /proc in 10 ms ticks: ~20 ms a round here, too coarse to compare)
-        assert cpu["store_thread"] == 0 and cpu["worker_processes"] >= 0
+        assert (
+            cpu["store_thread"] < 0.05 and cpu["worker_processes"] >= 0
+        )  # idle: ~0.002 ms a request seen once
     else:
         assert cpu["store_thread"] > 0 and cpu["worker_processes"] == 0
     latency = result["latency_ms_median"]
