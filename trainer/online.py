@@ -6,9 +6,11 @@ beside it in the same event loop:
 
 1. **Collect.** A session becomes training data once it has a reward and has been idle for
    ``online.settle_s`` (more rewards may follow a call for a while); it is taken out of the session
-   table (``sessions.pop``) and its calls and rewards become samples through the adapter
-   (``SessionRecord.spans`` -> ``spans_to_triplets``; ``adapter.credit_assignment`` applies). A session
-   dropped without being trained on (no reward within its TTL, or pushed out by the caps) is counted.
+   table (``sessions.take_for_training``) and its calls and rewards become samples through the adapter
+   (``SessionRecord.spans`` -> ``spans_to_triplets``; ``adapter.credit_assignment`` applies). The store
+   keeps a taken session for audit, marked with the run folder, the update and what became of it
+   (promoted as version N, rejected, failed; ``agentloop inspect STORE`` shows it). A session dropped
+   without being trained on (no reward within its TTL, or pushed out by the caps) is counted.
 2. **Update.** Every ``online.sessions_per_update`` sessions, one policy update runs in a worker thread
    (the loop keeps serving). App traffic has no GRPO groups, so the default estimator needs none
    (``reinforce_plus_plus``: returns whitened over the batch; ``gae`` with a critic works too) and the
@@ -192,14 +194,13 @@ class OnlineTrainer:
         self.sessions_trained = 0
         self.sessions_dropped_untrained = 0
         self.sessions_greedy = 0  # trained sessions with a greedy call (temperature 0): trained at T = 1
-        self._taking: set[str] = set()
+        self.update_index = 0  # updates started (the number each taken session is marked with)
         previous = proxy.sessions.on_drop
 
         def dropped(session_id: str) -> None:
             if previous is not None:
                 previous(session_id)
-            if session_id not in self._taking:
-                self.sessions_dropped_untrained += 1
+            self.sessions_dropped_untrained += 1
 
         proxy.sessions.on_drop = dropped
 
@@ -278,6 +279,7 @@ class OnlineTrainer:
             await anyio.to_thread.run_sync(self._reset_policy, restored)
             self._log({"kind": "refused", "step": self.updates, "score": score, "baseline": baseline,
                        "margin": self.online.margin, "serving": self.current})  # fmt: skip
+            self._mark_sessions("rejected")
             return False
         version = len(self._versions)
         await anyio.to_thread.run_sync(_save, weights, self._version_path(version))
@@ -292,10 +294,17 @@ class OnlineTrainer:
             }
         )
         self.current = version
+        self._mark_sessions("promoted", version)
         self._log({"kind": "promoted", "version": version, "step": self.updates, "score": score,
                    "baseline": baseline, "margin": self.online.margin,
                    "reward_mean": metrics.get("online/reward_mean")})  # fmt: skip
         return True
+
+    def _mark_sessions(self, outcome: str, version: int | None = None) -> None:
+        """Record in the store what became of the current update's sessions."""
+        journal = self.proxy.sessions.journal
+        if journal is not None:
+            journal.update_outcome(self.update_index, str(self.run_dir), outcome, version)
 
     def _reset_policy(self, weights: dict[str, torch.Tensor]) -> None:
         actor = self.worker.actor
@@ -327,14 +336,10 @@ class OnlineTrainer:
         ]
 
     def take(self, session_ids: Sequence[str]) -> list[Triplet]:
-        """Take sessions out of the table and turn them into samples."""
+        """Take sessions out of the table for update ``update_index`` and turn them into samples."""
         triplets: list[Triplet] = []
         for sid in session_ids:
-            self._taking.add(sid)
-            try:
-                rec = self.proxy.sessions.pop(sid)
-            finally:
-                self._taking.discard(sid)
+            rec = self.proxy.sessions.take_for_training(sid, self.update_index, str(self.run_dir))
             if rec is None:
                 continue
             self.sessions_trained += 1
@@ -345,6 +350,7 @@ class OnlineTrainer:
     async def step(self, session_ids: Sequence[str]) -> dict[str, float]:
         """One update on these sessions, then the gate; returns the update's metrics."""
         async with self._lock:
+            self.update_index += 1
             triplets = self.take(session_ids)
             cfg = self.config
             batch, stats = build_batch(
@@ -360,6 +366,7 @@ class OnlineTrainer:
                 log.warning(
                     "online.empty_batch", sessions=len(session_ids), **{k: v for k, v in stats.items() if v}
                 )
+                self._mark_sessions("empty")
                 return {}
             per_session = session_metrics(triplets)
             if per_session["online/greedy_sessions"]:
@@ -398,6 +405,7 @@ class OnlineTrainer:
         """Count and log a failed update and put the promoted weights back into the policy (the update
         may have stopped half-way); its sessions were taken and are not retried."""
         self.updates_failed += 1
+        self._mark_sessions("failed")
         log.error("online.update_failed", failed=self.updates_failed, error=f"{type(exc).__name__}: {exc}"[:500],
                   serving=self.current, exc_info=exc)  # fmt: skip
         try:

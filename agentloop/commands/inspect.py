@@ -105,6 +105,14 @@ def locate(path: Path) -> Path:
     )
 
 
+def _trained(rec: SessionRecord) -> str:
+    """What an online update did with a session: ``v2 (update 3)``, ``rejected (update 4)``, ``-``."""
+    t = rec.trained
+    if t is None:
+        return "-"
+    return f"{f'v{t.version}' if t.outcome == 'promoted' else t.outcome} (update {t.update})"
+
+
 def _session_reward(rec: SessionRecord) -> float | None:
     return rec.total_reward
 
@@ -318,15 +326,19 @@ def _run(args: argparse.Namespace) -> int:
     session_rewards = {rec.session_id: _session_reward(rec) for rec in sessions}
     if server or sessions:
         served = printable(str(server.get("model", "?")))
-        w(f"{len(sessions)} app sessions in {db} (served model {served})\n")
-        w(f"{'session':<22} {'calls':>5} {'reward':>7}  first message\n")
+        trained = sum(rec.trained is not None for rec in sessions)
+        w(
+            f"{len(sessions)} app sessions in {db} (served model {served}; {trained} trained on by serve --train)\n"
+        )
+        w(f"{'session':<22} {'calls':>5} {'reward':>7} {'trained':<16} first message\n")
         for rec in sessions[-args.limit :]:
             reward = session_rewards[rec.session_id]
             r = "-" if reward is None else f"{reward:.3f}"
             head = rec.calls[:1]
             first = json.dumps(head[0].messages[-1].get("content") if head and head[0].messages else "")
             w(
-                f"{printable(rec.session_id[:21]):<22} {len(rec.call_json):>5} {r:>7}  {printable(first[:60])}\n"
+                f"{printable(rec.session_id[:21]):<22} {len(rec.call_json):>5} {r:>7} {_trained(rec):<16} "
+                f"{printable(first[:60])}\n"
             )
     chosen = args.rollout
     if chosen is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -21,7 +22,9 @@ ADMIN_KEY_ENV = "AGENTLOOP_ADMIN_KEY"
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve a model behind the recording OpenAI-compatible proxy")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, local HF folder or hub id")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="alias, local HF folder, run folder or hub id"
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--max-context",
@@ -223,12 +226,51 @@ def run(args: argparse.Namespace) -> int:
             f"--host {args.host} is not a loopback address, so a key is required: pass --api-key-file PATH "
             f"or set ${KEY_ENV} (or serve on 127.0.0.1)"
         )
+    check_port_free(args.host, args.port)  # before the model loads: a taken port is one line at once
     try:
+        args.model = str(model_of_run_folder(args.model))
         check_max_context(args)
         event_loop.run(serve, args)  # on uvloop where installed
     except ModelResolutionError as exc:
         raise UsageError(f"--model: {exc}") from None
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UsageError when ``host:port`` cannot be bound (taken, or not an address of this machine)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host!r} is not an address this machine can serve on ({exc})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            taken = exc.errno == errno.EADDRINUSE
+            raise UsageError(
+                f"port {port} on {host} is already in use (another agentloop serve?): stop what listens "
+                f"there or pass --port N (--port 0 picks a free one)"
+                if taken
+                else f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+
+
+def model_of_run_folder(model: str) -> str | Path:
+    """``model`` itself, or a training run folder's ``final_model/`` (said on stderr)."""
+    from agentloop.engine.models import resolve_model
+
+    if not (Path(model).expanduser() / "run.json").is_file():
+        return model
+    resolved = resolve_model(model)  # a run folder: its final_model/, or why not
+    if resolved != Path(model).expanduser():
+        sys.stderr.write(f"agentloop serve: {model} is a run folder; serving its trained model {resolved}\n")
+    return resolved
 
 
 def read_serve_keys(args: argparse.Namespace) -> tuple[list[SecretStr], str]:

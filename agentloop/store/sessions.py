@@ -7,7 +7,10 @@
 - ``session_calls``: one row per recorded call (the ``LLMCall`` JSON, token ids included), in order;
 - ``session_owners``: the owner of each session (a fingerprint of the key that created it, never the
   key; agentloop/proxy/access.py); a table of its own so that stores made before owners open as they are;
-- ``store_meta``: ``serve`` -> the served model and tokenizer folder (what ``inspect`` decodes with).
+- ``store_meta``: ``serve`` -> the served model and tokenizer folder (what ``inspect`` decodes with);
+- ``session_trained``: sessions an online update (``serve --train``) took, kept for audit under an
+  archive id: the run folder, the update's number, then its outcome (``promoted`` with the version it
+  became, ``rejected`` by the gate, or ``failed``). They never come back into the live table.
 
 The proxy's ``SessionTable`` holds the live sessions in memory and applies the caps; it tells a
 ``SessionJournal`` every change (a call, a trim, the rewards, a drop), which the store's writer thread
@@ -43,7 +46,22 @@ CREATE TABLE IF NOT EXISTS session_calls (
 CREATE INDEX IF NOT EXISTS session_calls_by_session ON session_calls(session_id, id);
 CREATE TABLE IF NOT EXISTS session_owners (session_id TEXT PRIMARY KEY, owner TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS session_trained (
+    session_id TEXT PRIMARY KEY, update_index INTEGER NOT NULL, run TEXT NOT NULL, trained_at REAL NOT NULL,
+    outcome TEXT NOT NULL DEFAULT 'training', version INTEGER) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS session_trained_by_update ON session_trained(run, update_index);
 """
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The online update that trained on a session: its number, outcome and the version it became."""
+
+    update: int
+    run: str  # the online run folder (its versions/ hold the weights)
+    at: float
+    outcome: str  # "training" (in progress, or the server stopped), "promoted", "rejected", "failed", "empty"
+    version: int | None = None  # the promoted version, for outcome "promoted"
 
 
 @dataclass
@@ -56,6 +74,7 @@ class SavedSession:
     calls: list[bytes] = field(default_factory=list)
     rewards: list[dict[str, Any]] = field(default_factory=list)
     owner: str = ""  # the fingerprint of the key that created it ("": none, or saved before owners)
+    trained: Trained | None = None  # the online update that took it (None: not trained on)
 
 
 def read_sessions(path: str | Path, *, read_only: bool = True) -> tuple[dict[str, Any], list[SavedSession]]:
@@ -74,18 +93,25 @@ def read_sessions(path: str | Path, *, read_only: bool = True) -> tuple[dict[str
             if "no such table" in str(exc):
                 return {}, []
             raise
-        try:
-            owners = dict(conn.execute("SELECT session_id, owner FROM session_owners").fetchall())
-        except sqlite3.OperationalError as exc:  # a store written before owners, opened read-only
-            if "no such table" not in str(exc):
-                raise
-            owners = {}
+        owners = dict(_rows_if_table(conn, "SELECT session_id, owner FROM session_owners"))
+        trained = {
+            sid: Trained(int(u), str(run), float(at), str(outcome), None if version is None else int(version))
+            for sid, u, run, at, outcome, version in _rows_if_table(
+                conn,
+                "SELECT session_id, update_index, run, trained_at, outcome, version FROM session_trained",
+            )
+        }
     finally:
         conn.close()
     meta = orjson.loads(meta_row[0]) if meta_row else {}
     sessions = {
         sid: SavedSession(
-            sid, float(created), float(updated), rewards=orjson.loads(rewards), owner=str(owners.get(sid, ""))
+            sid,
+            float(created),
+            float(updated),
+            rewards=orjson.loads(rewards),
+            owner=str(owners.get(sid, "")),
+            trained=trained.get(sid),
         )
         for sid, created, updated, rewards in rows
     }
@@ -93,6 +119,16 @@ def read_sessions(path: str | Path, *, read_only: bool = True) -> tuple[dict[str
         if sid in sessions:
             sessions[sid].calls.append(bytes(data))
     return (meta if isinstance(meta, dict) else {}), list(sessions.values())
+
+
+def _rows_if_table(conn: sqlite3.Connection, sql: str) -> list[Any]:
+    """``sql``'s rows, or none when its table is missing (a store written before it, opened read-only)."""
+    try:
+        return conn.execute(sql).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return []
 
 
 class SessionJournal:
@@ -164,6 +200,32 @@ class SessionJournal:
             "INSERT INTO session_owners(session_id, owner) VALUES(?, ?) "
             "ON CONFLICT(session_id) DO UPDATE SET owner=excluded.owner",
             (session_id, owner),
+        )
+
+    def trained(self, session_id: str, update: int, run: str, at: float) -> str:
+        """Keep a session an online update took, under an archive id (``<id>#u<update>-<time>``, so an app
+        that reuses the id starts afresh), marked with the update and run folder; returns the archive id."""
+        archive = f"{session_id}#u{update}-{at:.3f}"
+
+        def op(conn: sqlite3.Connection) -> tuple[None, list[str]]:
+            for table in ("sessions", "session_calls", "session_owners"):
+                conn.execute(f"UPDATE {table} SET session_id=? WHERE session_id=?", (archive, session_id))
+            conn.execute(
+                "INSERT OR REPLACE INTO session_trained(session_id, update_index, run, trained_at) "
+                "VALUES(?, ?, ?, ?)",
+                (archive, update, run, at),
+            )
+            return None, []
+
+        self._add(self.store.submit(op))
+        return archive
+
+    def update_outcome(self, update: int, run: str, outcome: str, version: int | None = None) -> None:
+        """Record what became of update ``update`` of ``run``: ``promoted`` (as ``version``), ``rejected``
+        or ``failed``."""
+        self._queue(
+            "UPDATE session_trained SET outcome=?, version=? WHERE update_index=? AND run=?",
+            (outcome, version, update, run),
         )
 
     def drop(self, session_id: str) -> None:

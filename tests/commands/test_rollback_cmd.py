@@ -9,6 +9,7 @@ real admin routes over a stand-in for the online trainer.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,33 @@ class Control:
         self.rollbacks: list[int] = []
 
     def versions(self) -> dict[str, Any]:
-        return {"current": 1, "versions": [{"version": 0}, {"version": 1}], "history": []}
+        t = 1_790_000_000.0
+        return {
+            "current": 1,
+            "versions": [{"version": 0, "score": 0.5, "step": 0, "time": t},
+                         {"version": 1, "score": 0.625, "step": 2, "time": t + 60}],
+            "history": [
+                {"time": t, "kind": "baseline", "version": 0, "score": 0.5},
+                {"time": t + 30, "kind": "refused", "step": 1, "score": 0.1, "baseline": 0.5, "margin": 0.05,
+                 "serving": 0},
+                {"time": t + 60, "kind": "promoted", "version": 1, "step": 2, "score": 0.625, "baseline": 0.5,
+                 "margin": 0.05},
+            ],
+            "updates": 2, "updates_failed": 0, "sessions_trained": 8, "sessions_dropped_untrained": 1,
+        }  # fmt: skip
 
     async def rollback(self, version: int) -> dict[str, Any]:
         self.rollbacks.append(version)
-        return {"current": version}
+        return {"current": version, "from": 1}
 
 
 def _printed(capsys: pytest.CaptureFixture[str]) -> Any:
-    out = capsys.readouterr().out  # the server's log lines too: the command prints indented JSON
+    out = capsys.readouterr().out  # the server's log lines too: --json prints indented JSON
     return json.loads(out[out.index("{\n") :])
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 async def _rollback(*argv: str) -> int:
@@ -58,13 +76,31 @@ async def test_rollback_sends_the_admin_key(
     control = Control()
     async with Proxy(EchoEngine(tokenizer), MemoryStore(), api_key=APP, admin_key=ADMIN) as proxy:
         add_admin_routes(proxy.app, control, proxy.admin_key, bound_host=proxy.host)
-        url = ["--url", proxy.url]
+        url = ["--url", proxy.session_base_url]  # the banner's base URL (.../v1) works as the address
         with anyio.fail_after(60):
             assert await _rollback(*url, "--to", "0", "--admin-key-file", str(tmp_path / "admin.key")) == 0
-            assert _printed(capsys) == {"current": 0}
+            assert "serving version 0 (was 1)\n" in capsys.readouterr().out
             monkeypatch.setenv("AGENTLOOP_ADMIN_KEY", ADMIN)
-            assert await _rollback(*url, "--list") == 0
+            assert await _rollback(*url, "--list", "--json") == 0
             assert _printed(capsys)["current"] == 1
+            assert await _rollback("--url", proxy.url + "/", "--list") == 0  # a human table
+            out = capsys.readouterr().out
+            t = 1_790_000_000.0
+            table = [
+                "serving version 1; 2 updates (0 failed), 8 sessions trained on, 1 dropped untrained",
+                "  version   score  update  promoted at",
+                f"        0   0.500       -  {_when(t)}",
+                f"*       1   0.625       2  {_when(t + 60)}",
+                "log:",
+                f"  {_when(t)}  baseline  version 0 scored 0.500",
+                f"  {_when(t + 30)}  refused   update 1 refused: score 0.100 below best 0.500 - margin 0.05; "
+                "version 0 kept",
+                f"  {_when(t + 60)}  promoted  update 2 became version 1: score 0.625 (best so far 0.500, margin 0.05)",
+            ]
+            assert "\n".join(table) + "\n" in out, out
+            assert "{" not in out.split(table[0])[1]  # no raw JSON
+            with pytest.raises(UsageError, match="--url must be an http"):
+                await _rollback("--url", "127.0.0.1:8000", "--list")
             monkeypatch.delenv("AGENTLOOP_ADMIN_KEY")
             with pytest.raises(UsageError, match="answered 401: missing or wrong admin key"):
                 await _rollback(*url, "--to", "0")

@@ -53,6 +53,24 @@ def test_folder_without_config(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
+def test_a_run_folder_resolves_to_its_final_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 46: ``serve --model RUN`` gave a tokenizer error; the run's config.json is the trainer's."""
+    import json
+    import shutil
+
+    run = tmp_path / "runs" / "job"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"actor_rollout_ref": {"model": {"path": "x"}}}))
+    (run / "run.json").write_text("{}")
+    with pytest.raises(ModelResolutionError, match="run folder without final_model/"):
+        resolve_model(str(run))
+    shutil.copytree(tiny_model_dir, run / "final_model")
+    assert resolve_model(str(run)) == run / "final_model"
+    # a model folder that also has a run.json (its config names a model_type) stays a model folder
+    (run / "final_model" / "run.json").write_text("{}")
+    assert resolve_model(str(run / "final_model")) == run / "final_model"
+
+
 def test_unreachable_hub_says_so() -> None:
     with pytest.raises(ModelResolutionError, match="hub"):
         resolve_model("nobody-here/no-such-model-for-agentloop")

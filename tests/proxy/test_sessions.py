@@ -134,6 +134,46 @@ async def test_over_context_session_calls_are_not_kept_and_dropped_sessions_take
     assert read_saved_sessions(tmp_path / "serve.db")[1] == []  # the taken session does not come back
 
 
+def test_a_session_taken_for_training_stays_in_the_store_marked_and_never_comes_back(tmp_path: Path) -> None:
+    """Issue 46: sessions ``serve --train`` trained on stay in the store for audit, marked with the run,
+    the update and its outcome, under an archive id; a restarted table does not train on them again, and
+    an app that reuses the id starts a fresh session."""
+    clock, dropped, path = Clock(), list[str](), tmp_path / "s.db"
+    with _journal(path) as journal:
+        table = SessionTable(journal=journal, clock=clock)
+        table.on_drop = dropped.append
+        table.add_call("s1", _call(text="first"), owner="fp1")
+        table.add_call("s1", _call(text="second"), owner="fp1")
+        table.add_reward("s1", Reward(value=1.0), owner="fp1")
+        table.add_call("s2", _call(text="other"))
+        table.add_reward("s2", Reward(value=0.0))
+        taken = table.take_for_training("s1", update=3, run="/runs/online/a")
+        assert taken is not None and len(taken.calls) == 2 and "s1" not in table
+        assert table.take_for_training("s2", update=3, run="/runs/online/a") is not None
+        assert table.take_for_training("gone", update=3, run="/runs/online/a") is None
+        assert dropped == []  # used, not lost
+        journal.update_outcome(3, "/runs/online/a", "promoted", version=2)
+        journal.update_outcome(3, "/runs/online/other", "rejected")  # another run's update 3: not these
+        table.add_call("s1", _call(text="a new conversation"))  # the app reuses the id
+        journal.flush_sync()
+    _, saved = read_saved_sessions(path)
+    by_id = {s.session_id.partition("#")[0]: s for s in saved if s.trained is not None}
+    assert sorted(by_id) == ["s1", "s2"] and all(
+        s.session_id.startswith(("s1#u3-", "s2#u3-")) for s in saved if s.trained
+    )
+    old = by_id["s1"]
+    assert [c.messages[-1]["content"] for c in old.calls] == ["first", "second"]
+    assert old.total_reward == 1.0 and old.owner == "fp1"
+    assert old.trained is not None and (old.trained.update, old.trained.run) == (3, "/runs/online/a")
+    assert (old.trained.outcome, old.trained.version, old.trained.at) == ("promoted", 2, clock.now)
+    [fresh] = [s for s in saved if s.trained is None]
+    assert fresh.session_id == "s1" and [c.messages[-1]["content"] for c in fresh.calls] == [
+        "a new conversation"
+    ]
+    with _journal(path) as journal:  # a restart: only the untrained session is live
+        assert SessionTable(journal=journal, clock=clock).ids() == ["s1"]
+
+
 def test_ttl_drops_idle_sessions_now_and_on_restart(tmp_path: Path) -> None:
     clock, dropped, path = Clock(), list[str](), tmp_path / "s.db"
     with _journal(path) as journal:

@@ -25,7 +25,7 @@ from agentloop.engine.torch_engine import TorchEngine
 from agentloop.errors import ConfigError
 from agentloop.proxy.admin import add_admin_routes
 from agentloop.proxy.server import Proxy
-from agentloop.proxy.sessions import SessionRecord
+from agentloop.proxy.sessions import SessionRecord, read_saved_sessions
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import LLMCall, Reward
 from trainer.algorithms import GROUP_ESTIMATORS
@@ -168,6 +168,15 @@ async def test_sessions_train_the_gate_promotes_or_refuses_and_rollback_restores
             "refused",
             "rollback",
         ]
+        await proxy.sessions.journal.flush()  # type: ignore[union-attr]
+        trained = {  # the store keeps what each update trained on (issue 46): id -> (update, outcome)
+            s.session_id.partition("#")[0]: (s.trained.update, s.trained.outcome, s.trained.version)
+            for s in read_saved_sessions(tmp_path / "serve.db")[1]
+            if s.trained is not None and s.trained.run == str(trainer.run_dir)
+        }
+        assert trained == {
+            "s1": (1, "promoted", 1), "s2": (1, "promoted", 1), "s3": (2, "rejected", None), "s4": (2, "rejected", None)
+        }  # fmt: skip
         proxy.sessions.ttl_s = 1e-6  # the unrewarded session expires: it is counted, never trained on
         assert "no-reward" not in proxy.sessions and trainer.sessions_dropped_untrained == 1
     finally:

@@ -18,6 +18,7 @@ import pytest
 
 from agentloop.engine.torch_engine import TorchEngine
 from agentloop.proxy.server import Proxy
+from agentloop.proxy.sessions import read_saved_sessions
 from agentloop.store.sqlite import SQLiteStore
 from trainer.online import OnlineTrainer, online_trainer_config
 
@@ -77,6 +78,13 @@ async def test_a_failed_update_is_counted_and_the_server_keeps_serving(
             # run() returned after the real update (max_updates=1), not with the failure
         assert trainer.updates == 1 and trainer.versions()["updates_failed"] == 1
         assert trainer.sessions_trained == 2
+        await proxy.sessions.journal.flush()  # type: ignore[union-attr]
+        outcomes = {
+            s.session_id.partition("#")[0]: (s.trained.update, s.trained.outcome, s.trained.version)
+            for s in read_saved_sessions(tmp_path / "serve.db")[1]
+            if s.trained is not None
+        }
+        assert outcomes == {"s1": (1, "failed", None), "s2": (2, "promoted", 1)}  # kept, marked (issue 46)
     finally:
         await trainer.close()
         await proxy.stop()
