@@ -43,7 +43,11 @@ harnesses: $(STAMP)
 # Strands and AutoGen pin what the test venv cannot hold (pyproject says which): each gets a virtualenv of its
 # own, .venv/frameworks/<name>, at exact versions, and its test runs the agent there as a subprocess
 # (tests/integrations/side_agents.py). set -f: the extras' brackets are not globs.
-SIDE_FRAMEWORKS := strands:strands-agents[openai]==1.62.0 autogen:autogen-agentchat==0.7.5,autogen-ext[openai]==0.7.5
+# verifiers 0.4.0 pins mcp==2.0.0 and openai<3 (the venv: mcp<2, openai 3): its venv holds agentloop itself (-e .,
+# without the mcp extra) so that `agentloop train` runs verifiers environments there (integrations/verifiers.py);
+# uv runs verifiers' harness programs (PEP 723 scripts).
+SIDE_FRAMEWORKS := strands:strands-agents[openai]==1.62.0 autogen:autogen-agentchat==0.7.5,autogen-ext[openai]==0.7.5 \
+	verifiers:-e,.,torch==2.13.0,verifiers==0.4.0,uv==0.13.9
 frameworks: $(STAMP)
 	timeout 900 $(BIN)/pip install -q -e '.[frameworks]' torch==2.13.0 || echo "frameworks: pip install failed: their tests skip"
 	set -f; for side in $(SIDE_FRAMEWORKS); do name=$${side%%:*}; dir=$(VENV)/frameworks/$$name; \

@@ -41,6 +41,7 @@ from agentloop.cli import UsageError, plural
 from agentloop.commands.runner import load_object
 
 JOB_KEYS = ("agent", "train_data", "val_data", "reward")
+VERIFIERS = "verifiers:"  # agent: verifiers:SPEC, a verifiers environment (integrations/verifiers.py)
 # TrainerConfig's top-level sections, named here so that `agentloop train --help` does not import torch;
 # tests/commands/test_train_cmd.py checks this list against TrainerConfig.
 CONFIG_SECTIONS = ("algorithm", "data", "actor_rollout_ref", "critic", "trainer", "adapter", "placement")
@@ -48,7 +49,8 @@ CONFIG_SECTIONS = ("algorithm", "data", "actor_rollout_ref", "critic", "trainer"
 EPILOG = f"""\
 The job file (every path in it is relative to the file):
 
-  agent: agent.py:agent                 # file.py:name or package.module:name
+  agent: agent.py:agent                 # file.py:name or package.module:name; verifiers:MODULE[:name] for a
+                                        # verifiers environment (then train_data defaults to its tasks)
   train_data: train.jsonl               # JSONL of tasks, or module:name (a list or a function)
   val_data: val.jsonl                   # optional
   data: {{train_batch_size: 8}}           # the trainer's config sections, verl keys:
@@ -237,9 +239,10 @@ def resolve_paths(doc: dict[str, Any], base: Path) -> dict[str, Any]:
     out = dict(doc)
     agent = out.get("agent")
     if isinstance(agent, str):
-        file, sep, attr = agent.rpartition(":")
+        prefix = VERIFIERS if agent.startswith(VERIFIERS) else ""
+        file, sep, attr = agent.removeprefix(prefix).rpartition(":")
         if sep and file.endswith(".py"):
-            out["agent"] = f"{_resolve(file, base, always=True)}:{attr}"
+            out["agent"] = f"{prefix}{_resolve(file, base, always=True)}:{attr}"
     for key in ("train_data", "val_data"):
         spec = out.get(key)
         if isinstance(spec, str) and (_looks_like_path(spec) or "/" in spec or (base / spec).exists()):
@@ -355,7 +358,8 @@ def load_job(
     if run is not None and not run.get("default_local_dir"):  # the job's own folder, not the cwd's runs/
         name = run.get("experiment_name") or path.stem
         doc["trainer"] = {**run, "default_local_dir": str(path.resolve().parent / "runs" / str(name))}
-    for key in ("agent", "train_data"):
+    from_env = isinstance(doc.get("agent"), str) and doc["agent"].strip().startswith(VERIFIERS)
+    for key in ("agent",) if from_env else ("agent", "train_data"):
         if not isinstance(doc.get(key), str) or not doc[key].strip():
             raise UsageError(f"{path}: '{key}' is required and must be a string (see agentloop train --help)")
     if doc.get("val_data") is not None and not isinstance(doc["val_data"], str):
@@ -374,10 +378,37 @@ def load_job(
             raise UsageError(f"actor_rollout_ref.model.path: {exc}") from None
     base = path.resolve().parent
     reward = load_reward(doc.get("reward"), path, base)
+    if from_env:
+        return Job(*_verifiers_job(doc, base), config=config, reward=reward)
+    for key in ("train_data", "val_data"):
+        if str(doc.get(key) or "").strip().startswith(VERIFIERS):
+            raise UsageError(f"{path}: '{key}: {doc[key]}' takes its tasks from a verifiers environment, so "
+                             f"'agent' must name one (agent: verifiers:MODULE), got {doc['agent']!r}")  # fmt: skip
     agent = load_object(doc["agent"], "agent", base=base)
     train = load_tasks(doc["train_data"], "train_data", base)
     val = load_tasks(doc["val_data"], "val_data", base) if doc.get("val_data") else None
     return Job(agent=agent, train=train, val=val, config=config, reward=reward)
+
+
+def _verifiers_job(doc: dict[str, Any], base: Path) -> tuple[Any, list[Any], list[Any] | None]:
+    """``agent: verifiers:SPEC`` (integrations/verifiers.py): the environment's agent and, where
+    ``train_data``/``val_data`` are omitted or ``verifiers:``, the environment's own tasks."""
+    try:
+        from integrations.verifiers import VerifiersAgent, train_tasks, val_tasks
+
+        agent = VerifiersAgent(doc["agent"], base=base)
+    except (ImportError, ValueError) as exc:  # ImportObjectError is an ImportError, ConfigError a ValueError
+        raise UsageError(f"agent: {doc['agent']}: {exc}") from None
+    tasks: dict[str, list[Any] | None] = {}
+    for key, own in (("train_data", train_tasks), ("val_data", val_tasks)):
+        spec = doc.get(key)
+        if spec is None or str(spec).strip() == VERIFIERS:
+            tasks[key] = own(agent.env)
+        else:
+            tasks[key] = load_tasks(spec, key, base)
+    if not tasks["train_data"]:
+        raise UsageError(f"agent: {doc['agent']}: the environment's taskset holds no tasks")
+    return agent, tasks["train_data"] or [], tasks["val_data"]
 
 
 def run(args: argparse.Namespace) -> int:
