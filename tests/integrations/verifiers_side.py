@@ -1,0 +1,126 @@
+"""One verifiers episode end to end, run with the python of ``.venv/frameworks/verifiers`` (verifiers 0.4.0 and
+agentloop installed together: verifiers pins what the test venv cannot hold). test_verifiers.py runs it as a
+subprocess and checks the JSON line it prints.
+
+    python verifiers_side.py '{"env": "vf_arith", "model": MODEL_DIR, "engine": "torch" | "script"}'
+
+A real Proxy and MemoryStore, the tiny model in a TorchEngine (``torch``) or the tiny model's tokenizer in a
+scripted EchoEngine that calls the env's tool once and then answers (``script``), and a Runner playing one
+attempt of the env's first task with ``integrations.verifiers.VerifiersAgent``. Printed: the attempt's status,
+its reward, the reward the env's rubric gives the recorded completion (recomputed here from the token ids the
+proxy recorded), each LLM call's ids, and the merged training sample's mask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "verifiers_envs")]
+
+MAX_TOKENS = {
+    "torch": 24,
+    "script": 128,
+}  # the random model's replies stay short; the script's tool call fits
+
+
+def script_reply(tokenizer: Any, task: dict[str, Any]) -> Any:
+    """The model's part for the tool env: call multiply, then (once its result is in the prompt) answer."""
+    a, b = (int(x) for x in task["prompt"].removeprefix("What is ").removesuffix("?").split(" * "))
+    product = str(a * b)
+    # verifiers' chat program names an MCP tool <server>_<tool>: the model sees `calc_multiply`
+    call = json.dumps({"name": "calc_multiply", "arguments": {"a": a, "b": b}})
+
+    def reply(ids: list[int], _: Any) -> str:
+        after_call = tokenizer.decode(ids).rpartition("</tool_call>")[2]  # the tool's result, once it came
+        return product if product in after_call else f"<tool_call>\n{call}\n</tool_call>"
+
+    return reply
+
+
+async def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from agentloop.adapter import merge_turns, spans_to_triplets
+    from agentloop.proxy.server import Proxy
+    from agentloop.resources import Resources
+    from agentloop.runner import Runner
+    from agentloop.store.memory import MemoryStore
+    from agentloop.types import LLMCall
+    from integrations.verifiers import VerifiersAgent, train_tasks
+
+    agent = VerifiersAgent(
+        f"{cfg['env']}:ENV", sampling={"max_tokens": MAX_TOKENS[cfg["engine"]], "temperature": 1.0}
+    )
+    task = train_tasks(agent.env, limit=1)[0]
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+    if cfg["engine"] == "torch":
+        from agentloop.engine.torch_engine import TorchEngine
+
+        engine: Any = TorchEngine(cfg["model"], max_context=2048, max_batch_size=2)
+    else:
+        from tests.proxy.engines import EchoEngine
+
+        engine = EchoEngine(tokenizer, reply=script_reply(tokenizer, task), max_context=4096)
+    store = MemoryStore()
+    proxy = Proxy(engine, store)
+    await proxy.start()
+    try:
+        await store.add_resources(Resources(items={"main_llm": proxy.as_resource("tiny")}))
+        rollout = await store.enqueue_rollout(task)
+        attempted: list[Any] = []
+        stats = await asyncio.wait_for(Runner(agent, store).run(max_rollouts=1), 300)
+        done = await store.get_rollout(rollout.rollout_id)
+        spans = await store.query_spans(rollout.rollout_id)
+        spans_all = spans
+        error = None
+        for span in spans_all:
+            attempted.append(span.attempt_id)
+        if attempted:
+            error = (await store.get_attempt(rollout.rollout_id, attempted[-1])).error
+    finally:
+        await proxy.stop()
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+    calls = [s.payload for s in spans if isinstance(s.payload, LLMCall)]
+    last = tokenizer.decode(calls[-1].response_ids, skip_special_tokens=True) if calls else ""
+    # the env's own reward method on the completion the proxy recorded
+    module = __import__(cfg["env"])
+    rubric = float(module.last_number(last) == task["answer"])
+    merged = merge_turns(spans_to_triplets(spans, rollout=done).triplets)
+    return {
+        "status": str(done.status),
+        "stats": vars(stats),
+        "reward": [t.reward for t in merged],
+        "rubric_correct": rubric,
+        "last_text": last,
+        "answer": task["answer"],
+        "error": error.model_dump() if error is not None else None,
+        "calls": [
+            {
+                "prompt_ids": c.prompt_ids,
+                "response_ids": c.response_ids,
+                "logprobs": len(c.response_logprobs or []),
+                "error": c.error,
+                "ledger_break": c.ledger_break,
+            }
+            for c in calls
+        ],
+        "engine_calls": [
+            {"prompt_ids": e.prompt_ids, "response_ids": e.output.token_ids}
+            for e in getattr(engine, "calls", [])
+            if e.output is not None
+        ],
+        "merged": [
+            {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "mask": t.response_mask}
+            for t in merged
+        ],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(json.loads(sys.argv[1]))), default=str))
