@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from agentloop._version import __version__
 from agentloop.errors import (
     AgentError,
     AgentLoopError,
@@ -73,7 +74,6 @@ if TYPE_CHECKING:  # the real names for type checkers and IDEs; at run time __ge
         Triplet,
     )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "LLM",

@@ -12,7 +12,8 @@ Every subcommand gets three things from :func:`main`:
 - **Clean stops.** Ctrl-C or SIGTERM lets the command clean up without logging, prints
   ``agentloop CMD: stopped by SIGINT`` and exits 130 (SIGTERM: 143); a second signal exits at once.
 
-``--debug``, ``-v`` and ``--log-format`` are accepted before or after the command name.
+``--debug``, ``-v`` and ``--log-format`` are accepted before or after the command name;
+``agentloop --version`` (or ``agentloop version``) prints ``agentloop <version>``.
 """
 
 from __future__ import annotations
@@ -28,23 +29,14 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-import agentloop
-from agentloop.errors import AgentLoopError
+from agentloop._version import __version__
+from agentloop.errors import AgentLoopError, UsageError  # also agentloop.cli.UsageError, as before
 
 Command = Callable[[argparse.Namespace], int]
 
 
-class UsageError(ValueError):
-    """A mistake in what the user gave a command; the message says what came and how to fix it."""
-
-
-def plural(n: int, word: str) -> str:
-    """``1 step``, ``2 steps``, ``0 steps``: a count with its noun (nouns that take an s)."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _version(_: argparse.Namespace) -> int:
-    sys.stdout.write(f"agentloop {agentloop.__version__}\n")
+    sys.stdout.write(f"agentloop {__version__}\n")
     return 0
 
 
@@ -75,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the model behind your agents with RL, keeping the exact tokens it produced.",
         epilog="COMMAND --help shows a command's options; --debug and -v also work after the command.",
     )
+    parser.add_argument("--version", action="version", version=f"agentloop {__version__}")
     _add_global_flags(parser, default=False)
     parser.set_defaults(log_format=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -29,6 +29,15 @@
         └── SandboxArgumentError     a bad argument: command, env, timeout, workspace path (also a ValueError)
 
 Validation errors on public calls are pydantic's ``ValidationError``; they name the field.
+
+Beside the tree, for the ``agentloop`` command only::
+
+    ValueError
+    └── UsageError               a mistake in what the user gave a command (argument, job file, path,
+                                 import); agentloop/cli.py prints it in one line and exits 2
+
+``UsageError`` is not an ``AgentLoopError`` and not in ``__all__`` (not part of ``import agentloop``'s
+API); the commands raise it, and ``agentloop.cli.UsageError`` is the same class.
 """
 
 from __future__ import annotations
@@ -171,3 +180,7 @@ class SandboxUnavailableError(SandboxError):
 
 class SandboxArgumentError(SandboxError, ValueError):
     """An argument to a sandbox call is not valid; the message says what was expected and what came."""
+
+
+class UsageError(ValueError):
+    """A mistake in what the user gave a command; the message says what came and how to fix it."""

@@ -46,6 +46,7 @@ from trainer.config import TrainerConfig
 from trainer.critic import Critic
 from trainer.hidden import HeadJob, head_shortcut_is_exact, response_logprobs, shared_prompt_is_exact
 from trainer.old_logprobs import from_the_loss, old_logprobs
+from trainer.policy_model import load_policy
 from trainer.rollout_correction import rollout_correction
 from trainer.splits import micro_batches_with_rows, split_by_groups
 
@@ -59,18 +60,6 @@ def resolve_device(name: str) -> torch.device:
     from agentloop.device import pick_device
 
     return torch.device(pick_device(name, check=False))
-
-
-def load_policy(path: str | Path, device: torch.device) -> nn.Module:
-    """A causal LM from a Hugging Face folder with fp32 master weights (bf16 compute comes from autocast:
-    AdamW steps of ~1e-6 would vanish in bf16 weights)."""
-    from transformers import AutoModelForCausalLM
-
-    if not Path(path).exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a Hugging Face model folder")
-    # nn.Module: transformers types its wrapped .to() as taking the model itself
-    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.to(device)
 
 
 class Actor:

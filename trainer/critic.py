@@ -29,6 +29,7 @@ from trainer.algorithms import explained_variance, loss_denominator, masked_mean
 from trainer.batch import Batch
 from trainer.config import TrainerConfig
 from trainer.hidden import shared_prompt_hidden
+from trainer.policy_model import load_policy
 from trainer.splits import micro_batches_with_rows, split_by_groups
 
 _LOSS_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -75,8 +76,6 @@ class ValueModel(nn.Module):
 
 def load_value_model(path: str | Path, device: torch.device) -> ValueModel:
     """The value model on ``path``'s causal LM (its LM head is dropped), in float32 on ``device``."""
-    from trainer.actor import load_policy
-
     lm = load_policy(path, device)
     model = ValueModel(lm).to(device)
     del lm  # the LM head is not part of the value model

@@ -110,6 +110,14 @@ from trainer._tool_tasks import (
     task_messages,
     well_formed_calls,
 )
+from trainer.demo_run import (
+    add_async_options,
+    check_async_options,
+    fit_and_save,
+    grpo_config,
+    mean_timings,
+    new_run_dir,
+)
 
 log = structlog.get_logger("agentloop.demo_tools")
 
@@ -297,16 +305,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=1,
         help="steps that train only the critic first (--estimator gae)",
     )
-    from trainer.demo import add_async_options
-
     add_async_options(p)
     return p
 
 
 def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
     """trainer.demo's GRPO recipe, sized for multi-turn attempts (verl keys)."""
-    from trainer.demo import grpo_config
-
     config = grpo_config(args, run_dir, model_path)
     # A merged sample's response holds every turn plus the tool turns between them (masked):
     # per tool turn ~12 template tokens + the result (<= 100 chars). Nothing gets near the cap.
@@ -337,8 +341,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-turns must be >= 2 (a tool call, then the answer), got {args.max_turns}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
-    from trainer.demo import check_async_options
-
     check_async_options(args)
     if not 0.0 <= args.call_bonus < 1.0:
         raise ValueError(f"--call-bonus must be in [0, 1), got {args.call_bonus}")
@@ -348,8 +350,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Train, evaluate before/after, save the final weights and write the report; returns the summary."""
-    from trainer.demo import _mean_timings, fit_and_save, new_run_dir
-
     _check_args(args)
     t_start = time.perf_counter()
     run_dir = new_run_dir(args, "demo-tools")
@@ -385,7 +385,7 @@ def run_tools_demo(args: argparse.Namespace) -> dict[str, Any]:
         "wall_minutes": wall_s / 60,
         "load_s": load_s,
         "fit_s": fit_s,
-        "timing": _mean_timings(result.history),
+        "timing": mean_timings(result.history),
         "settings": {k: v for k, v in vars(args).items() if k not in ("func", "command")},
         "prompt": SYSTEM_PROMPT,
         "agent": asdict(settings),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentloop.cli import UsageError
+from agentloop.errors import UsageError
 
 MARKER = "store_bench.py"  # a folder holding this script is a benchmarks/ folder
 

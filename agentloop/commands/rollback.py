@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentloop.cli import UsageError
+from agentloop.errors import UsageError
 
 KEY_ENV = "AGENTLOOP_ADMIN_KEY"
 

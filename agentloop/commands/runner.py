@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop import event_loop
-from agentloop.cli import UsageError
-from agentloop.errors import ImportObjectError
+from agentloop.errors import ImportObjectError, UsageError
 from agentloop.importing import import_object
 
 

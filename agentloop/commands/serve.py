@@ -14,7 +14,7 @@ import anyio
 from pydantic import SecretStr
 
 from agentloop import event_loop
-from agentloop.cli import UsageError
+from agentloop.errors import UsageError
 
 KEY_ENV = "AGENTLOOP_PROXY_API_KEY"  # an app key
 ADMIN_KEY_ENV = "AGENTLOOP_ADMIN_KEY"

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from agentloop.cli import UsageError, plural
-from agentloop.commands.train import CONFIG_SECTIONS, JOB_KEYS, apply_overrides, resolve_paths
+from agentloop.commands.train import CONFIG_SECTIONS, JOB_KEYS, apply_overrides, plural, resolve_paths
+from agentloop.errors import UsageError
 
 EPILOG = """\
 The config file (paths relative to it; every key optional):

@@ -37,8 +37,8 @@ from typing import Any
 
 import yaml
 
-from agentloop.cli import UsageError, plural
 from agentloop.commands.runner import load_object
+from agentloop.errors import UsageError
 
 JOB_KEYS = ("agent", "train_data", "val_data", "reward")
 VERIFIERS = "verifiers:"  # agent: verifiers:SPEC, a verifiers environment (integrations/verifiers.py)
@@ -71,6 +71,11 @@ are named and nothing starts: --resume-with-changes continues that run with them
 
 # How the trainer's run-folder errors name the two ways on (trainer/checkpoint.py plan_run).
 RUN_OPTIONS = {"resume": "--resume-with-changes", "new_folder": "--fresh"}
+
+
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``2 steps``, ``0 steps``: a count with its noun (nouns that take an s)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -14,18 +14,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 
 from agentloop.errors import JudgeError
+from agentloop.judge.cache import Verdict
 from agentloop.judge.prompt import trajectory_messages
 from agentloop.logging import get_logger
 from agentloop.resources import LLM
 from agentloop.types import LLMCall, Reward, RolloutStatus, Span
 
 if TYPE_CHECKING:
-    from agentloop.judge.reward import RewardJudge
     from agentloop.store.base import Store
 
 log = get_logger("agentloop.judge")
@@ -35,8 +35,27 @@ __all__ = ["judge_rollouts"]
 _Member = tuple[Any, str, list[Span]]  # (task, attempt id, the attempt's spans)
 
 
+class GroupJudge(Protocol):
+    """What ``judge_rollouts`` needs of a judge: ``RewardJudge`` (``agentloop.judge.reward``, which
+    imports this module) is one."""
+
+    name: str  # the Reward span name the scores are written under
+    concurrency: int  # groups judged at once
+    on_failure: Literal["raise", "skip"]
+    requests: int  # requests sent so far (retries included)
+
+    async def judge(
+        self,
+        task: Any,
+        trajectories: Sequence[Sequence[dict[str, Any]]],
+        *,
+        llm: LLM | None = None,
+        version: Any = None,
+    ) -> Verdict: ...
+
+
 async def judge_rollouts(
-    judge: RewardJudge,
+    judge: GroupJudge,
     store: Store,
     rollout_ids: Sequence[str],
     *,

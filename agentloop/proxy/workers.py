@@ -17,7 +17,7 @@ the workers' URL templates, and each rollout's calls go to the worker its rollou
 
 A worker that dies is started again on its port (its in-flight calls fail; the engine aborts them
 when the worker's connection closes); workers exit when the proxy process's engine link closes,
-so none outlives a proxy that was killed.
+so none outlives a proxy that was killed. A worker process runs ``agentloop.proxy.worker_process``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import structlog
 from pydantic import SecretStr
 
 from agentloop.engine.base import InferenceEngine
-from agentloop.engine.link import EngineHost, RemoteEngine
+from agentloop.engine.link import EngineHost
 from agentloop.http_limits import HttpLimits
 from agentloop.store.base import Store
 from agentloop.store.sqlite import SQLiteStore
@@ -140,12 +139,12 @@ class ProxyWorkers:
         return self.ports
 
     async def _spawn(self, spec: WorkerSpec) -> tuple[subprocess.Popen[bytes], WorkerSpec]:
-        """Start one worker (``python -m agentloop.proxy.workers``: a fresh interpreter that never imports
+        """Start one worker (``python -m agentloop.proxy.worker_process``: a fresh interpreter that never imports
         the caller's ``__main__``, unlike multiprocessing's spawn) and wait for its port."""
         read_fd, write_fd = os.pipe()  # the worker's one line back: "ready PORT" or "error WHY"
         try:  # a session of its own: a Ctrl-C at the terminal reaches the proxy, which stops its workers
             proc = subprocess.Popen(
-                [sys.executable, "-m", "agentloop.proxy.workers", str(write_fd)],
+                [sys.executable, "-m", "agentloop.proxy.worker_process", str(write_fd)],
                 stdin=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True,
             )  # fmt: skip
         except BaseException:
@@ -222,54 +221,3 @@ def _end_all(procs: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(STOP_TIMEOUT_S)
-
-
-# ---------------------------------------------------------------- the worker process
-
-
-def worker_main(answer_fd: int) -> None:
-    """A worker process's entry point: its spec (JSON) on stdin; serves until SIGTERM or until the
-    engine link closes; "ready PORT" or "error WHY" goes back on ``answer_fd``."""
-    from agentloop.event_loop import run
-
-    spec = WorkerSpec.from_json(sys.stdin.buffer.read())
-    with os.fdopen(answer_fd, "wb", buffering=0) as answer:
-        try:
-            run(_serve, spec, answer)
-        except KeyboardInterrupt:
-            pass
-
-
-async def _serve(spec: WorkerSpec, answer: Any) -> None:
-    from transformers import AutoTokenizer
-
-    from agentloop.proxy.server import Proxy
-
-    try:
-        tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, spec.tokenizer_dir)
-        engine = RemoteEngine(spec.engine_socket, tokenizer, spec.max_context)
-        await engine.start()
-        store = SQLiteStore(spec.store_path)
-        proxy = Proxy(engine, store, spec.host, spec.port, record_sessions=False, **spec.proxy_kwargs)
-        await proxy.start()
-    except Exception as exc:
-        answer.write(f"error {type(exc).__name__}: {exc}".replace("\n", " ")[:2000].encode() + b"\n")
-        raise
-    answer.write(f"ready {proxy.port}\n".encode())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.closed.wait())]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
-    if engine.closed.is_set():
-        log.warning("proxy worker: the engine link closed; stopping", index=spec.index)
-    await proxy.stop()
-    await engine.stop()
-    await store.close()
-
-
-if __name__ == "__main__":
-    worker_main(int(sys.argv[1]))

@@ -31,26 +31,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from agentloop.logging import get_logger
+from agentloop.store.session_schema import SCHEMA  # noqa: F401  (agentloop.store.sessions.SCHEMA, as before)
 
 if TYPE_CHECKING:
     from agentloop.store.sqlite import SQLiteStore
 
 log = get_logger(__name__)
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    session_id TEXT PRIMARY KEY, created_at REAL NOT NULL, updated_at REAL NOT NULL,
-    rewards TEXT NOT NULL DEFAULT '[]') WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS session_calls (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, data BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS session_calls_by_session ON session_calls(session_id, id);
-CREATE TABLE IF NOT EXISTS session_owners (session_id TEXT PRIMARY KEY, owner TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS session_trained (
-    session_id TEXT PRIMARY KEY, update_index INTEGER NOT NULL, run TEXT NOT NULL, trained_at REAL NOT NULL,
-    outcome TEXT NOT NULL DEFAULT 'training', version INTEGER) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS session_trained_by_update ON session_trained(run, update_index);
-"""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from agentloop.resources import Resources, ResourcesLike
 from agentloop.store import state
 from agentloop.store._sqlite_thread import DURABLE, READ, WRITE, ConnectionThread, Op
 from agentloop.store.base import RolloutWaiter
-from agentloop.store.sessions import SCHEMA as SESSION_SCHEMA
+from agentloop.store.session_schema import SCHEMA as SESSION_SCHEMA
 from agentloop.store.state import (
     parse_error,
     parse_ids,

@@ -21,10 +21,12 @@ against it before anything is sent; a call never raises on a fault but returns a
 (``"Error: ..."``, ``metrics["error"]`` names the kind). One concept per module, every public name
 re-exported here:
 
-- ``mcp_connection``: ``StdioServer``, ``HttpServer``, ``MCPConnection`` (the session, its transport)
+- ``mcp_connection``: ``StdioServer``, ``HttpServer``, ``MCPSession`` (the session, its transport)
 - ``mcp_convert``: arguments against the ``inputSchema``, MCP results as ``ToolResult``
 - ``mcp_tool``: ``MCPTool`` (a ``BaseTool``: bound to a connection, or detached)
-- this module: ``mcp_tools`` and ``load_mcp_tools``, the two ways to hold a server
+- this module: ``mcp_tools`` and ``load_mcp_tools``, the two ways to hold a server, and
+  ``MCPConnection`` (an ``MCPSession`` whose ``tools()`` are bound to it: it makes ``MCPTool``s, which
+  open an ``MCPSession`` when detached, so it sits above both modules)
 - ``integrations.mcp``: the same tools for LangGraph agents (``langchain-mcp-adapters``)
 
 Traps: the session lives in a task of the ``async with``, hence the tools of ``mcp_tools`` are usable
@@ -42,8 +44,8 @@ from agentloop.tools.base import DEFAULT_TIMEOUT_S
 from agentloop.tools.mcp_connection import (
     DEFAULT_MAX_OUTPUT_CHARS,
     HttpServer,
-    MCPConnection,
     MCPServer,
+    MCPSession,
     StdioServer,
 )
 from agentloop.tools.mcp_convert import ERROR_META, check_arguments, result_from_mcp
@@ -62,6 +64,22 @@ __all__ = [
     "mcp_tools",
     "result_from_mcp",
 ]
+
+
+class MCPConnection(MCPSession):
+    """A live session with one MCP server that also makes its tools: ``async with MCPConnection(server)
+    as conn: conn.tools()`` (the session itself: ``MCPSession``, agentloop.tools.mcp_connection)."""
+
+    def tools(
+        self,
+        include: Sequence[str] | None = None,
+        *,
+        rename: Mapping[str, str] | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
+    ) -> list[MCPTool]:
+        """The server's tools bound to this session (``include``: only these, by MCP name)."""
+        return make_tools(self.listed, self.server, self, include, rename, timeout_s, max_output_chars)
 
 
 @asynccontextmanager

@@ -1,10 +1,12 @@
 """A live session with one MCP server (stdio or streamable HTTP), through the official ``mcp`` SDK.
 
-``StdioServer`` / ``HttpServer`` say where the server is; ``MCPConnection`` holds its session:
-``async with MCPConnection(server) as conn`` connects, initializes and lists the tools, and
-``conn.call_tool`` runs one tools/call with a deadline. A fault becomes ``CallFailed`` with a kind
-(``timeout``, ``connection_lost``, ``server_error``, ``invalid_output``) that the tool wrapper
-(``agentloop.tools.mcp_tool``) turns into an error result.
+``StdioServer`` / ``HttpServer`` say where the server is; ``MCPSession`` holds its session:
+``async with MCPSession(server) as conn`` connects, initializes and lists the tools, and
+``conn.call_tool`` runs one tools/call with a deadline. The public ``MCPConnection``
+(``agentloop.tools.mcp``) is an ``MCPSession`` that also makes its tools (``conn.tools()``), so it
+lives above ``agentloop.tools.mcp_tool``, whose detached tools open an ``MCPSession`` per call.
+A fault becomes ``CallFailed`` with a kind (``timeout``, ``connection_lost``, ``server_error``,
+``invalid_output``) that the tool wrapper (``agentloop.tools.mcp_tool``) turns into an error result.
 
 Traps: the session lives in a task owned by the connection (so a transport failure, which the SDK
 raises into its own task group, ends that task and never the caller's); a timed-out or cancelled call
@@ -18,10 +20,10 @@ only a minimal environment (the SDK's ``HOME``, ``PATH``, ...) plus ``StdioServe
 from __future__ import annotations
 
 import shlex
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
 import anyio
 import anyio.abc
@@ -31,19 +33,16 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from agentloop._version import __version__
 from agentloop.errors import ToolError
 from agentloop.logging import get_logger
-from agentloop.tools.base import DEFAULT_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from agentloop.tools.mcp_tool import MCPTool
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT_CHARS",
     "CallFailed",
     "HttpServer",
-    "MCPConnection",
     "MCPServer",
+    "MCPSession",
     "StdioServer",
     "describe_error",
     "short",
@@ -108,12 +107,12 @@ class CallFailed(Exception):
         self.kind = kind
 
 
-_CLIENT = types.Implementation(name="agentloop", version="0.1.0")  # what the server sees in initialize
+_CLIENT = types.Implementation(name="agentloop", version=__version__)  # what the server sees in initialize
 _LOST = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError, httpx.HTTPError)
 
 
-class MCPConnection:
-    """A live session with one MCP server: ``async with MCPConnection(server) as conn: conn.tools()``.
+class MCPSession:
+    """A live session with one MCP server: ``async with MCPSession(server) as conn: conn.listed``.
 
     The SDK's transport and ``ClientSession`` run in a task owned by this object (started in
     ``__aenter__``, which returns once the server answered ``initialize`` and listed its tools, or
@@ -142,9 +141,11 @@ class MCPConnection:
     def alive(self) -> bool:
         return self._session is not None
 
-    async def __aenter__(self) -> MCPConnection:
+    async def __aenter__(self) -> Self:
         if self._tg is not None:
-            raise ToolError(f"MCPConnection to {self.server.label!r} cannot be entered twice; make a new one")
+            raise ToolError(
+                f"{type(self).__name__} to {self.server.label!r} cannot be entered twice; make a new one"
+            )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -221,19 +222,6 @@ class MCPConnection:
         headers = {k: v.get_secret_value() for k, v in server.headers.items()}
         client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(30.0, read=300.0))
         return _http_transport(server.url, client)
-
-    def tools(
-        self,
-        include: Sequence[str] | None = None,
-        *,
-        rename: Mapping[str, str] | None = None,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
-        max_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
-    ) -> list[MCPTool]:
-        """The server's tools bound to this session (``include``: only these, by MCP name)."""
-        from agentloop.tools.mcp_tool import make_tools  # the tool module imports this one
-
-        return make_tools(self.listed, self.server, self, include, rename, timeout_s, max_output_chars)
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], *, timeout_s: float | None = None

@@ -25,8 +25,8 @@ from agentloop.tools.base import DEFAULT_TIMEOUT_S, BaseTool, ToolResult
 from agentloop.tools.mcp_connection import (
     DEFAULT_MAX_OUTPUT_CHARS,
     CallFailed,
-    MCPConnection,
     MCPServer,
+    MCPSession,
 )
 from agentloop.tools.mcp_convert import check_arguments, error_result, result_from_mcp, schema_validator
 from agentloop.tools.schema import decode_arguments
@@ -35,14 +35,14 @@ __all__ = ["MCPTool", "make_tools"]
 
 
 class MCPTool(BaseTool):
-    """One tool of an MCP server. Bound to an ``MCPConnection`` (``mcp_tools``), calls share its session;
-    detached (``load_mcp_tools``, or unpickled), each call opens a session of its own."""
+    """One tool of an MCP server. Bound to an ``MCPConnection`` (``mcp_tools``; any ``MCPSession``),
+    calls share its session; detached (``load_mcp_tools``, or unpickled), each call opens a session of its own."""
 
     def __init__(
         self,
         spec: types.Tool,
         server: MCPServer,
-        connection: MCPConnection | None = None,
+        connection: MCPSession | None = None,
         *,
         name: str | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
@@ -131,7 +131,7 @@ class MCPTool(BaseTool):
     async def _call_detached(self, args: dict[str, Any], timeout_s: float | None) -> types.CallToolResult:
         with anyio.move_on_after(timeout_s) as deadline:  # connecting counts in the call's time
             try:
-                async with MCPConnection(self.server) as conn:
+                async with MCPSession(self.server) as conn:
                     return await conn.call_tool(self.mcp_name, args)
             except ToolError as exc:
                 raise CallFailed("connection_lost", str(exc)) from None
@@ -150,7 +150,7 @@ _OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 def make_tools(
     listed: list[types.Tool],
     server: MCPServer,
-    connection: MCPConnection | None,
+    connection: MCPSession | None,
     include: Sequence[str] | None,
     rename: Mapping[str, str] | None,
     timeout_s: float | None,

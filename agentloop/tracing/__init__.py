@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from agentloop._version import __version__
 from agentloop.logging import get_logger
 from agentloop.tracing._spans import Job, emit
 
@@ -226,8 +227,6 @@ def configure(
         provider = tracer_provider
     else:
         provider = trace.get_tracer_provider()
-    from agentloop import __version__
-
     tracer = provider.get_tracer("agentloop", __version__)
     new = _Pipeline(tracer, provider, owned, bool(capture_content), float(timeout_s))
     with _lock:
