@@ -136,6 +136,9 @@ def child(folder: Path, t0: float) -> dict[str, Any]:
             cpu.setdefault(what, [start_cpu, tree_cpu_s()])
 
     rt.deadline = timed_deadline  # type: ignore[assignment]
+    import trainer.worker_loading as wl
+
+    wl.deadline = timed_deadline  # type: ignore[assignment]  # the worker's load, awaited where first needed
     init_ray = rt.init_ray
 
     def timed_init_ray(config: Any) -> Any:
@@ -143,8 +146,8 @@ def child(folder: Path, t0: float) -> dict[str, Any]:
         try:
             return init_ray(config)
         finally:
-            phases["ray.init"] = [round(start, 2), round(time.time() - t0, 2)]
-            cpu["ray.init"] = [start_cpu, tree_cpu_s()]
+            phases.setdefault("ray.init", [round(start, 2), round(time.time() - t0, 2)])
+            cpu.setdefault("ray.init", [start_cpu, tree_cpu_s()])
 
     rt.init_ray = timed_init_ray  # type: ignore[assignment]
     from agentloop.commands import train as train_cmd

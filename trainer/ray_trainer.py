@@ -63,6 +63,7 @@ from trainer.training_proxy import training_proxy as training_proxy
 from trainer.validation import validate as run_validation
 from trainer.worker import TrainerWorker
 from trainer.worker_checkpoints import resume, save_checkpoint, save_model
+from trainer.worker_loading import WorkerLoading
 
 log = structlog.get_logger("agentloop.trainer")
 
@@ -260,17 +261,22 @@ class Trainer:
 
                 tg.start_soon(load)
                 await anyio.sleep(0)  # the loading thread is running before ray.init holds this loop
-            # ray.init (seconds: its processes start) runs in this thread, as it must (signal handlers);
-            # the worker then loads its model in its own process while the engine thread loads ours
-            worker = layout.worker or _start_worker(cfg, str(model_path), device)
+            # ray.init (seconds: its processes start) runs in this thread, as it must (Ray's processes die
+            # with the thread that started them), while the engine thread loads our model. On a GPU the
+            # worker then loads its model in its own process alongside; on a CPU it starts once the engine
+            # is up (its load would slow the engine's, and the first rollouts need only the engine)
+            worker = layout.worker
+            if worker is None:
+                init_ray(cfg)
+                if device != "cpu":
+                    worker = _start_worker(cfg, str(model_path), device)
             if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
                 signal.signal(signal.SIGTERM, state.handler)
+        worker = worker or _start_worker(cfg, str(model_path), device)
         engine = engine or loaded.get("engine") or layout.engine
         _warn_if_policy_differs(engine, cfg.actor_rollout_ref.rollout.weight_update_policy)
-        if hasattr(worker, "ready"):
-            await deadline(
-                worker.ready.remote(), limits.engine_s, f"the trainer worker to load {model_path}", "engine_s"
-            )
+        # the worker loads while rollouts start: awaited before its first call (trainer/worker_loading.py)
+        loading = WorkerLoading(worker, limits.engine_s, f"the trainer worker to load {model_path}")
         ckpt = CheckpointManager(run_dir / "checkpoints")
         cursor = DataCursor(len(train), cfg.data.train_batch_size, cfg.trainer.seed)
         total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * cursor.batches_per_epoch
@@ -300,6 +306,8 @@ class Trainer:
         try:
             await deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
             self._served = (served_llm(proxy), engine)
+            if plan.checkpoint is not None:
+                worker = await loading.wait()
             step = await resume(cfg, ckpt, worker, engine, cursor, store, plan, sync=self._sync_weights)
             rollout_cfg = cfg.actor_rollout_ref.rollout
             sampling = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p}
@@ -353,6 +361,7 @@ class Trainer:
                     while len(pending) <= rollout_cfg.max_staleness and (step + len(pending) < total_steps):
                         pending.append(await enqueue_batch(cfg, store, train, cursor, step + len(pending)))
                     batch_info = pending.popleft()
+                    worker = await loading.wait()
                     metrics = await train_step(
                         store,
                         worker,
@@ -414,9 +423,11 @@ class Trainer:
                         "ignores cancellation?); raise trainer.timeouts.runner_s if it is only slow"
                     )
             result.steps = step
+            worker = await loading.wait()
             model_dir, adapter_dir = await save_model(cfg, worker, str(model_path), run_dir)
             result.model_dir, result.adapter_dir = model_dir, adapter_dir
         finally:
+            loading.close()
             metrics_log.close()
             with anyio.move_on_after(60, shield=True):  # also when a signal cancelled the run
                 await proxy.stop()
