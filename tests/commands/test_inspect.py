@@ -149,7 +149,8 @@ def test_the_store_agentloop_serve_wrote_opens(
     for target in (tmp_path, store_path):  # the folder serve ran in, or the file it printed
         code, out, err = _inspect(str(target), "--no-color", capsys=capsys)
         assert code == 0, err
-        assert "0 rollouts in" in out and f"2 app sessions in {log} (served model {model})" in out
+        assert "0 rollouts in" in out
+        assert f"2 app sessions in {log} (served model {model}; 0 trained on by serve --train)" in out
         assert f"trajectory of session {sid}" in out  # the rewarded session is shown by default
         assert out.count("[model]Paris is the capital.") == 2 and "[masked]" in out  # the user turn: masked
         assert "-> reward 0.75" in out
