@@ -203,6 +203,8 @@ def test_the_job_file_loads_as_written(job: str, tmp_path: Path, monkeypatch: py
     another working folder (its paths are relative to the file)."""
     from agentloop.commands.train import load_job
 
+    if "agent: verifiers:" in job:  # needs verifiers' own virtualenv: tests/integrations/test_verifiers.py
+        pytest.skip("a verifiers job loads only where verifiers 0.4.0 is installed (make frameworks)")
     folder = tmp_path / "capitals"
     folder.mkdir()
     (folder / "job.yaml").write_text(job)
