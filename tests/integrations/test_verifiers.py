@@ -118,3 +118,25 @@ def test_train_job_names_what_a_verifiers_agent_takes(tmp_path: Path) -> None:
     job.write_text("agent: 'verifiers:'\ntrain_data: tasks.jsonl\n")
     with pytest.raises(UsageError, match="verifiers"):
         load_job(job)
+
+
+@SKIP
+@pytest.mark.slow  # in test-slow, after make frameworks has made the venv (make test runs before it)
+@pytest.mark.e2e
+@pytest.mark.parametrize("job", ["arith_job.yaml", "calc_job.yaml"])
+def test_the_example_job_files_load_in_the_verifiers_venv(job: str, tmp_path: Path) -> None:
+    """``agentloop train``'s loader reads each example job in verifiers' virtualenv, from another folder:
+    the agent is a VerifiersAgent and the tasks are the environment's own (no train_data)."""
+    code = (
+        "import json, sys; from pathlib import Path; from agentloop.commands.train import load_job; "
+        "from integrations.verifiers import VerifiersAgent; j = load_job(Path(sys.argv[1])); "
+        "print(json.dumps({'agent': isinstance(j.agent, VerifiersAgent), 'tasks': len(j.train), "
+        "'steps': j.config.trainer.total_training_steps}))"
+    )
+    path = ROOT / "examples" / "verifiers_envs" / job
+    proc = subprocess.run(
+        [str(SIDE_PYTHON), "-c", code, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["agent"] and out["tasks"] > 0 and out["steps"] == 20
