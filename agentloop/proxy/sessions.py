@@ -242,11 +242,17 @@ class SessionTable:
 
     # ------------------------------------------------------------ bounds
 
-    def _remove(self, session_id: str) -> SessionRecord | None:
+    def _detach(self, session_id: str) -> SessionRecord | None:
+        """Take a session out of memory (the store is told by the caller)."""
         rec = self._sessions.pop(session_id, None)
+        if rec is not None:
+            self._bytes -= rec.nbytes
+        return rec
+
+    def _remove(self, session_id: str) -> SessionRecord | None:
+        rec = self._detach(session_id)
         if rec is None:
             return None
-        self._bytes -= rec.nbytes
         if self.journal is not None:
             self.journal.drop(session_id)
         if self.on_drop is not None:
@@ -390,10 +396,7 @@ class SessionTable:
         update and ``run`` folder, under an archive id (``SessionJournal.trained``). ``on_drop`` is not
         called: the session was used, not lost."""
         self._expire()
-        rec = self._sessions.pop(session_id, None)
-        if rec is None:
-            return None
-        self._bytes -= rec.nbytes
-        if self.journal is not None:
+        rec = self._detach(session_id)
+        if rec is not None and self.journal is not None:
             self.journal.trained(session_id, update, run, self.clock())
         return rec
