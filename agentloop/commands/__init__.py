@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from agentloop.commands import bench, inspect, rollback, runner, serve, sft, train
+from agentloop.commands import bench, inspect, rollback, runner, serve, sft, tinker, train
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    for module in (train, sft, serve, rollback, inspect, bench, runner):
+    for module in (train, sft, serve, rollback, inspect, bench, runner, tinker):
         module.register(sub)
