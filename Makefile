@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-fast test-slow demo test bench lint venv clean sandbox-deps harnesses frameworks
+.PHONY: test-fast test-slow demo test bench lint venv clean sandbox-deps harnesses frameworks docs
 
 venv: $(STAMP)
 
@@ -57,6 +57,16 @@ frameworks: $(STAMP)
 
 test-slow: $(STAMP) sandbox-deps harnesses frameworks
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)
+
+# The docs site (mkdocs.yml: docs/ into site/), every warning an error; the docs tools are pyproject's `docs`
+# extra, and docs/gen_config_ref.py writes the configuration reference from the config models as it builds.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/agentloop bench

@@ -3,8 +3,8 @@
 Public names are imported lazily (``import agentloop`` stays cheap: torch, starlette and the
 store backends load on first use); the exception tree (``agentloop.errors``, which imports
 nothing) eagerly. ``__all__`` is the public API: tests/test_public_api.py checks it against the
-README's list (both ways), DESIGN.md's names, ``_LAZY`` and the ``TYPE_CHECKING`` imports below,
-which let type checkers and IDEs see every name.
+list in docs/architecture.md (both ways), the design's names, ``_LAZY`` and the ``TYPE_CHECKING``
+imports below, which let type checkers and IDEs see every name.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ __all__ = [
     "openai_client",
     "rollout",
     "spans_to_triplets",
-]  # sorted; the README's Public API section groups them
+]  # sorted; docs/architecture.md's Public API section groups them
 
 # lazily imported public name -> the module that defines it
 _LAZY: dict[str, str] = {

@@ -1,6 +1,7 @@
-"""The import rule (DESIGN.md: "Nothing in agentloop/ imports trainer/"): the SDK stays installable and
-importable without the trainer. The one exception is the CLI that runs training: ``agentloop/cli.py``
-and ``agentloop/commands/*.py`` may import ``trainer`` inside a function (lazily, when the command runs).
+"""The import rule (docs/architecture.md, "Who imports whom": nothing in agentloop/ imports trainer/): the
+SDK stays installable and importable without the trainer. The one exception is the CLI that runs
+training: ``agentloop/cli.py`` and ``agentloop/commands/*.py`` may import ``trainer`` inside a function
+(lazily, when the command runs).
 
 The check reads the source (AST), so it also sees imports on paths no test happens to run.
 """

@@ -1,5 +1,6 @@
-"""The public API is a contract: DESIGN.md's names are exported, ``__all__`` and the README's list hold the
-same names (both ways), every name resolves and is typed for IDEs/mypy, and the whole error tree is exported."""
+"""The public API is a contract (docs/architecture.md, "Public API"): the design's names are exported,
+``__all__`` and that page's list hold the same names (both ways), every name resolves and is typed for
+IDEs/mypy, and the whole error tree is exported."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from agentloop import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The names DESIGN.md's "Public API" section gives (a copy: CI has no ../shared).
+# The names the design gives its public API (docs/architecture.md; tests outside the repository use them).
 DESIGN_NAMES = [
     "rollout", "LLM", "ProxyLLM", "Agent", "emit_reward", "Triplet", "RolloutConfig",
     "MemoryStore", "SQLiteStore", "StoreServer", "StoreClient", "Runner", "load_engine", "Proxy",
@@ -30,19 +31,22 @@ def test_design_names_are_exported() -> None:
     assert missing == []
 
 
-def _readme_names() -> set[str]:
-    """The names the README's "Public API" section lists (written as `al.NAME`)."""
-    text = (ROOT / "README.md").read_text()
-    _, found, rest = text.partition("### Public API\n")
-    assert found, "README.md lost its '### Public API' section"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _documented_names() -> set[str]:
+    """The names docs/architecture.md's "Public API" section lists (written as `al.NAME`)."""
+    text = ARCHITECTURE.read_text()
+    _, found, rest = text.partition("## Public API\n")
+    assert found, "docs/architecture.md lost its '## Public API' section"
     section = re.split(r"^#", rest, maxsplit=1, flags=re.M)[0]
     return set(re.findall(r"`al\.(\w+)", section))
 
 
-def test_the_readme_lists_exactly_the_exported_names() -> None:
-    documented, exported = _readme_names(), set(al.__all__)
-    assert sorted(documented - exported) == [], "documented in README.md's Public API but not in __all__"
-    assert sorted(exported - documented) == [], "in agentloop.__all__ but not in README.md's Public API"
+def test_the_architecture_page_lists_exactly_the_exported_names() -> None:
+    documented, exported = _documented_names(), set(al.__all__)
+    assert sorted(documented - exported) == [], "in docs/architecture.md's Public API but not in __all__"
+    assert sorted(exported - documented) == [], "in agentloop.__all__ but not in the Public API of the page"
     assert len(al.__all__) == len(exported), "a name is in __all__ twice"
 
 

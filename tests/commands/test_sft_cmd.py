@@ -110,11 +110,12 @@ def test_a_run_writes_the_model_to_start_rl_from(
     assert resolve_model(warm.actor_rollout_ref.model.path) == run / "final_model"  # RL starts from it
 
 
-# ---------------------------------------------------------------- the README's sequence
+# ---------------------------------------------------------------- the docs' sequence
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "your-agent.md"  # its "Warm-starting with SFT" section
 _TINY_DEMO = "--steps 1 --batch-size 2 --n 2 --train-size 4 --val-size 2 --max-tokens 16"
-# README text -> what this test runs instead ({tiny}: the tiny model's folder); each must be in the block
+# The page's text -> what this test runs instead ({tiny}: the tiny model's folder); each must be in the block
 SFT_TINY = {
     "--task tools --name tools-grpo": f"--task tools --name tools-grpo --model {{tiny}} {_TINY_DEMO}",
     "--min-reward 1.0": "--any-reward --set data.train_batch_size=2",  # a random model earns no reward
@@ -123,11 +124,11 @@ SFT_TINY = {
 
 
 def readme_sft_commands() -> list[str]:
-    """The commands of the README's ```bash block under "Warm-starting with SFT" (continuations joined,
+    """The commands of docs/your-agent.md's ```bash block under "Warm-starting with SFT" (continuations joined,
     comment lines left out)."""
     import re
 
-    section = README.read_text().split("### Warm-starting with SFT", 1)[1]
+    section = PAGE.read_text().split("## Warm-starting with SFT", 1)[1]
     [block] = re.findall(r"^```bash\n(.*?)^```", section, flags=re.S | re.M)[:1]
     lines = block.replace("\\\n", " ").splitlines()
     return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
@@ -150,8 +151,8 @@ def test_the_readme_sft_sequence_runs_as_written(tmp_path: Path, tiny_model_dir:
     ]
     text = "\n".join(commands)
     missing = [t for t in SFT_TINY if t not in text]
-    assert not missing, f"the README's SFT block no longer holds {missing}: update SFT_TINY"
-    env = {**os.environ, "PYTHONPATH": str(README.parent)}
+    assert not missing, f"the docs' SFT block no longer holds {missing}: update SFT_TINY"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for command in commands:
         for old, new in SFT_TINY.items():
             command = command.replace(old, new.replace("{tiny}", str(tiny_model_dir)))
