@@ -72,8 +72,12 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation)).replace("|", "\\|")
 
 
-def _default(field: Any) -> str:
-    if field.default_factory is not None:
+def _default(field: Any, value: Any = PydanticUndefined) -> str:
+    """The field's default; ``value``: the value it has in a default-built parent, where there is one (a
+    parent's default factory may set it otherwise, e.g. the critic's own learning rate)."""
+    if value is not PydanticUndefined:
+        pass
+    elif field.default_factory is not None:
         try:
             value = field.default_factory()
         except TypeError:  # a factory that takes the validated data
@@ -86,10 +90,12 @@ def _default(field: Any) -> str:
         return "(section)"
     if isinstance(value, Enum):
         value = value.value
-    if value is None or isinstance(value, bool | str):
-        text = json.dumps(value)  # YAML's spelling: null, true, "grpo"
-    else:
+    try:
+        text = json.dumps(value)  # YAML's flow spelling: null, true, "grpo", ["console", "jsonl"]
+    except TypeError:
         text = repr(value)
+    if len(text) > 60:  # a long text default (the judge's rubric): its start, and the field says what it is
+        text = text[:50] + "..."
     return f"`{text}`".replace("|", "\\|")
 
 
@@ -97,16 +103,30 @@ def _cell(text: str | None) -> str:
     return " ".join((text or "").split()).replace("|", "\\|")
 
 
-def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) of every leaf field, sections expanded in place."""
+def _built(model: type[BaseModel]) -> BaseModel | None:
+    try:
+        return model()
+    except Exception:  # a section with required keys: its fields' own defaults are shown
+        return None
+
+
+def rows(
+    model: type[BaseModel], prefix: str = "", built: BaseModel | None = None
+) -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) of every leaf field, sections expanded in place; the
+    defaults are read from a default-built instance (``built``), so a section's factory counts."""
+    if built is None and not prefix:
+        built = _built(model)
     out: list[tuple[str, str, str, str]] = []
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name
+        value = getattr(built, name) if built is not None else PydanticUndefined
         sub = _section_of(field.annotation)
         if sub is not None:
-            out.extend(rows(sub, key))
+            out.extend(rows(sub, key, value if isinstance(value, BaseModel) else _built(sub)))
         else:
-            out.append((key, _type_name(field.annotation), _default(field), _cell(field.description)))
+            kind = _type_name(field.annotation)
+            out.append((key, kind, _default(field, value), _cell(field.description)))
     return out
 
 
@@ -122,13 +142,15 @@ def render() -> str:
     for heading, prefix, spec, what in SECTIONS:
         model = _load(spec)
         if prefix:
-            lines += [f"### `{heading}`", "", what, "", *_table(rows(model, prefix)), ""]
+            lines += [f"### `{heading}`", "", what, "", *_table(rows(model, prefix, _built(model))), ""]
             continue
         lines += [f"{what}", ""]
+        root = model()
         for name, field in model.model_fields.items():
             sub = _section_of(field.annotation)
             assert sub is not None, f"TrainerConfig.{name} is not a section"
-            lines += [f"### `{name}`", "", _cell(field.description), "", *_table(rows(sub, name)), ""]
+            section = rows(sub, name, getattr(root, name))
+            lines += [f"### `{name}`", "", _cell(field.description), "", *_table(section), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -340,4 +340,5 @@ def test_the_config_reference_has_every_key_of_the_models() -> None:
     assert len(keys) > 100 and "actor_rollout_ref.actor.optim.lr" in keys
     assert all(f"| `{key}` |" in text for key in keys)
     assert "| `actor_rollout_ref.actor.optim.lr` | float | `1e-06` |" in text
+    assert "| `critic.optim.lr` | float | `1e-05` |" in text  # a section's default factory sets it
     assert "| `online.sessions_per_update` |" in text and "| `reward.judge.rubric` |" in text
