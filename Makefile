@@ -46,8 +46,13 @@ harnesses: $(STAMP)
 # verifiers 0.4.0 pins mcp==2.0.0 and openai<3 (the venv: mcp<2, openai 3): its venv holds agentloop itself (-e .,
 # without the mcp extra) so that `agentloop train` runs verifiers environments there (integrations/verifiers.py);
 # uv runs verifiers' harness programs (PEP 723 scripts).
+# tinker-cookbook 0.6.1 (benchmarks/tinker_cpu.py, the slow tests of tests/tinker) requires tml-renderers>=0.4.1,
+# which the package index does not have (0.2.1 is its newest): its venv gets the cookbook's other dependencies, then the cookbook
+# with --no-deps (tml-renderers is imported only for the Inkling and Kimi tokenizers, not SmolLM2's).
 SIDE_FRAMEWORKS := strands:strands-agents[openai]==1.62.0 autogen:autogen-agentchat==0.7.5,autogen-ext[openai]==0.7.5 \
-	verifiers:-e,.,torch==2.13.0,verifiers==0.4.0,uv==0.13.9
+	verifiers:-e,.,torch==2.13.0,verifiers==0.4.0,uv==0.13.9 \
+	tinker:-e,.,torch==2.13.0,tinker==0.38.0,aiohttp,blobfile,chz,cloudpickle,datasets,pillow,pyrage,rich,termcolor,tiktoken \
+	tinker:--no-deps,tinker-cookbook==0.6.1
 frameworks: $(STAMP)
 	timeout 900 $(BIN)/pip install -q -e '.[frameworks]' torch==2.13.0 || echo "frameworks: pip install failed: their tests skip"
 	set -f; for side in $(SIDE_FRAMEWORKS); do name=$${side%%:*}; dir=$(VENV)/frameworks/$$name; \
