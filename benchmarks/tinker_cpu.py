@@ -207,8 +207,14 @@ def main() -> None:
     p.add_argument("--rl-group-size", type=int, default=6, help="samples per problem")
     p.add_argument("--rl-lr", type=float, default=3e-4)
     p.add_argument("--rl-max-operand", type=int, default=9)
+    p.add_argument("--rl-max-tokens", type=int, default=8, help="the answer and its stop token fit in 8")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--out", type=Path, default=RESULT)
+    p.add_argument(
+        "--skip-sl",
+        action="store_true",
+        help="only the RL loop (for tuning; the result then has no SL figures)",
+    )
     args = p.parse_args()
 
     import tinker
@@ -226,28 +232,32 @@ def main() -> None:
     server, url = start_server(args.model, work / "state", work / "server.log")
     print(f"agentloop tinker at {url} (log {work / 'server.log'})", file=sys.stderr)
     try:
-        t_sl = time.monotonic()
-        sl_log = work / "sl"
-        asyncio.run(
-            sl_train.main(
-                sl_train.Config(
-                    log_path=str(sl_log),
-                    model_name=model_dir,
-                    recipe_name="agentloop_tinker_cpu_sl",
-                    renderer_name=RENDERER,
-                    dataset_builder=sl_builder(model_dir, args.sl_batch, args.sl_steps),
-                    learning_rate=args.sl_lr,
-                    lora_rank=args.lora_rank,
-                    base_url=url,
-                    save_every=0,
-                    eval_every=0,
-                    infrequent_eval_every=0,
-                    lr_schedule="constant",
+        sl_first = sl_last = float("nan")
+        sl_curve: list[float] = []
+        sl_minutes = 0.0
+        if not args.skip_sl:
+            t_sl = time.monotonic()
+            sl_log = work / "sl"
+            asyncio.run(
+                sl_train.main(
+                    sl_train.Config(
+                        log_path=str(sl_log),
+                        model_name=model_dir,
+                        recipe_name="agentloop_tinker_cpu_sl",
+                        renderer_name=RENDERER,
+                        dataset_builder=sl_builder(model_dir, args.sl_batch, args.sl_steps),
+                        learning_rate=args.sl_lr,
+                        lora_rank=args.lora_rank,
+                        base_url=url,
+                        save_every=0,
+                        eval_every=0,
+                        infrequent_eval_every=0,
+                        lr_schedule="constant",
+                    )
                 )
             )
-        )
-        sl_minutes = (time.monotonic() - t_sl) / 60
-        sl_first, sl_last, sl_curve = first_last(read_metrics(sl_log), "train_mean_nll", 3)
+            sl_minutes = (time.monotonic() - t_sl) / 60
+            sl_first, sl_last, sl_curve = first_last(read_metrics(sl_log), "train_mean_nll", 3)
 
         t_rl = time.monotonic()
         rl_log = work / "rl"
@@ -259,7 +269,7 @@ def main() -> None:
                     recipe_name="agentloop_tinker_cpu_rl",
                     renderer_name=RENDERER,
                     learning_rate=args.rl_lr,
-                    max_tokens=12,
+                    max_tokens=args.rl_max_tokens,
                     lora_rank=args.lora_rank,
                     dataset_builder=rl_builder(
                         model_dir, args.rl_groups, args.rl_group_size, args.rl_steps, args.rl_max_operand

@@ -53,7 +53,7 @@ class FutureTable:
     def __init__(
         self,
         user_errors: tuple[type[BaseException], ...] = (ValueError,),
-        wait_s: float = 10.0,
+        wait_s: float = 30.0,
         keep_s: float = 600.0,
     ) -> None:
         self._entries: dict[str, _Entry] = {}

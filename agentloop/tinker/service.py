@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
+from agentloop.logging import get_logger
 from agentloop.tinker._proto import RawForwardBackward, encode_forward_backward_output
 from agentloop.tinker.futures import FutureTable
 from agentloop.tinker.sampling import BASE, Sampler, Snapshot
@@ -45,6 +46,7 @@ from agentloop.tinker.wire import (
 __all__ = ["NotFound", "TinkerService"]
 
 T = TypeVar("T")
+log = get_logger(__name__)
 
 
 class NotFound(KeyError):
@@ -112,7 +114,13 @@ class TinkerService:
         self.session(sid).last_heartbeat = time.time()
 
     def finish_session(self, sid: str) -> None:
+        """The client closed its ServiceClient: its training models and sampling sessions go (a named
+        sampler checkpoint keeps what it needs to be sampled)."""
         self.session(sid).finished = True
+        for key in [k for k in self.models if k.startswith(f"{sid}:train:")]:
+            del self.models[key]
+        for key in [k for k in self.samplers if k.startswith(f"{sid}:sample:")]:
+            del self.samplers[key]
 
     def _check_base(self, name: str | None) -> str:
         if name is None or name in self.names:
@@ -201,7 +209,12 @@ class TinkerService:
         fb = forward_backward_from_proto(raw, m.model.vocab_size)
 
         async def work() -> bytes:
+            t0 = time.perf_counter()
             outputs, metrics = await self._in_turn(m, lambda: m.model.forward_backward(fb))
+            log.info(
+                "tinker.forward_backward", model_id=raw.model_id, loss_fn=fb.loss_fn, forward_only=fb.forward_only,
+                datums=len(fb.data), tokens=sum(len(d.tokens) for d in fb.data), seconds=round(time.perf_counter() - t0, 2),
+            )  # fmt: skip
             return encode_forward_backward_output(outputs, metrics)
 
         return self._submit("forward" if fb.forward_only else "forward_backward", work)

@@ -256,3 +256,11 @@ def test_a_wrong_key_is_refused_by_the_sdk(tinker_server: RunningServer) -> None
     client = tinker.ServiceClient(base_url=tinker_server.url, api_key="tml-wrong-key")
     with pytest.raises(tinker.AuthenticationError):
         client.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+
+
+def test_closing_a_service_client_frees_its_models(tinker_server: RunningServer) -> None:
+    client = tinker.ServiceClient(base_url=tinker_server.url, api_key=KEY)
+    training = client.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+    assert training.model_id in tinker_server.service.models
+    client.close("success").result()
+    assert training.model_id not in tinker_server.service.models
