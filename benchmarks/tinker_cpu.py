@@ -199,13 +199,13 @@ def main() -> None:
     _reexec_in_side_venv()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--sl-steps", type=int, default=24)
+    p.add_argument("--sl-steps", type=int, default=16)
     p.add_argument("--sl-batch", type=int, default=8)
     p.add_argument("--sl-lr", type=float, default=5e-4)
-    p.add_argument("--rl-steps", type=int, default=24)
-    p.add_argument("--rl-groups", type=int, default=6, help="problems per step")
-    p.add_argument("--rl-group-size", type=int, default=6, help="samples per problem")
-    p.add_argument("--rl-lr", type=float, default=3e-4)
+    p.add_argument("--rl-steps", type=int, default=14)
+    p.add_argument("--rl-groups", type=int, default=4, help="problems per step")
+    p.add_argument("--rl-group-size", type=int, default=4, help="samples per problem")
+    p.add_argument("--rl-lr", type=float, default=1e-3)
     p.add_argument("--rl-max-operand", type=int, default=9)
     p.add_argument("--rl-max-tokens", type=int, default=8, help="the answer and its stop token fit in 8")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -284,7 +284,7 @@ def main() -> None:
             )
         )
         rl_minutes = (time.monotonic() - t_rl) / 60
-        rl_first, rl_last, rl_curve = first_last(read_metrics(rl_log), "reward/total", 5)
+        rl_first, rl_last, rl_curve = first_last(read_metrics(rl_log), "reward/total", 3)
     finally:
         server.terminate()
         try:
@@ -314,7 +314,7 @@ def main() -> None:
         "rl": {
             "loop": "tinker_cookbook.rl.train.main (loss_fn importance_sampling)",
             "env": f"tinker_cookbook.recipes.math_rl.arithmetic_env.ArithmeticEnv, operands 0..{args.rl_max_operand}",
-            "metric": "reward/total (1 if correct, -0.1 if not stopped cleanly), mean of the first / last 5 steps",
+            "metric": "reward/total (1 if correct, -0.1 if not stopped cleanly), mean of the first / last 3 steps",
             "steps": len(rl_curve), "groups": args.rl_groups, "group_size": args.rl_group_size,
             "learning_rate": args.rl_lr, "minutes": round(rl_minutes, 2), "curve": [round(v, 4) for v in rl_curve],
         },
