@@ -124,6 +124,10 @@ class _Stop:
             os._exit(128 + signum)
         self.signum = signum
         _silence()
+        from agentloop import event_loop
+
+        if event_loop.request_stop():  # a loop runs the command: it is cancelled there, then stops
+            return
         raise KeyboardInterrupt
 
     @contextmanager

@@ -25,12 +25,14 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import anyio
 
-__all__ = ["UVLOOP_ENV", "loop_name", "run", "uvloop_wanted"]
+__all__ = ["UVLOOP_ENV", "loop_name", "request_stop", "run", "uvloop_wanted"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 UVLOOP_ENV = "AGENTLOOP_UVLOOP"  # "0", "false", "no" or "off": asyncio's own loop even with uvloop installed
 _OFF = frozenset({"0", "false", "no", "off"})
+# the loops ``run`` is running now (innermost last), each with the cancel scope around its function
+_running: list[tuple[asyncio.AbstractEventLoop, anyio.CancelScope]] = []
 
 
 def uvloop_wanted(use_uvloop: bool | None = None) -> bool:
@@ -52,15 +54,40 @@ def loop_name(use_uvloop: bool | None = None) -> str:
 
 def run(func: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts, use_uvloop: bool | None = None) -> T:
     """``anyio.run(func, *args)`` on the asyncio backend, on a uvloop loop when ``uvloop_wanted``
-    (there with interrupts that stop the loop, see ``_reraise_interrupts``)."""
+    (there with interrupts that stop the loop, see ``_reraise_interrupts``). :func:`request_stop`
+    cancels ``func``; once its ``finally`` blocks have run, ``run`` raises KeyboardInterrupt."""
     if not uvloop_wanted(use_uvloop):
-        return anyio.run(func, *args, backend="asyncio")
+        return anyio.run(_stoppable, func, *args, backend="asyncio")
     return anyio.run(_interruptible, func, *args, backend="asyncio", backend_options={"use_uvloop": True})
+
+
+def request_stop() -> bool:
+    """Cancel the function the innermost :func:`run` is running, from a signal handler (or any
+    thread); False when no ``run`` is running. The CLI's Ctrl-C/SIGTERM handler calls it instead of
+    raising KeyboardInterrupt wherever Python happens to be: an interrupt in the middle of a lock, a
+    thread hand-off or a library's cleanup could leave that half done (``agentloop serve --train`` once
+    hung on SIGTERM), where a cancellation reaches the code only at its awaits."""
+    if not _running:
+        return False
+    loop, scope = _running[-1]
+    loop.call_soon_threadsafe(scope.cancel)
+    return True
+
+
+async def _stoppable(func: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts) -> T:
+    entry = (asyncio.get_running_loop(), anyio.CancelScope())
+    _running.append(entry)
+    try:
+        with entry[1]:
+            return await func(*args)
+    finally:
+        _running.remove(entry)
+    raise KeyboardInterrupt  # cancelled by request_stop (only then does the scope swallow it)
 
 
 async def _interruptible(func: Callable[[Unpack[Ts]], Awaitable[T]], *args: *Ts) -> T:
     asyncio.get_running_loop().set_exception_handler(_reraise_interrupts)
-    return await func(*args)
+    return await _stoppable(func, *args)
 
 
 def _reraise_interrupts(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

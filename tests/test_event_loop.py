@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import signal
+import subprocess
 import sys
+import threading
+import time
 
+import anyio
 import pytest
 
 from agentloop import event_loop
@@ -70,3 +75,72 @@ def test_an_interrupt_in_a_protocol_callback_stops_the_loop(use_uvloop: bool) ->
     """uvloop alone logs a KeyboardInterrupt raised in ``eof_received`` and runs on; ``run`` stops."""
     with pytest.raises(KeyboardInterrupt):
         event_loop.run(_serve_until_interrupted, use_uvloop=use_uvloop)
+
+
+async def _hold_a_lock_until_stopped(events: list[str]) -> None:
+    """A command's shape: work under a lock whose release the interrupt must not skip, then cleanup."""
+    lock = threading.Lock()
+    try:
+        while True:
+            with lock:  # an interrupt raised here (the old handler's way) would leave this half done
+                events.append("work")
+                await anyio.to_thread.run_sync(time.sleep, 0.01)
+    except anyio.get_cancelled_exc_class():
+        events.append(f"cancelled, lock free: {not lock.locked()}")
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(0.05)  # async cleanup still runs (serve closes its proxy, engine, store)
+            events.append("cleaned up")
+
+
+@pytest.mark.parametrize(
+    "use_uvloop", [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_UVLOOP, reason="no uvloop"))]
+)
+def test_request_stop_cancels_at_an_await_then_interrupts(use_uvloop: bool) -> None:
+    """A stop request (the CLI's Ctrl-C/SIGTERM handler) cancels the function where it awaits, its cleanup
+    runs to the end, and only then does ``run`` raise KeyboardInterrupt; with no loop running it is refused."""
+    events: list[str] = []
+    assert event_loop.request_stop() is False
+    timer = threading.Timer(0.3, event_loop.request_stop)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        event_loop.run(_hold_a_lock_until_stopped, events, use_uvloop=use_uvloop)
+    assert events[-2:] == ["cancelled, lock free: True", "cleaned up"] and "work" in events
+    assert event_loop.request_stop() is False  # the finished loop is forgotten
+
+
+def test_a_signal_stops_a_command_through_its_loop() -> None:
+    """The CLI's handler, on SIGTERM, cancels the running loop's command at an await (its synchronous
+    stretches finish) instead of raising KeyboardInterrupt in the middle of one; cleanup then runs and
+    the CLI's one line says what stopped it."""
+    code = (
+        "import os, signal, sys, threading, time, anyio\n"
+        "from agentloop import cli, event_loop\n"
+        "async def main():\n"
+        "    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "    try:\n"
+        "        while True:\n"
+        "            end = time.monotonic() + 0.2\n"
+        "            while time.monotonic() < end:  # a synchronous stretch: where the signal lands\n"
+        "                pass\n"
+        "            await anyio.sleep(0)\n"
+        "    except BaseException as exc:\n"
+        "        print('stopped with', type(exc).__name__, flush=True)\n"
+        "        raise\n"
+        "    finally:\n"
+        "        with anyio.CancelScope(shield=True):\n"
+        "            await anyio.sleep(0.1)\n"
+        "            print('cleaned up', flush=True)\n"
+        "def command(args):\n"
+        "    event_loop.run(main)\n"
+        "    return 0\n"
+        "args = cli.build_parser().parse_args(['inspect', '.'])\n"
+        "args.func = command\n"
+        "cli.build_parser = lambda: type('P', (), {'parse_args': lambda self, argv: args})()\n"
+        "sys.exit(cli.main([]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stdout == "stopped with CancelledError\ncleaned up\n"  # not KeyboardInterrupt mid-stretch
+    assert done.stderr.endswith("agentloop inspect: stopped by SIGTERM\n"), done.stderr
