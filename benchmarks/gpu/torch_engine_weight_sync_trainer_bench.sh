@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU call B (same warm machine as A): TorchEngine vs HF generate, weight sync, trainer_bench.
+# GPU call (formerly run_b.sh; the warm machine of vllm_contract_and_engine_bench.sh): TorchEngine vs HF generate, weight sync, trainer_bench.
 source benchmarks/gpu/env.sh
 echo "card: $(card)"
 timeout 150 python3 benchmarks/weight_sync_bench.py --random-config qwen2-0.5b --model-dir /tmp/qwen05 \

