@@ -215,6 +215,23 @@ def main() -> None:
         action="store_true",
         help="only the RL loop (for tuning; the result then has no SL figures)",
     )
+    p.add_argument(
+        "--rl-budget-minutes",
+        type=float,
+        default=None,
+        help="stop the RL loop after this long and report the steps it finished (a busy machine)",
+    )
+    p.add_argument(
+        "--from-logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the result from a run's folder (DIR/sl, DIR/rl: the cookbook's metrics.jsonl) without running; "
+        "for a run stopped by hand at a time limit",
+    )
+    p.add_argument(
+        "--started", type=float, default=None, help="with --from-logs: the run's start (Unix time)"
+    )
     args = p.parse_args()
 
     import tinker
@@ -225,6 +242,20 @@ def main() -> None:
     from agentloop.engine.models import resolve_model
     from benchmarks.bench_machine import cpu_model
 
+    if args.from_logs is not None:
+        rows = read_metrics(args.from_logs / "rl")
+        ended = (args.from_logs / "rl" / "metrics.jsonl").stat().st_mtime
+        started = (
+            args.started if args.started is not None else (args.from_logs / "server.log").stat().st_mtime
+        )
+        sl_rows = read_metrics(args.from_logs / "sl")
+        write_result(
+            args, sl_rows, rows, (ended - started) / 60, None, None, tinker.__version__, cpu_model(),
+            note=f"written from the logs of a run stopped at a time limit ({len(rows)} of {args.rl_steps} RL steps done)"
+            if len(rows) < args.rl_steps else None,
+        )  # fmt: skip
+        return
+
     model_dir = str(resolve_model(args.model))
     os.environ["TINKER_API_KEY"] = KEY  # how the cookbook's ServiceClient gets its key, as against Tinker
     t0 = time.monotonic()
@@ -232,8 +263,7 @@ def main() -> None:
     server, url = start_server(args.model, work / "state", work / "server.log")
     print(f"agentloop tinker at {url} (log {work / 'server.log'})", file=sys.stderr)
     try:
-        sl_first = sl_last = float("nan")
-        sl_curve: list[float] = []
+        sl_rows: list[dict[str, Any]] = []
         sl_minutes = 0.0
         if not args.skip_sl:
             t_sl = time.monotonic()
@@ -257,68 +287,112 @@ def main() -> None:
                 )
             )
             sl_minutes = (time.monotonic() - t_sl) / 60
-            sl_first, sl_last, sl_curve = first_last(read_metrics(sl_log), "train_mean_nll", 3)
+            sl_rows = read_metrics(sl_log)
 
         t_rl = time.monotonic()
         rl_log = work / "rl"
-        asyncio.run(
-            rl_train.main(
-                rl_train.Config(
-                    log_path=str(rl_log),
-                    model_name=model_dir,
-                    recipe_name="agentloop_tinker_cpu_rl",
-                    renderer_name=RENDERER,
-                    learning_rate=args.rl_lr,
-                    max_tokens=args.rl_max_tokens,
-                    lora_rank=args.lora_rank,
-                    dataset_builder=rl_builder(
-                        model_dir, args.rl_groups, args.rl_group_size, args.rl_steps, args.rl_max_operand
-                    ),
-                    loss_fn="importance_sampling",
-                    base_url=url,
-                    save_every=0,
-                    eval_every=0,
-                    num_groups_to_log=0,
-                    rollout_json_export=False,
-                )
+        rl_run = rl_train.main(
+            rl_train.Config(
+                log_path=str(rl_log),
+                model_name=model_dir,
+                recipe_name="agentloop_tinker_cpu_rl",
+                renderer_name=RENDERER,
+                learning_rate=args.rl_lr,
+                max_tokens=args.rl_max_tokens,
+                lora_rank=args.lora_rank,
+                dataset_builder=rl_builder(
+                    model_dir, args.rl_groups, args.rl_group_size, args.rl_steps, args.rl_max_operand
+                ),
+                loss_fn="importance_sampling",
+                base_url=url,
+                save_every=0,
+                eval_every=0,
+                num_groups_to_log=0,
+                rollout_json_export=False,
             )
         )
+        stopped = False
+        try:
+            asyncio.run(
+                asyncio.wait_for(
+                    rl_run, None if args.rl_budget_minutes is None else 60 * args.rl_budget_minutes
+                )
+            )
+        except TimeoutError:
+            stopped = True  # the steps finished so far are in metrics.jsonl
         rl_minutes = (time.monotonic() - t_rl) / 60
-        rl_first, rl_last, rl_curve = first_last(read_metrics(rl_log), "reward/total", 3)
     finally:
         server.terminate()
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    rl_rows = read_metrics(rl_log)
+    note = f"RL stopped at its budget of {args.rl_budget_minutes} minutes" if stopped else None
+    write_result(
+        args,
+        sl_rows,
+        rl_rows,
+        (time.monotonic() - t0) / 60,
+        sl_minutes,
+        rl_minutes,
+        tinker.__version__,
+        cpu_model(),
+        note,
+    )
+
+
+def write_result(
+    args: argparse.Namespace,
+    sl_rows: list[dict[str, Any]],
+    rl_rows: list[dict[str, Any]],
+    wall_minutes: float,
+    sl_minutes: float | None,
+    rl_minutes: float | None,
+    sdk_version: str,
+    cpu: str,
+    note: str | None = None,
+) -> None:
+    """Print the result as JSON and write it to ``args.out``."""
+    sl_first, sl_last, sl_curve = (
+        first_last(sl_rows, "train_mean_nll", 3) if sl_rows else (float("nan"),) * 2 + ([],)
+    )
+    rl_first, rl_last, rl_curve = first_last(rl_rows, "reward/total", 3)
+    commit = (
+        getattr(args, "commit", None)
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    )
+    correct = [float(r[k]) for r in rl_rows for k in r if k.endswith("/correct")]
     result = {
         "sl_loss_first": round(sl_first, 4),
         "sl_loss_last": round(sl_last, 4),
         "rl_reward_first": round(rl_first, 4),
         "rl_reward_last": round(rl_last, 4),
-        "wall_minutes": round((time.monotonic() - t0) / 60, 2),
-        "sdk_version": tinker.__version__,
+        "wall_minutes": round(wall_minutes, 2),
+        "sdk_version": sdk_version,
         "cookbook_version": __import__("tinker_cookbook").__version__,
-        "machine": f"{os.cpu_count()}-core {cpu_model()}, CPU",
+        "machine": f"{os.cpu_count()}-core {cpu}, CPU (shared: other jobs ran beside it, the run at nice 19)",
         "git_commit": commit,
         "model": args.model,
         "sl": {
             "loop": "tinker_cookbook.supervised.train.main",
             "metric": "train_mean_nll, mean of the first / last 3 steps",
-            "steps": len(sl_curve), "batch": args.sl_batch, "learning_rate": args.sl_lr, "minutes": round(sl_minutes, 2),
-            "curve": [round(v, 4) for v in sl_curve],
+            "steps": len(sl_curve), "batch": args.sl_batch, "learning_rate": args.sl_lr,
+            "minutes": None if sl_minutes is None else round(sl_minutes, 2), "curve": [round(v, 4) for v in sl_curve],
         },
         "rl": {
             "loop": "tinker_cookbook.rl.train.main (loss_fn importance_sampling)",
             "env": f"tinker_cookbook.recipes.math_rl.arithmetic_env.ArithmeticEnv, operands 0..{args.rl_max_operand}",
             "metric": "reward/total (1 if correct, -0.1 if not stopped cleanly), mean of the first / last 3 steps",
-            "steps": len(rl_curve), "groups": args.rl_groups, "group_size": args.rl_group_size,
-            "learning_rate": args.rl_lr, "minutes": round(rl_minutes, 2), "curve": [round(v, 4) for v in rl_curve],
+            "steps": len(rl_curve), "steps_planned": args.rl_steps, "groups": args.rl_groups,
+            "group_size": args.rl_group_size, "learning_rate": args.rl_lr,
+            "minutes": None if rl_minutes is None else round(rl_minutes, 2),
+            "curve": [round(v, 4) for v in rl_curve], "correct_curve": [round(v, 4) for v in correct],
         },
         "lora_rank": args.lora_rank,
+        "note": note,
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
