@@ -30,9 +30,13 @@ agentloop (without ``[mcp]``) and verifiers together in their own venv: ``make f
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import os
 import shutil
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +60,10 @@ __all__ = [
 ]
 
 PREFIX = "verifiers:"  # a job file's `agent: verifiers:SPEC`
-# verifiers' client reads its key from an environment variable (BaseClientConfig.api_key_var); its
-# subprocess runtime drops every variable with API_KEY in its name, so harness programs never see it.
+# verifiers' client reads its key from an environment variable (BaseClientConfig.api_key_var) when the
+# episode registers with its interception server; its subprocess runtime drops every variable with API_KEY
+# in its name, so harness programs never see it. Each attempt has its own key (agentloop/proxy/attempt_keys.py)
+# and episodes run concurrently, so each attempt gets its own variable, API_KEY_VAR + "_" + a hash of its URL.
 API_KEY_VAR = "AGENTLOOP_VERIFIERS_API_KEY"
 SPEC_FORMS = (
     "a taskset module (vf_arith), or module:name / path/to/file.py:name naming a vf.EnvConfig, a vf.Env, "
@@ -159,6 +165,11 @@ def val_tasks(env: Any, limit: int | None = None) -> list[dict[str, Any]] | None
     return None if taskset is None else _rows(env, taskset, limit)
 
 
+def _key_var(base_url: str) -> str:
+    """The environment variable that holds one attempt's key (its URL names the attempt)."""
+    return f"{API_KEY_VAR}_{hashlib.sha256(base_url.encode()).hexdigest()[:16].upper()}"
+
+
 def _episode_error(env_id: str, episode: Any) -> str:
     errors = list(episode.errors) + [e for trace in episode.traces for e in trace.errors]
     if not errors:
@@ -184,6 +195,11 @@ class VerifiersAgent(Agent):
         taskset = type(self.env.taskset)
         self._task_cls = taskset.task_type()
         self._data_cls = self._task_cls.data_type()
+        # env.serving() (its interception server, shared tool servers) is held while any episode runs:
+        # the env keeps one of each, so concurrent episodes share it, as verifiers' own eval does
+        self._serving: Any = None
+        self._users = 0
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     def __repr__(self) -> str:
         return f"<VerifiersAgent {self.env.config.env_id}>"
@@ -199,12 +215,63 @@ class VerifiersAgent(Agent):
         return self._task_cls(data, self.env.config.taskset.task)
 
     def context(self, llm: LLM) -> Any:
-        """The ``vf.ModelContext`` of one attempt: the proxy URL as an OpenAI-compatible endpoint."""
+        """The ``vf.ModelContext`` of one attempt: the proxy URL as an OpenAI-compatible endpoint, its key
+        in the attempt's own environment variable (:func:`_key_var`; the caller removes it afterwards)."""
         vf = _vf()
-        os.environ[API_KEY_VAR] = llm.api_key  # one key per run (the proxy's), read by verifiers' client
-        client = vf.EvalClientConfig(base_url=llm.base_url, api_key_var=API_KEY_VAR)
+        var = _key_var(llm.base_url)
+        os.environ[var] = llm.api_key  # the attempt's key, read by verifiers' client as the episode registers
+        client = vf.EvalClientConfig(base_url=llm.base_url, api_key_var=var)
         sampling = vf.SamplingConfig.model_validate({**llm.sampling, **self.sampling})
         return vf.ModelContext(model=llm.model, client=client, sampling=sampling)
+
+    def _serving_lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        return self._lock[1]
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """``env.serving()``, started by the first of the concurrent episodes and stopped after the last one.
+        A task of its own enters and leaves it (its servers' task groups must be left by the task that
+        entered them)."""
+        lock = self._serving_lock()
+        async with lock:
+            if self._users == 0:
+                ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                release = asyncio.Event()
+                holder = asyncio.create_task(self._hold(ready, release), name="verifiers-serving")
+                await ready  # the env's error, if it could not start
+                self._serving = (holder, release)
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with lock:
+                self._users -= 1
+                if self._users == 0:
+                    (holder, release), self._serving = self._serving, None
+                    release.set()
+                    try:
+                        await holder
+                    except Exception as exc:  # the episodes are over: a teardown error fails none of them
+                        log.warning(
+                            "verifiers env teardown failed", env=self.env.config.env_id, error=repr(exc)
+                        )
+
+    async def _hold(self, ready: asyncio.Future[None], release: asyncio.Event) -> None:
+        try:
+            async with self.env.serving():
+                ready.set_result(None)
+                await release.wait()
+        except Exception as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+                return
+            raise
+        finally:
+            if not ready.done():  # cancelled before it started
+                ready.cancel()
 
     async def rollout(
         self, task: Any, resources: Resources | None, rollout: AttemptedRollout
@@ -216,8 +283,11 @@ class VerifiersAgent(Agent):
             llm = llm.resolve(rollout)
         env = self.env
         (slot,) = env.slots(self.task(task))
-        async with env.serving():  # the env's interception server and shared tool servers, for this episode
-            episode = await env.run_slot(slot, self.context(llm))
+        try:
+            async with self.serving():  # the env's interception server and shared tool servers
+                episode = await env.run_slot(slot, self.context(llm))
+        finally:
+            os.environ.pop(_key_var(llm.base_url), None)
         if not episode.ok:
             raise VerifiersEpisodeError(_episode_error(env.config.env_id, episode))
         # verifiers' rewards are per trace (named, weighted), not per turn: the attempt's reward is their sum

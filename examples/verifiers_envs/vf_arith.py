@@ -4,6 +4,10 @@ Written with verifiers' own classes (``verifiers.v1``, 0.4.0): a ``TaskData`` ro
 ``@vf.reward`` scores the finished trace, and a ``Taskset`` that yields the rows. verifiers finds it by
 its module name (the taskset id ``vf_arith``); ``ENV`` pins the harness to verifiers' plain chat loop
 (``null``: no tools) and the runtime to a local subprocess, so nothing here needs a sandbox service.
+
+The questions are every ``a + b`` with a, b in 0..20, shuffled with a fixed seed; the taskset config's
+``split`` picks the training questions (``train``, the default) or the held-out ones (``test``, never
+trained on). ``held_out()`` gives the test split as agentloop tasks (``val_data: vf_arith:held_out``).
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import verifiers.v1 as vf
 
 SYSTEM_PROMPT = "Answer with the number only."
+OPERAND_MAX = 20
+HELD_OUT = 48  # the first 48 shuffled questions: the test split
 
 
 class ArithData(vf.TaskData):
@@ -34,15 +41,30 @@ class ArithTask(vf.Task[ArithData, vf.State, vf.TaskConfig]):
         return float(last_number(trace.last_reply) == task.answer)
 
 
-class ArithTaskset(vf.Taskset[ArithTask, vf.TasksetConfig]):
+class ArithConfig(vf.TasksetConfig):
+    split: Literal["train", "test"] = "train"
+    """``train``: the training questions; ``test``: the held-out ones."""
+
+
+def questions(split: str) -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(OPERAND_MAX + 1) for b in range(OPERAND_MAX + 1)]
+    random.Random(0).shuffle(pairs)
+    return pairs[:HELD_OUT] if split == "test" else pairs[HELD_OUT:]
+
+
+class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
     def load(self) -> Iterator[ArithTask]:
-        rng = random.Random(0)
-        for _ in range(64):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
+        for a, b in questions(self.config.split):
             yield ArithTask(
                 ArithData(prompt=f"What is {a} + {b}?", system_prompt=SYSTEM_PROMPT, answer=str(a + b)),
                 self.config.task,
             )
+
+
+def held_out() -> list[dict[str, Any]]:
+    """The test split as agentloop tasks: each row's ``TaskData`` as JSON, as agentloop's train_tasks makes."""
+    taskset = ArithTaskset(ArithConfig(id="vf_arith", split="test"))
+    return [task.data.model_dump(mode="json", exclude_defaults=True) for task in taskset]
 
 
 __all__ = ["ArithTaskset"]

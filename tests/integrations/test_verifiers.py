@@ -139,4 +139,4 @@ def test_the_example_job_files_load_in_the_verifiers_venv(job: str, tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["agent"] and out["tasks"] > 0 and out["steps"] == 20
+    assert out["agent"] and out["tasks"] > 0 and out["steps"] > 0
