@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/agentloop demo
 
-# CI gate (.ci/run): lint first (ruff check, ruff format --check, mypy), then every test but `slow`.
+# CI gate (.ci/run): lint first (ruff check, ruff format --check, mypy), then every test but `slow`, in two
+# pytest-xdist workers of one OpenMP thread each (under 15 min on 2 cores; one process took ~22 min).
 test: lint sandbox-deps
-	$(BIN)/python -m pytest -q -x -m "not slow" --durations=15  # under 15 min on 2 cores
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -x -n 2 -m "not slow" --durations=15
 
 # The inner loop: every test but slow and e2e, in two pytest-xdist workers of one OpenMP thread each
 # (a second thread per process spin-waits against the other worker: 5x slower tiny-model engine tests).

@@ -74,6 +74,23 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is when a line is written, not when logging was configured: a stream that
+    was replaced since (a test's capture, a library's redirect) and then closed is never written to."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return _isatty(sys.stderr)
+
+
+_STDERR = _CurrentStderr()
+
+
 class _AboveProgressBars:
     """A terminal stream that writes whole lines through ``tqdm.write``: a log line then prints above a
     running progress bar instead of tearing it into two bars."""
@@ -156,7 +173,7 @@ def configure_logging(
     whatever ``level`` is (DEBUG too when ``level`` is DEBUG).
     """
     global _configured
-    out = stream if stream is not None else sys.stderr
+    out = stream if stream is not None else _STDERR
     lvl = _parse_level(level)
     per_rollout = lvl if rollout_level is None else max(lvl, _parse_level(rollout_level, "rollout_level"))
     if json is not None:

@@ -202,3 +202,19 @@ def test_log_lines_print_above_a_progress_bar() -> None:
         bar.update(1)
     text = out.getvalue()
     assert "step" in text and text.count("training") >= 2  # redrawn after the line
+
+
+def test_the_default_stream_is_stderr_as_it_is_when_a_line_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Configured while stderr was another stream (a test's capture, a redirect) that has since been
+    closed, logging still writes: to stderr as it is now, not to the closed stream."""
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    configure_logging("INFO", json=True)
+    get_logger("t").info("one")
+    first.close()
+    now = io.StringIO()
+    monkeypatch.setattr("sys.stderr", now)
+    get_logger("t").info("two")  # the old binding raised "I/O operation on closed file"
+    assert [json.loads(line)["event"] for line in now.getvalue().splitlines()] == ["two"]
