@@ -173,7 +173,7 @@ def configure_logging(
     whatever ``level`` is (DEBUG too when ``level`` is DEBUG).
     """
     global _configured
-    out = stream if stream is not None else _STDERR
+    out = stream if stream is not None else cast("TextIO", _STDERR)
     lvl = _parse_level(level)
     per_rollout = lvl if rollout_level is None else max(lvl, _parse_level(rollout_level, "rollout_level"))
     if json is not None:
