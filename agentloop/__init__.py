@@ -38,6 +38,7 @@ from agentloop.errors import (
     ToolError,
     ToolNotFoundError,
     TrainerTimeoutError,
+    VerifiersEpisodeError,
 )
 
 if TYPE_CHECKING:  # the real names for type checkers and IDEs; at run time __getattr__ imports them
@@ -131,6 +132,7 @@ __all__ = [
     "ToolResponse",
     "TrainerTimeoutError",
     "Triplet",
+    "VerifiersEpisodeError",
     "__version__",
     "async_openai_client",
     "configure_logging",

@@ -23,10 +23,11 @@
     │   ├── ToolDefinitionError  a function, class or YAML entry cannot become a tool
     │   ├── ToolNotFoundError    a tool name the registry does not know (also a KeyError)
     │   └── ToolArgumentError    the model's arguments do not fit the tool (also a ValueError)
-    └── SandboxError             a sandbox (agentloop.sandbox) could not be created, used or cleaned up
-        ├── SandboxUnavailableError  the backend asked for cannot run here (bwrap missing, user namespaces
-        │                            off, no Python for the launcher), or a harness is not installed
-        └── SandboxArgumentError     a bad argument: command, env, timeout, workspace path (also a ValueError)
+    ├── SandboxError             a sandbox (agentloop.sandbox) could not be created, used or cleaned up
+    │   ├── SandboxUnavailableError  the backend asked for cannot run here (bwrap missing, user namespaces
+    │   │                            off, no Python for the launcher), or a harness is not installed
+    │   └── SandboxArgumentError     a bad argument: command, env, timeout, workspace path (also a ValueError)
+    └── VerifiersEpisodeError    a verifiers environment's episode failed (integrations/verifiers.py)
 
 Validation errors on public calls are pydantic's ``ValidationError``; they name the field.
 
@@ -67,6 +68,7 @@ __all__ = [
     "ToolError",
     "ToolNotFoundError",
     "TrainerTimeoutError",
+    "VerifiersEpisodeError",
 ]
 
 
@@ -180,6 +182,12 @@ class SandboxUnavailableError(SandboxError):
 
 class SandboxArgumentError(SandboxError, ValueError):
     """An argument to a sandbox call is not valid; the message says what was expected and what came."""
+
+
+class VerifiersEpisodeError(AgentLoopError):
+    """A verifiers environment's episode (``integrations.verifiers.VerifiersAgent``) ended with errors: its
+    harness exited non-zero, a tool or reward method raised, a timeout. The first line names the first error;
+    below it, each of the environment's own errors with its traceback."""
 
 
 class UsageError(ValueError):

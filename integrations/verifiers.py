@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.agent import Agent
-from agentloop.errors import AgentLoopError, ConfigError, ImportObjectError
+from agentloop.errors import ConfigError, ImportObjectError, VerifiersEpisodeError
 from agentloop.importing import import_object
 from agentloop.logging import get_logger
 from agentloop.resources import LLM, ProxyLLM, Resources
@@ -69,10 +69,6 @@ SPEC_FORMS = (
     "a taskset module (vf_arith), or module:name / path/to/file.py:name naming a vf.EnvConfig, a vf.Env, "
     "or a function returning one"
 )
-
-
-class VerifiersEpisodeError(AgentLoopError):
-    """A verifiers episode ended with errors (its harness, tools, reward methods or timeouts)."""
 
 
 def _vf() -> Any:
@@ -171,10 +167,15 @@ def _key_var(base_url: str) -> str:
 
 
 def _episode_error(env_id: str, episode: Any) -> str:
+    """The message of a failed episode: its first error on the first line (what the console and ``agentloop
+    inspect --errors`` show in one line), then each error of the environment with its own traceback."""
     errors = list(episode.errors) + [e for trace in episode.traces for e in trace.errors]
     if not errors:
         return f"verifiers environment {env_id!r}: the episode did not finish ok (no error recorded)"
-    parts = [f"verifiers environment {env_id!r}: the episode failed with {len(errors)} error(s)"]
+    first = errors[0]
+    head = (str(first.message).strip().splitlines() or [""])[0]
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    parts = [f"verifiers environment {env_id!r}: {first.type}: {head}{more}"]
     for err in errors:
         parts.append(f"{err.type}: {err.message}")
         if err.traceback:
