@@ -21,7 +21,7 @@ import verifiers.v1 as vf
 
 SYSTEM_PROMPT = "Answer with the number only."
 OPERAND_MAX = 20
-HELD_OUT = 48  # the first 48 shuffled questions: the test split
+HELD_OUT = 24  # the first 24 shuffled questions: the test split
 
 
 class ArithData(vf.TaskData):
