@@ -114,6 +114,11 @@ async def another_apps_sessions(ctx: Context, victims: int = 3, rounds: int = 3)
     return tried
 
 
+# the per-attempt routes, keyless too where serve has no key: no rollout lives in serve's store, so a web page
+# gets 404 before anything is generated or recorded
+ATTEMPT = "/rollout/ro-page/attempt/at-page/v1"
+
+
 async def web_page_requests(ctx: Context, rounds: int = 5) -> int:
     """What a web page can send to a loopback server without a key: simple (no-preflight) POSTs, a
     rebound Host (DNS rebinding), cross-origin and cross-site requests."""
@@ -139,6 +144,10 @@ async def web_page_requests(ctx: Context, rounds: int = 5) -> int:
              {"origin": "http://evil.example", "x-session-id": sid, **JSON}),
             ("cross-site list", "GET", "/v1/sessions", None, {"sec-fetch-site": "cross-site"}),
             ("JSON rollback, no admin key", "POST", "/v1/admin/rollback", b'{"version": 1}', JSON),
+            ("text/plain per-attempt chat", "POST", f"{ATTEMPT}/chat/completions", chat, {"content-type": "text/plain"}),
+            ("rebound Host: per-attempt chat", "POST", f"{ATTEMPT}/chat/completions", chat, {**evil, **JSON}),
+            ("cross-origin per-attempt chat", "POST", f"{ATTEMPT}/chat/completions", chat,
+             {"origin": "http://evil.example", **JSON}),
         ]  # fmt: skip
         for _ in range(rounds):
             for what, method, path, body, headers in cases:
