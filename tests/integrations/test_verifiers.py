@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,86 @@ def test_the_example_job_files_load_in_the_verifiers_venv(job: str, tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["agent"] and out["tasks"] > 0 and out["steps"] > 0
+
+
+BROKEN_ENV = '''
+"""A verifiers environment whose reward method raises on one of its two tasks."""
+from collections.abc import Iterator
+
+import verifiers.v1 as vf
+
+
+class BrokenData(vf.TaskData):
+    answer: str
+
+
+class BrokenTask(vf.Task[BrokenData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def correct(self, task: BrokenData, trace: vf.Trace) -> float:
+        if task.answer == "?":
+            raise ValueError("vf_broken has no answer key for this task")
+        return 1.0
+
+
+class BrokenTaskset(vf.Taskset[BrokenTask, vf.TasksetConfig]):
+    def load(self) -> Iterator[BrokenTask]:
+        yield BrokenTask(BrokenData(prompt="What is 2 + 2?", answer="4"), self.config.task)
+        yield BrokenTask(BrokenData(prompt="What is 3 + 1?", answer="?"), self.config.task)
+
+
+__all__ = ["BrokenTaskset"]
+
+ENV = vf.SingleAgentEnvConfig(
+    taskset={"id": "vf_broken"},
+    agent=vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), max_turns=1),
+)
+'''
+
+
+@SKIP
+@pytest.mark.slow  # agentloop train in the verifiers venv: Ray, the tiny model, 8 episodes (~2 min on 2 busy cores)
+@pytest.mark.e2e
+def test_an_env_whose_reward_raises_fails_its_attempts_not_the_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``agentloop train`` on an environment whose reward method raises for one of its two tasks: the run
+    trains its step and exits 0; that task's attempts fail with VerifiersEpisodeError carrying the env's own
+    ValueError, in the console's failure line and in ``agentloop inspect RUN --errors`` (with the env's
+    frame: vf_broken.py, in correct)."""
+    import yaml
+
+    (tmp_path / "vf_broken.py").write_text(BROKEN_ENV)
+    doc = {
+        "agent": "verifiers:vf_broken:ENV",
+        "data": {"train_batch_size": 2, "max_prompt_length": 128, "max_response_length": 4},
+        "actor_rollout_ref": {
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {"n": 2},
+            "actor": {"ppo_mini_batch_size": 2},
+        },
+        "trainer": {"total_training_steps": 1, "default_local_dir": "run", "device": "cpu",
+                    "logger": ["jsonl"], "val_before_train": False, "save_last": False},
+    }  # fmt: skip
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    agentloop = str(SIDE_PYTHON.with_name("agentloop"))
+    train = subprocess.run(
+        [agentloop, "train", "job.yaml"], capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
+    console = train.stdout + train.stderr
+    assert train.returncode == 0, console[-6000:]
+    assert "trained 1 step" in console
+    # verifiers wraps the reward's error in its TaskError; the one-line message names both
+    first_line = re.compile(
+        r"VerifiersEpisodeError: verifiers environment 'vf_broken': TaskError: .*"
+        r"ValueError: vf_broken has no answer key for this task"
+    )
+    assert first_line.search(console), console[-6000:]  # the runner's first failure, the step's summary
+    inspect = subprocess.run(
+        [agentloop, "inspect", "run", "--errors"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert inspect.returncode == 0, inspect.stderr[-3000:]
+    errors = inspect.stdout
+    assert first_line.search(errors), errors[-4000:]
+    assert "vf_broken.py:16 in correct" in errors, errors[-4000:]  # the env's own frame: where it broke
+    assert 'raise ValueError("vf_broken has no answer key for this task")' in errors, errors[-4000:]
+    assert "1 kind of error" in errors, errors[-4000:]  # only the broken task's attempts failed
