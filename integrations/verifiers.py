@@ -146,11 +146,12 @@ def _rows(env: Any, taskset: Any, limit: int | None) -> list[dict[str, Any]]:
             f"verifiers taskset {type(taskset).__name__} is infinite; give a limit (train_tasks(env, limit=N))"
         )
     view = taskset if limit is None else taskset.take(limit)
-    return [task.data.model_dump(mode="json", exclude_defaults=True) for task in view]
+    return [task.data.model_dump(mode="json", exclude_unset=True) for task in view]
 
 
 def train_tasks(env: Any, limit: int | None = None) -> list[dict[str, Any]]:
-    """The environment's taskset as agentloop tasks: each row's ``TaskData`` as JSON (defaults left out)."""
+    """The environment's taskset as agentloop tasks: each row's ``TaskData`` as JSON (fields it leaves unset left
+    out; not defaults: a message's ``role`` is a default, and the rows must validate back into ``TaskData``)."""
     return _rows(env, env.taskset, limit)
 
 

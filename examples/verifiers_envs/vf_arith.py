@@ -5,7 +5,7 @@ Written with verifiers' own classes (``verifiers.v1``, 0.4.0): a ``TaskData`` ro
 its module name (the taskset id ``vf_arith``); ``ENV`` pins the harness to verifiers' plain chat loop
 (``null``: no tools) and the runtime to a local subprocess, so nothing here needs a sandbox service.
 
-The questions are every ``a + b`` with a, b in 0..20, shuffled with a fixed seed; the taskset config's
+The questions are every ``a + b`` with a, b in 0..20 after one worked example turn, shuffled with a fixed seed; the taskset config's
 ``split`` picks the training questions (``train``, the default) or the held-out ones (``test``, never
 trained on). ``held_out()`` gives the test split as agentloop tasks (``val_data: vf_arith:held_out``).
 """
@@ -19,7 +19,12 @@ from typing import Any, Literal
 
 import verifiers.v1 as vf
 
-SYSTEM_PROMPT = "Answer with the number only."
+# One worked turn before the question, as the main demo (trainer/demo.py) found SmolLM2 needs: without it the
+# model explains at length and a short reply ends before the sum (17% of held-out questions right, greedy).
+EXAMPLE = [
+    {"role": "user", "content": "What is 15 + 23?"},  # 23 lies outside the operands 0..20
+    {"role": "assistant", "content": "15 + 23 = 38"},
+]
 OPERAND_MAX = 20
 HELD_OUT = 24  # the first 24 shuffled questions: the test split
 
@@ -56,7 +61,9 @@ class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
     def load(self) -> Iterator[ArithTask]:
         for a, b in questions(self.config.split):
             yield ArithTask(
-                ArithData(prompt=f"What is {a} + {b}?", system_prompt=SYSTEM_PROMPT, answer=str(a + b)),
+                ArithData(
+                    prompt=[*EXAMPLE, {"role": "user", "content": f"What is {a} + {b}?"}], answer=str(a + b)
+                ),
                 self.config.task,
             )
 
@@ -64,7 +71,7 @@ class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
 def held_out() -> list[dict[str, Any]]:
     """The test split as agentloop tasks: each row's ``TaskData`` as JSON, as agentloop's train_tasks makes."""
     taskset = ArithTaskset(ArithConfig(id="vf_arith", split="test"))
-    return [task.data.model_dump(mode="json", exclude_defaults=True) for task in taskset]
+    return [task.data.model_dump(mode="json", exclude_unset=True) for task in taskset]
 
 
 __all__ = ["ArithTaskset"]
