@@ -73,9 +73,10 @@ def main() -> int:
 
     cpu = cpu_model()
     summary: dict[str, Any] = {
-        "benchmark": "a verifiers 0.4.0 environment (examples/verifiers_envs/vf_arith.py: a + b, a, b in 0..20, "
-        "'Answer with the number only.', a @vf.reward method) trained unchanged by agentloop train, GRPO on "
-        "SmolLM2-135M-Instruct on the CPU",
+        "benchmark": "a verifiers 0.4.0 environment (examples/verifiers_envs/vf_arith.py: 'What is a + b?', a, b "
+        "in 0..20, after one worked turn '15 + 23 = 38'; its @vf.reward method: the reply's last number is the "
+        "sum) trained unchanged by agentloop train, GRPO on SmolLM2-135M-Instruct on the CPU; validation greedy "
+        "on the env's held-out split",
         "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} nice -n 19 {shown}  "
         "(run by .venv/frameworks/verifiers/bin/python benchmarks/verifiers_bench.py)",
         "job_file": args.job.read_text(),
