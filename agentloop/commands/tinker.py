@@ -52,6 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="where save_state checkpoints go (kept across restarts); default a temporary folder",
     )
     p.add_argument("--max-batch-size", type=int, default=32, help="the engine's most concurrent sequences")
+    p.add_argument(
+        "--max-models", type=int, default=4,
+        help="training models held at once, over every client (each is a copy of the model, its gradients and "
+        "Adam's moments in memory); a client past it gets a 400 saying so",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -122,7 +127,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = TinkerServer(
         args.model, trainer_parts(), [args.key], host=args.host, port=args.port, device=args.device,
         model_name=args.model_name, state_dir=args.state_dir,
-        engine_kwargs={"max_batch_size": args.max_batch_size},
+        engine_kwargs={"max_batch_size": args.max_batch_size}, max_models=args.max_models,
     )  # fmt: skip
     url = await server.start()
     sys.stdout.write(
@@ -145,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch_size < 1:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.max_models < 1:
+        raise UsageError(f"--max-models must be >= 1, got {args.max_models}")
     args.key, args.key_source = read_tinker_key(args)
     check_port_free(args.host, args.port)
     event_loop.run(serve, args)

@@ -31,6 +31,7 @@ class TinkerServer:
         model_name: the name clients give as ``base_model`` and see in answers; default ``model``.
         state_dir: where training checkpoints go; default a temporary folder removed at ``stop``.
         engine_kwargs: passed to ``TorchEngine`` (``max_batch_size``, ``max_context``, ...).
+        max_models: training models held at once (each a copy of the weights, gradients and Adam's moments).
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class TinkerServer:
         model_name: str | None = None,
         state_dir: Path | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        max_models: int = 4,
     ) -> None:
         if not keys:
             raise ValueError("TinkerServer needs at least one API key")
@@ -54,6 +56,7 @@ class TinkerServer:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.state_dir = state_dir
         self.engine_kwargs = engine_kwargs or {}
+        self.max_models = max_models
         self.service: TinkerService | None = None
         self._server: EmbeddedServer | None = None
         self._engine: Any = None
@@ -87,7 +90,14 @@ class TinkerServer:
         await self._engine.start()
         aliases = (self.model,) if self.model != self.model_name else ()
         self.service = TinkerService(
-            self.model_name, path, self.parts, self._engine, self.state_dir, torch.device(dev), aliases
+            self.model_name,
+            path,
+            self.parts,
+            self._engine,
+            self.state_dir,
+            torch.device(dev),
+            aliases,
+            max_models=self.max_models,
         )
         self._server = EmbeddedServer(
             build_app(self.service, self.keys), self.host, self.port, what="the Tinker server", graceful_s=1.0

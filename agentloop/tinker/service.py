@@ -56,6 +56,10 @@ class NotFound(KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
+# a session silent this long (no heartbeat) is taken for dead when its models' room is needed
+SESSION_SILENT_S = 600.0
+
+
 @dataclass
 class _Model:
     model: TrainingModel
@@ -83,8 +87,11 @@ class TinkerService:
         state_dir: Path,
         device: torch.device,
         aliases: tuple[str, ...] = (),
+        max_models: int = 4,
     ) -> None:
         self.model_name, self.model_path, self.parts, self.device = model_name, model_path, parts, device
+        self.max_models = max_models  # training models at once: each is a copy of the model in memory
+        self._creating: set[str] = set()
         self.names = {model_name, str(model_path), *aliases}
         self.state_dir = state_dir
         self.max_context = int(engine.max_context)
@@ -173,6 +180,7 @@ class TinkerService:
                 f"training model {model_id!r} exists already (model_seq_id {req.model_seq_id} is taken)"
             )
         lora = req.lora_config
+        self._reserve(model_id)
 
         async def work() -> dict[str, Any]:
             await self._new_model(model_id, base, lora)
@@ -180,13 +188,37 @@ class TinkerService:
 
         return self._submit("create_model", work)
 
+    def _reserve(self, model_id: str) -> None:
+        """Count ``model_id`` against ``max_models`` from its request on (WireError past the cap):
+        each training model holds a copy of the weights, its gradients and Adam's moments."""
+        if len(self.models) + len(self._creating) >= self.max_models:
+            self._drop_silent_sessions()
+        if len(self.models) + len(self._creating) >= self.max_models:
+            raise WireError(
+                f"this server holds at most {self.max_models} training models at once (each is a copy of the "
+                "model, its gradients and Adam's moments in memory); close a ServiceClient to free its models, "
+                "or start agentloop tinker with a larger --max-models"
+            )
+        self._creating.add(model_id)
+
+    def _drop_silent_sessions(self) -> None:
+        """Finish the sessions that sent no heartbeat for ``SESSION_SILENT_S`` (the SDK sends one every
+        10 s while its ServiceClient lives): a client that died without closing frees its models."""
+        now = time.time()
+        for sid, session in list(self.sessions.items()):
+            if not session.finished and now - session.last_heartbeat > SESSION_SILENT_S:
+                self.finish_session(sid)
+
     async def _new_model(self, model_id: str, base: str, lora: LoraConfig) -> _Model:
-        model = await anyio.to_thread.run_sync(
-            lambda: TrainingModel(model_id, base, self.model_path, lora, self.parts, self.device)
-        )
-        if model_id in self.models:
-            raise WireError(f"training model {model_id!r} exists already")
-        m = self.models[model_id] = _Model(model)
+        try:
+            model = await anyio.to_thread.run_sync(
+                lambda: TrainingModel(model_id, base, self.model_path, lora, self.parts, self.device)
+            )
+            if model_id in self.models:
+                raise WireError(f"training model {model_id!r} exists already")
+            m = self.models[model_id] = _Model(model)
+        finally:
+            self._creating.discard(model_id)
         return m
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -279,6 +311,7 @@ class TinkerService:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:
             raise WireError(f"training model {model_id!r} exists already")
+        self._reserve(model_id)
 
         async def into_new() -> dict[str, Any]:
             m = await self._new_model(model_id, base, lora)

@@ -37,6 +37,7 @@ def tinker_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         server = TinkerServer(
             str(tiny_model_dir), trainer_parts(), [SecretStr(KEY)], port=0, device="cpu",
             model_name=MODEL_NAME, state_dir=state_dir, engine_kwargs={"max_batch_size": 8},
+            max_models=64,  # the tests' fixtures keep their training models; the cap has a test of its own
         )  # fmt: skip
         try:
             out["url"] = await server.start()

@@ -264,3 +264,45 @@ def test_closing_a_service_client_frees_its_models(tinker_server: RunningServer)
     assert training.model_id in tinker_server.service.models
     client.close("success").result()
     assert training.model_id not in tinker_server.service.models
+
+
+def test_training_models_are_capped_over_every_client(tinker_server: RunningServer) -> None:
+    """Each training model is a copy of the weights, gradients and Adam's moments: past ``--max-models``
+    a client gets a 400 saying so (not the server's memory), and closing a client frees its share."""
+    service = tinker_server.service
+    saved = service.max_models
+    service.max_models = len(service.models) + 1  # room for one more
+    client = tinker.ServiceClient(base_url=tinker_server.url, api_key=KEY)
+    try:
+        client.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        other = tinker.ServiceClient(base_url=tinker_server.url, api_key=KEY)
+        with pytest.raises(tinker.BadRequestError, match=r"at most \d+ training models"):
+            other.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        other.close("success").result()
+        client.close("success").result()
+        again = tinker.ServiceClient(base_url=tinker_server.url, api_key=KEY)
+        again.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()  # the freed room
+        again.close("success").result()
+    finally:
+        service.max_models = saved
+
+
+def test_a_silent_clients_models_make_room_for_a_new_one(tinker_server: RunningServer) -> None:
+    """A client that died without closing stops its heartbeats; when the cap is reached, its session is
+    taken for dead (``SESSION_SILENT_S`` without one) and its models are freed for the new client."""
+    from agentloop.tinker.service import SESSION_SILENT_S
+
+    service = tinker_server.service
+    saved = service.max_models
+    service.max_models = len(service.models) + 1
+    dead = tinker.ServiceClient(base_url=tinker_server.url, api_key=KEY)
+    try:
+        gone = dead.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        session = next(s for s in service.sessions.values() if gone.model_id.startswith(f"{s.session_id}:"))
+        session.last_heartbeat -= SESSION_SILENT_S + 1  # as if its process had died that long ago
+        fresh = tinker.ServiceClient(base_url=tinker_server.url, api_key=KEY)
+        fresh.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        assert gone.model_id not in service.models and session.finished
+        fresh.close("success").result()
+    finally:
+        service.max_models = saved
