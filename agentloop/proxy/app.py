@@ -130,6 +130,9 @@ def _unauthorized() -> ProxyError:
                       "X-Api-Key: <api_key>)", "authentication_error", code="invalid_api_key")  # fmt: skip
 
 
+Handler = Callable[[Request, Target, dict[str, str]], Awaitable[Response]]
+
+
 def build_app(
     service: ProxyService,
     *,
@@ -147,20 +150,106 @@ def build_app(
     # Starlette, not FastAPI: the routes below are plain Starlette routes, and FastAPI's own middleware
     # (telemetry, body limit, exit stack) cost event-loop CPU on every request for nothing here
     app = Starlette()
-    auth = BearerAuth(api_key)  # the per-attempt routes
-    access = AppKeys([api_key] if app_keys is None else app_keys, admin_key)  # the session routes
+    routes = _Routes(
+        service,
+        auth=BearerAuth(api_key),  # the per-attempt routes
+        access=AppKeys([api_key] if app_keys is None else app_keys, admin_key),  # the session routes
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        bound_host=bound_host,
+    )
+    _add_openai_routes(app, routes)
+    _add_session_routes(app, routes)
+    _add_error_handlers(app)
+    return app
 
-    def app_caller(request: Request) -> Caller:
+
+def _add_openai_routes(app: Starlette, routes: _Routes) -> None:
+    """The model routes, under the per-attempt prefix and under ``/v1`` (app sessions)."""
+    # Plain routes (request in, response out): a dependency solver would cost
+    # more per request than the proxy's own work, and the bodies are validated by hand anyway.
+    guarded, r = routes.guarded, routes
+    for prefix, session in (("/rollout/{rollout_id}/attempt/{attempt_id}/v1", False), ("/v1", True)):
+        app.add_route(f"{prefix}/chat/completions", guarded(r.chat, session), methods=["POST"])
+        app.add_route(f"{prefix}/completions", guarded(r.completions, session), methods=["POST"])
+        app.add_route(f"{prefix}/models", guarded(r.models, session), methods=["GET"])
+        app.add_route(
+            f"{prefix}/messages", guarded(r.messages, session, anthropic.error_body), methods=["POST"]
+        )
+        app.add_route(
+            f"{prefix}/messages/count_tokens",
+            guarded(r.count_tokens, session, anthropic.error_body),
+            methods=["POST"],
+        )
+        app.add_route(f"{prefix}/responses", guarded(r.responses_api, session), methods=["POST"])
+
+
+def _add_session_routes(app: Starlette, routes: _Routes) -> None:
+    """The app sessions' own routes (rewards, records), and ``/health``."""
+    app.add_route("/v1/sessions/{session_id}/reward", routes.post_reward, methods=["POST"])
+    app.add_route("/v1/sessions/{session_id}", routes.get_session, methods=["GET"])
+    app.add_route("/v1/sessions", routes.list_sessions, methods=["GET"])
+    app.add_route("/health", _health, methods=["GET"])
+
+
+def _add_error_handlers(app: Starlette) -> None:
+    """Starlette's own errors (unknown route, wrong method) and anything unexpected: OpenAI-style bodies."""
+
+    async def _http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = _STATUS_TYPES.get(exc.status_code, "invalid_request_error")
+        return error_response(
+            ProxyError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
+        )
+
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected proxy error", path=request.url.path)
+        return error_response(
+            ProxyError(503, f"internal proxy error: {type(exc).__name__}", "service_unavailable")
+        )
+
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _health(request: Request) -> Response:
+    return _json(b'{"status":"ok"}')
+
+
+def _want_ids(request: Request, body: Any) -> bool:
+    flag = request.headers.get(RETURN_IDS_HEADER, "").lower() in ("1", "true", "yes")
+    return flag or bool(body.get("return_token_ids"))
+
+
+class _Routes:
+    """The routes' handlers and what they share: the service, who may call (``auth``: the per-attempt
+    routes; ``access``: the session routes) and the request body's limits."""
+
+    def __init__(
+        self,
+        service: ProxyService,
+        *,
+        auth: BearerAuth,
+        access: AppKeys,
+        max_body_bytes: int,
+        body_timeout_s: float,
+        bound_host: str | None,
+    ) -> None:
+        self.service, self.auth, self.access = service, auth, access
+        self.max_body_bytes, self.body_timeout_s, self.bound_host = max_body_bytes, body_timeout_s, bound_host
+
+    def app_caller(self, request: Request) -> Caller:
         """The caller of an app-facing route: 401 without an accepted key; 403 from a web page (another
         origin, or a foreign Host on loopback); 415 for a POST that is not JSON."""
-        caller = access.caller(request)
+        caller = self.access.caller(request)
         if caller is None:
             raise _unauthorized()
-        check_browser(request, bound_host)
+        check_browser(request, self.bound_host)
         check_json(request)
         return caller
 
-    async def read_json(request: Request) -> Any:
+    async def read_json(self, request: Request) -> Any:
+        max_body_bytes, body_timeout_s = self.max_body_bytes, self.body_timeout_s
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise ProxyError(
@@ -191,12 +280,8 @@ def build_app(
         except orjson.JSONDecodeError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}") from None
 
-    def want_ids(request: Request, body: Any) -> bool:
-        flag = request.headers.get(RETURN_IDS_HEADER, "").lower() in ("1", "true", "yes")
-        return flag or bool(body.get("return_token_ids"))
-
-    def session_target(request: Request) -> tuple[Target, dict[str, str]]:
-        caller = app_caller(request)
+    def session_target(self, request: Request) -> tuple[Target, dict[str, str]]:
+        caller = self.app_caller(request)
         # Codex CLI names its thread in a ``session-id`` header: its calls then form one session
         sid = (
             request.headers.get(SESSION_HEADER)
@@ -207,23 +292,21 @@ def build_app(
             raise bad_request(
                 f"{SESSION_HEADER} must be 1-128 characters of [A-Za-z0-9._:-], got {sid!r:.60}"
             )
-        held = service.sessions.get(sid)
+        held = self.service.sessions.get(sid)
         if held is not None and not caller.may_use(held.owner):  # another key's session: as if unknown
             raise session_not_found(sid)
         return Target(session_id=sid, owner=caller.owner, admin=caller.admin), {"X-Session-Id": sid}
 
-    Handler = Callable[[Request, Target, dict[str, str]], Awaitable[Response]]
-
     def guarded(
-        handler: Handler, session: bool, shape: ErrorShape = ProxyError.body
+        self, handler: Handler, session: bool, shape: ErrorShape = ProxyError.body
     ) -> Callable[..., Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             headers: dict[str, str] = {}
             try:
                 if session:
-                    target, headers = session_target(request)
+                    target, headers = self.session_target(request)
                 else:
-                    if not auth.allows(request):
+                    if not self.auth.allows(request):
                         raise _unauthorized()
                     params = request.path_params
                     target = Target(rollout_id=params["rollout_id"], attempt_id=params["attempt_id"])
@@ -240,58 +323,65 @@ def build_app(
 
         return endpoint
 
-    async def chat(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        body = await read_json(request)
+    # ------------------------------------------------------------ the model routes (both prefixes)
+
+    async def chat(self, request: Request, target: Target, headers: dict[str, str]) -> Response:
+        service = self.service
+        body = await self.read_json(request)
         req: ChatCompletionRequest = parse_model(ChatCompletionRequest, body, "chat completion request")
         with ClientWatch(request.receive) as client:
             gen = await service.chat(
                 target, req, body["messages"], request_key=request_key(request), client_gone=client.gone
             )
-        ids, lps = want_ids(request, body), bool(req.logprobs)
+        ids, lps = _want_ids(request, body), bool(req.logprobs)
         if req.stream:
             chunks = responses.chat_chunks(gen, service.tokenizer, lps, ids, req.include_usage)
             return _stream(chunks, headers)
         return _json(responses.chat_json(gen, service.tokenizer, lps, ids), headers)
 
-    async def completions(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        body = await read_json(request)
+    async def completions(self, request: Request, target: Target, headers: dict[str, str]) -> Response:
+        service = self.service
+        body = await self.read_json(request)
         req: CompletionRequest = parse_model(CompletionRequest, body, "completion request")
         with ClientWatch(request.receive) as client:
             gen = await service.complete(
                 target, req, request_key=request_key(request), client_gone=client.gone
             )
-        ids, lps = want_ids(request, body), req.logprobs is not None
+        ids, lps = _want_ids(request, body), req.logprobs is not None
         if req.stream:
             return _stream(
                 responses.completion_chunks(gen, service.tokenizer, ids, req.include_usage), headers
             )
         return _json(responses.completion_json(gen, service.tokenizer, lps, ids), headers)
 
-    async def messages(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        body = await read_json(request)
+    async def messages(self, request: Request, target: Target, headers: dict[str, str]) -> Response:
+        service = self.service
+        body = await self.read_json(request)
         req, chat_req, chat_messages = anthropic.parse(body)
         with ClientWatch(request.receive) as client:
             gen = await service.chat(
                 target, chat_req, chat_messages, request_key=request_key(request), client_gone=client.gone,
                 any_model=req.model.startswith("claude"),
             )  # fmt: skip
-        ids, stops = want_ids(request, body), req.stop_sequences or []
+        ids, stops = _want_ids(request, body), req.stop_sequences or []
         if req.stream:
             return _stream(
                 anthropic_output.message_events(gen, service.tokenizer, stops, ids, req.thinks), headers
             )
         return _json(anthropic_output.message_json(gen, service.tokenizer, stops, ids, req.thinks), headers)
 
-    async def count_tokens(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        body = await read_json(request)
+    async def count_tokens(self, request: Request, target: Target, headers: dict[str, str]) -> Response:
+        service = self.service
+        body = await self.read_json(request)
         chat_req = anthropic.parse_count(body)
         if not str(chat_req.model).startswith("claude"):
             service.check_model(target, chat_req.model)
         await service.check_live(target)
         return _json(orjson.dumps({"input_tokens": service.count_prompt_tokens(chat_req)}), headers)
 
-    async def responses_api(request: Request, target: Target, headers: dict[str, str]) -> Response:
-        body = await read_json(request)
+    async def responses_api(self, request: Request, target: Target, headers: dict[str, str]) -> Response:
+        service = self.service
+        body = await self.read_json(request)
         parsed = openai_responses.parse(body, service.responses, target.key)
         with ClientWatch(request.receive) as client:
             gen = await service.chat(
@@ -303,41 +393,28 @@ def build_app(
             )
         answer = responses_output.answer(gen, parsed)
         responses_output.keep(answer, service.responses, target.key)
-        ids = want_ids(request, body)
+        ids = _want_ids(request, body)
         if parsed.req.stream:
             return _stream(responses_output.response_events(answer, service.tokenizer, ids), headers)
         return _json(responses_output.response_json(answer, service.tokenizer, ids), headers)
 
-    async def models(request: Request, target: Target, headers: dict[str, str]) -> Response:
+    async def models(self, request: Request, target: Target, headers: dict[str, str]) -> Response:
+        service = self.service
         if target.session_id is None:
             await service.check_live(target)
         card = {"id": service.model_name, "object": "model", "created": int(time.time()), "owned_by": "agentloop",
                 "max_model_len": service.engine.max_context}  # fmt: skip
         return _json(orjson.dumps({"object": "list", "data": [card]}), headers)
 
-    # Plain routes (request in, response out): a dependency solver would cost
-    # more per request than the proxy's own work, and the bodies are validated by hand anyway.
-    for prefix, session in (("/rollout/{rollout_id}/attempt/{attempt_id}/v1", False), ("/v1", True)):
-        app.add_route(f"{prefix}/chat/completions", guarded(chat, session), methods=["POST"])
-        app.add_route(f"{prefix}/completions", guarded(completions, session), methods=["POST"])
-        app.add_route(f"{prefix}/models", guarded(models, session), methods=["GET"])
-        app.add_route(
-            f"{prefix}/messages", guarded(messages, session, anthropic.error_body), methods=["POST"]
-        )
-        app.add_route(
-            f"{prefix}/messages/count_tokens",
-            guarded(count_tokens, session, anthropic.error_body),
-            methods=["POST"],
-        )
-        app.add_route(f"{prefix}/responses", guarded(responses_api, session), methods=["POST"])
+    # ------------------------------------------------------------ the session routes
 
-    async def post_reward(request: Request) -> Response:
+    async def post_reward(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
         try:
-            caller = app_caller(request)
-            body = await read_json(request)
+            caller = self.app_caller(request)
+            body = await self.read_json(request)
             req: RewardRequest = parse_model(RewardRequest, body, "reward")
-            rec = await service.add_session_reward(
+            rec = await self.service.add_session_reward(
                 session_id, Reward(value=req.value, name=req.name), caller.owner, any_owner=caller.admin
             )
             return _json(orjson.dumps({"session_id": session_id, "num_calls": len(rec.calls),
@@ -345,50 +422,24 @@ def build_app(
         except ProxyError as exc:
             return error_response(exc)
 
-    async def get_session(request: Request) -> Response:
+    async def get_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
         try:
-            caller = app_caller(request)
+            caller = self.app_caller(request)
         except ProxyError as exc:
             return error_response(exc)
-        rec = service.sessions.get(session_id)
+        rec = self.service.sessions.get(session_id)
         if rec is None or not caller.may_use(rec.owner):  # another key's session: as if unknown
             return error_response(session_not_found(session_id))
         return _json(orjson.dumps(rec.to_json()))
 
-    async def list_sessions(request: Request) -> Response:
+    async def list_sessions(self, request: Request) -> Response:
         try:
-            caller = app_caller(request)
+            caller = self.app_caller(request)
         except ProxyError as exc:
             return error_response(exc)
-        data = [rec.summary() for rec in service.sessions.records() if caller.may_use(rec.owner)]
+        data = [rec.summary() for rec in self.service.sessions.records() if caller.may_use(rec.owner)]
         return _json(orjson.dumps({"object": "list", "data": data}))
-
-    async def health(request: Request) -> Response:
-        return _json(b'{"status":"ok"}')
-
-    app.add_route("/v1/sessions/{session_id}/reward", post_reward, methods=["POST"])
-    app.add_route("/v1/sessions/{session_id}", get_session, methods=["GET"])
-    app.add_route("/v1/sessions", list_sessions, methods=["GET"])
-    app.add_route("/health", health, methods=["GET"])
-
-    async def _http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        kind = _STATUS_TYPES.get(exc.status_code, "invalid_request_error")
-        return error_response(
-            ProxyError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
-        )
-
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected proxy error", path=request.url.path)
-        return error_response(
-            ProxyError(503, f"internal proxy error: {type(exc).__name__}", "service_unavailable")
-        )
-
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
-
-    return app
 
 
 def _stream(chunks: Iterator[bytes], headers: dict[str, str]) -> StreamingResponse:
