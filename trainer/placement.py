@@ -16,11 +16,16 @@ even with one rank) and, with several replicas, the engine an EngineReplicaPool.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -30,6 +35,7 @@ from trainer._config_actor import shard_group_size
 from trainer.config import TrainerConfig, engine_kwargs
 
 log = structlog.get_logger("agentloop.trainer.placement")
+T = TypeVar("T")
 
 
 class PlacementError(ConfigError):
@@ -209,20 +215,75 @@ def worker_env() -> dict[str, str]:
 def init_ray(config: TrainerConfig) -> None:
     """Join ``trainer.ray_address`` (or start a local Ray) unless Ray is already initialised; the
     workers' output goes to the run's log.txt (:func:`route_worker_output`), not the console, and
-    they start with :func:`worker_env`."""
+    they start with :func:`worker_env`. A local Ray starts no idle workers ahead of need (on 2 cores
+    their imports, ~1.5 CPU-s, slowed the engine's load and the first rollout)."""
     import ray
 
     if not ray.is_initialized():
         env = worker_env()
-        ray.init(
-            address=config.trainer.ray_address,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-            configure_logging=False,
-            runtime_env={"env_vars": env} if env else None,
-        )
+        local = config.trainer.ray_address is None and not os.environ.get("RAY_ADDRESS")
+        with _quiet_thread_warning():
+            ray.init(
+                address=config.trainer.ray_address,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+                configure_logging=False,
+                runtime_env={"env_vars": env} if env else None,
+                # a joined cluster keeps its own settings (Ray refuses a _system_config there)
+                _system_config={"prestart_worker_first_driver": False} if local else None,
+            )
         route_worker_output()
+
+
+@contextlib.contextmanager
+def _quiet_thread_warning() -> Iterator[None]:
+    """Drop Ray's "SIGTERM handler is not set ... not the main thread" warning: on the Ray thread
+    (:func:`on_ray_thread`) not replacing the process's SIGTERM handler is what we want."""
+    ray_worker_log = logging.getLogger("ray._private.worker")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+    ray_worker_log.addFilter(keep)
+    try:
+        yield
+    finally:
+        ray_worker_log.removeFilter(keep)
+
+
+_ray_calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] | None = None
+_ray_calls_lock = threading.Lock()
+
+
+def on_ray_thread(call: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """Run ``call`` on agentloop's Ray thread and return its future. The thread lives as long as the
+    process: Ray's processes die with the thread that started them (PR_SET_PDEATHSIG), so a
+    ``ray.init`` there keeps them for the process's life, as one on the main thread does, while the
+    main thread's event loop serves rollouts (``ray.init`` blocks for seconds while they start)."""
+    global _ray_calls
+    with _ray_calls_lock:
+        if _ray_calls is None:
+            _ray_calls = queue.SimpleQueue()
+            threading.Thread(
+                target=_serve_ray_calls, args=(_ray_calls,), name="agentloop-ray", daemon=True
+            ).start()
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    _ray_calls.put((call, future))
+    return future
+
+
+def _serve_ray_calls(
+    calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]],
+) -> None:
+    while True:
+        call, future = calls.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # handed to the caller, who awaits the future
+            future.set_exception(exc)
 
 
 def route_worker_output() -> bool:
@@ -347,6 +408,7 @@ __all__ = [
     "Plan",
     "check_cluster",
     "init_ray",
+    "on_ray_thread",
     "place",
     "plan_placement",
     "serve_store",

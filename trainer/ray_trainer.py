@@ -243,40 +243,50 @@ class Trainer:
         own_store = store is None
         store = store or SQLiteStore(run_dir / "store.db")
         layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
+        if state.handler is not None:  # a ray.init in place() replaced our SIGTERM handler with sys.exit(15)
+            signal.signal(signal.SIGTERM, state.handler)
+        what = f"the trainer worker to load {model_path}"
+
+        def load_worker() -> WorkerLoading:
+            """The worker loads while rollouts start: awaited before its first call (trainer/worker_loading.py).
+            Unscaled, Ray and the worker start on the Ray thread, leaving this loop free."""
+            if layout.worker is not None:
+                return WorkerLoading(layout.worker, limits.engine_s, what)
+            start = functools.partial(_start_worker, cfg, str(model_path), device)
+            return WorkerLoading.starting(start, limits.engine_s, what)
+
+        loading: WorkerLoading | None = None
         loaded: dict[str, Any] = {}
-        async with anyio.create_task_group() as tg:  # the engine loads while Ray and the worker start
-            if engine is None and layout.engine is None:
-                kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
+        try:
+            async with anyio.create_task_group() as tg:
+                if engine is None and layout.engine is None:
+                    kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
 
-                async def load() -> None:
-                    loaded["engine"] = await deadline(
-                        anyio.to_thread.run_sync(
-                            lambda: load_engine(str(model_path), device=device, **kwargs),
-                            abandon_on_cancel=True,
-                        ),
-                        limits.engine_s,
-                        f"the inference engine to load {model_path}",
-                        "engine_s",
-                    )
+                    async def load() -> None:
+                        loaded["engine"] = await deadline(
+                            anyio.to_thread.run_sync(
+                                lambda: load_engine(str(model_path), device=device, **kwargs),
+                                abandon_on_cancel=True,
+                            ),
+                            limits.engine_s,
+                            f"the inference engine to load {model_path}",
+                            "engine_s",
+                        )
 
-                tg.start_soon(load)
-                await anyio.sleep(0)  # the loading thread is running before ray.init holds this loop
-            # ray.init (seconds: its processes start) runs in this thread, as it must (Ray's processes die
-            # with the thread that started them), while the engine thread loads our model. On a GPU the
-            # worker then loads its model in its own process alongside; on a CPU it starts once the engine
-            # is up (its load would slow the engine's, and the first rollouts need only the engine)
-            worker = layout.worker
-            if worker is None:
-                init_ray(cfg)
+                    tg.start_soon(load)
+                # On a GPU, Ray starts and the worker loads its model in its own process while the engine
+                # loads here. On a CPU both start once the engine is up: Ray's processes (~7 CPU-s) would
+                # slow the engine's load on 2 cores, and the first rollouts need only the engine
                 if device != "cpu":
-                    worker = _start_worker(cfg, str(model_path), device)
-            if state.handler is not None:  # ray.init replaced our SIGTERM handler with its sys.exit(15)
-                signal.signal(signal.SIGTERM, state.handler)
-        worker = worker or _start_worker(cfg, str(model_path), device)
+                    loading = load_worker()
+            loading = loading or load_worker()
+        except BaseException:
+            if loading is not None:
+                loading.close()
+            raise
+        worker: Any = None  # the TrainerWorker, from loading.wait() where first needed
         engine = engine or loaded.get("engine") or layout.engine
         _warn_if_policy_differs(engine, cfg.actor_rollout_ref.rollout.weight_update_policy)
-        # the worker loads while rollouts start: awaited before its first call (trainer/worker_loading.py)
-        loading = WorkerLoading(worker, limits.engine_s, f"the trainer worker to load {model_path}")
         ckpt = CheckpointManager(run_dir / "checkpoints")
         cursor = DataCursor(len(train), cfg.data.train_batch_size, cfg.trainer.seed)
         total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * cursor.batches_per_epoch

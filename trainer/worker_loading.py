@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from trainer.placement import on_ray_thread
 from trainer.rollout_wait import deadline
 
 
@@ -22,13 +24,26 @@ class WorkerLoading:
     already loaded) is ready at once. ``close`` cancels a load nobody waited for."""
 
     def __init__(self, worker: Any, seconds: float, what: str) -> None:
-        self._task: asyncio.Task[Any] = asyncio.ensure_future(self._load(worker, seconds, what))
+        self._task = self._begin(_given(worker), seconds, what)
+
+    @classmethod
+    def starting(cls, start: Callable[[], Any], seconds: float, what: str) -> WorkerLoading:
+        """The worker that ``start`` creates, called on the Ray thread (``trainer.placement.on_ray_thread``:
+        Ray itself may start there, for seconds, without holding the event loop), then loaded; the
+        deadline covers both."""
+        loading = cls.__new__(cls)
+        loading._task = cls._begin(asyncio.wrap_future(on_ray_thread(start)), seconds, what)
+        return loading
 
     @staticmethod
-    async def _load(worker: Any, seconds: float, what: str) -> Any:
-        if hasattr(worker, "ready"):
-            await deadline(worker.ready.remote(), seconds, what, "engine_s")
-        return worker
+    def _begin(worker: Awaitable[Any], seconds: float, what: str) -> asyncio.Task[Any]:
+        async def ready() -> Any:
+            loaded = await worker
+            if hasattr(loaded, "ready"):
+                await loaded.ready.remote()
+            return loaded
+
+        return asyncio.ensure_future(deadline(ready(), seconds, what, "engine_s"))
 
     async def wait(self) -> Any:
         """The worker, once loaded."""
@@ -40,3 +55,7 @@ class WorkerLoading:
         else:
             with contextlib.suppress(BaseException):
                 self._task.exception()  # retrieved: no "exception was never retrieved" at exit
+
+
+async def _given(worker: Any) -> Any:
+    return worker

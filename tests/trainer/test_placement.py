@@ -128,3 +128,30 @@ def test_ray_workers_start_with_the_malloc_settings(tmp_path: Path) -> None:
     ).stdout
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen == {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "123456"}
+
+
+@pytest.mark.e2e
+def test_a_ray_started_on_the_ray_thread_outlives_the_call(tmp_path: Path) -> None:
+    """Ray's processes die with the thread that started them (PR_SET_PDEATHSIG): a Ray started by
+    ``on_ray_thread`` is still serving after the call returned, and the process's SIGTERM handler is
+    left as it was (Ray sets its own only from the main thread)."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import json, signal, time, ray\n"
+        "from trainer.config import TrainerConfig\n"
+        "from trainer.placement import init_ray, on_ray_thread\n"
+        "before = signal.getsignal(signal.SIGTERM)\n"
+        "on_ray_thread(lambda: init_ray(TrainerConfig())).result(timeout=120)\n"
+        "time.sleep(3)\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def square(x):\n"
+        "    return x * x\n"
+        "print(json.dumps({'square': ray.get(square.remote(7), timeout=60),\n"
+        "                  'sigterm_kept': signal.getsignal(signal.SIGTERM) is before}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, check=True
+    )
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"square": 49, "sigterm_kept": True}
+    assert "SIGTERM handler is not set" not in done.stderr

@@ -5,6 +5,7 @@ a load nobody waited for cancelled on close."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -80,3 +81,36 @@ async def test_a_cancelled_waiter_leaves_the_load_running_and_close_cancels_it()
 async def test_a_worker_without_ready_is_ready() -> None:
     plain = object()
     assert await WorkerLoading(plain, 1, "w").wait() is plain
+
+
+async def test_starting_calls_start_on_the_ray_thread_then_loads() -> None:
+    """``starting``: the worker is created on agentloop's Ray thread (where ray.init may block for
+    seconds), not on the event loop's; its load follows; a failed start reaches every waiter."""
+    worker = Worker(0.0)
+    threads: list[str] = []
+
+    def start() -> Worker:
+        threads.append(threading.current_thread().name)
+        return worker
+
+    loading = WorkerLoading.starting(start, 10, "w")
+    assert await loading.wait() is worker
+    assert threads == ["agentloop-ray"] and worker.started == 1
+
+    def broken() -> Worker:
+        raise RuntimeError("ray did not start")
+
+    failed = WorkerLoading.starting(broken, 10, "w")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="ray did not start"):
+            await failed.wait()
+
+
+async def test_the_deadline_covers_the_start() -> None:
+    release = threading.Event()
+    loading = WorkerLoading.starting(lambda: release.wait(5), 0.05, "the trainer worker to load m")
+    try:
+        with pytest.raises(TrainerTimeoutError, match="the trainer worker to load m"):
+            await loading.wait()
+    finally:
+        release.set()
