@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agentloop as al
+from benchmarks import result_file
 
 _LETTERS = re.compile(r"[a-z]")
 REWARD_TOLERANCE = 0.01  # "not worse": the async leg's last-quarter reward at most this much below sync's
@@ -260,10 +261,10 @@ def main() -> None:
     model = _model(args)
     tasks = make_tasks(args.steps * args.batch_size * (args.max_staleness + 1), args.seed, args.max_turns,
                        args.base_len, args.max_len, args.max_total)  # fmt: skip
+    head = result_file.header("async_bench", gpu=_card(args.device))
     out: dict[str, Any] = {
-        "benchmark": "async_bench: long-tailed multi-turn agents, sync vs fully async (inflight updates)",
+        "what": "long-tailed multi-turn agents, sync vs fully async (inflight updates)",
         "device": args.device,
-        "card": _card(args.device),
         "model": model,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "calls_per_attempt_mean": statistics.fmean(len(t["lengths"]) for t in tasks),
@@ -271,8 +272,8 @@ def main() -> None:
     }
     if args.previous is not None:  # legs measured by an earlier call on the same machine
         earlier = json.loads(args.previous.read_text())
-        if earlier.get("card") != out["card"]:
-            raise SystemExit(f"--previous ran on {earlier.get('card')!r}, this run on {out['card']!r}")
+        if earlier.get("card") != head["card"]:
+            raise SystemExit(f"--previous ran on {earlier.get('card')!r}, this run on {head['card']!r}")
         for mode in ("sync", "async"):
             # a leg recorded before --warmup-steps existed counted its steps/hour from the end of step 1
             warmup = earlier[mode].get("warmup_steps", 1) if mode in earlier else args.warmup_steps
@@ -282,7 +283,7 @@ def main() -> None:
         out.update({k: earlier[k] for k in ("sync", "async") if k in earlier})
     for mode in args.legs.split(","):
         out[mode] = leg(args, mode, model, tasks)
-        _save(out, args.out)
+        _save(result_file.result(head, out), args.out)
     if "sync" in out and "async" in out:
         s, a = out["sync"], out["async"]
         out["speedup_steps_per_hour"] = round(a["steps_per_hour"] / s["steps_per_hour"], 3)
@@ -296,8 +297,8 @@ def main() -> None:
         out["reward_not_worse"] = (
             a["reward_last_quarter_mean"] >= s["reward_last_quarter_mean"] - REWARD_TOLERANCE
         )
-    _save(out, args.out)
-    print(json.dumps(out, indent=2))
+    _save(result_file.result(head, out), args.out)
+    print(json.dumps(result_file.result(head, out), indent=2))
 
 
 def _percentiles(values: list[int]) -> list[float]:
@@ -305,20 +306,18 @@ def _percentiles(values: list[int]) -> list[float]:
     return [ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]]
 
 
-def _card(device: str) -> str:
+def _card(device: str) -> str | None:
+    """The GPU the legs ran on (the header's card); None on the CPU."""
     if device != "cuda":
-        import platform
-
-        return platform.processor() or platform.machine()
+        return None
     import torch
 
     return torch.cuda.get_device_name(0)
 
 
-def _save(out: dict[str, Any], path: Path | None) -> None:
+def _save(document: dict[str, Any], path: Path | None) -> None:
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        result_file.write(path, document)
 
 
 if __name__ == "__main__":

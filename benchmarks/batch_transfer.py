@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_machine import cpu_model
+from benchmarks import result_file
 
 
 def _as_torch_pickles(batch: Any) -> dict[str, Any]:
@@ -89,8 +89,7 @@ async def main() -> None:
         for t in fields.values()
         if isinstance(t, torch.Tensor)
     )
-    result = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
+    figures = {
         "ray": ray.__version__,
         "torch": torch.__version__,
         "rows": len(batch),
@@ -103,14 +102,16 @@ async def main() -> None:
         ),
     }
     ray.shutdown()
-    new, old = result["batch_as_numpy_arrays"], result["tensors_pickled_by_torch"]
-    result["reached_actor_speedup"] = round(
+    new, old = figures["batch_as_numpy_arrays"], figures["tensors_pickled_by_torch"]
+    figures["reached_actor_speedup"] = round(
         old["reached_actor_ms_median"] / new["reached_actor_ms_median"], 2
     )
-    text = json.dumps(result, indent=2) + "\n"
+    document = result_file.result(
+        result_file.header("batch_transfer", gpu=None), figures
+    )  # the host's CPUs only: no GPU is used
     if args.out:
-        Path(args.out).write_text(text)
-    sys.stdout.write(text)
+        result_file.write(args.out, document)
+    sys.stdout.write(json.dumps(document, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_bench import AgentProcesses, _agent_messages
 
+from benchmarks import result_file
 from trainer.dp import free_port
 
 _CANNED = orjson.dumps({
@@ -99,7 +101,6 @@ async def floor(agents: int, agent_procs: int, server_procs: int, reps: int) -> 
         server.terminate()
         server.wait(10)
     return {
-        "benchmark": "client_floor",
         "agents": agents,
         "agent_procs": agent_procs,
         "server_procs": server_procs,
@@ -121,11 +122,11 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.agents, args.agent_procs, args.server_procs, args.reps) < 1:
         raise SystemExit("--agents, --agent-procs, --server-procs and --reps must be >= 1")
-    result = asyncio.run(floor(args.agents, args.agent_procs, args.server_procs, args.reps))
-    text = json.dumps(result, indent=2)
-    print(text)
+    figures = asyncio.run(floor(args.agents, args.agent_procs, args.server_procs, args.reps))
+    document = result_file.result(result_file.header("client_floor"), figures)
+    print(json.dumps(document, indent=2))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

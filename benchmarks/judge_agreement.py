@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -33,10 +32,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import anyio  # noqa: E402
-from bench_machine import cpu_model  # noqa: E402
 
 from agentloop.engine.factory import load_engine  # noqa: E402
 from agentloop.resources import LLM  # noqa: E402
+from benchmarks import result_file  # noqa: E402
 from examples.sql_agent.judge import agreement, judged_run, make_judge  # noqa: E402
 from examples.sql_agent.make_db import build_database  # noqa: E402
 from examples.sql_agent.questions import QUESTIONS  # noqa: E402
@@ -109,18 +108,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model_attempts": agreement([r for r in rows if r["source"] == "model"]),
         "attempts": rows,
         "wall_s": round(time.perf_counter() - t0, 1),
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "device": args.device,
-        },
+        "device": args.device,
     }
-    text = json.dumps(result, indent=2, default=str)
-    print(text)
+    gpu = "auto" if args.device.startswith("cuda") else None
+    document = result_file.result(
+        result_file.header("judge_agreement", gpu=gpu, platform=platform.platform()), result
+    )
+    document = json.loads(json.dumps(document, default=str))  # what the file holds: str() of the odd value
+    print(json.dumps(document, indent=2))
     if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+        result_file.write(args.out, document)
+    return document
 
 
 if __name__ == "__main__":

@@ -6,15 +6,21 @@
 Each side is a run folder of ``agentloop demo --task tools`` (its ``summary.json`` and
 ``metrics.jsonl``) or a committed result JSON with ``per_step`` rows (``demo_tools_cpu.json``). Each
 object holds ``accuracy_before``, ``accuracy_after`` (held-out, greedy, strict), ``wall_minutes`` and
-``curve``: the training reward per step (and the critic's explained variance for PPO). Prints JSON.
+``curve``: the training reward per step (and the critic's explained variance for PPO). Prints JSON
+(benchmarks/result_file.py's header, then both sides) and writes it to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import result_file
 
 _CURVE_KEYS = ("reward/mean", "critic/vf_loss", "critic/vf_explained_var", "timing/step_s")
 
@@ -51,15 +57,20 @@ def main() -> None:
     ap.add_argument("--ppo", type=Path, required=True, help="the PPO run folder (or result JSON)")
     ap.add_argument("--grpo", type=Path, required=True, help="the GRPO run folder (or result JSON)")
     ap.add_argument("--note", default="", help="what the reader should know (machine load, ...)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     out = {
-        "benchmark": "tools demo: PPO with a critic (gae) vs GRPO",
+        "what": "tools demo: PPO with a critic (gae) vs GRPO",
         "ppo": side(args.ppo),
         "grpo": side(args.grpo),
     }
     if args.note:
         out["note"] = args.note
-    print(json.dumps(out, indent=2))
+    # the runs' own machine: this script only reads them, so the header's machine is where it was run
+    document = result_file.result(result_file.header("ppo_vs_grpo", gpu=None), out)
+    print(json.dumps(document, indent=2))
+    if args.out is not None:
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

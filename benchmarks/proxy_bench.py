@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import result_file
+
 REPLY = "Hello! How can I help you today?"
 RESULTS = Path(__file__).parent / "results" / "proxy_bench.json"
 BURST_RESULTS = RESULTS.with_name("proxy_burst_cpu.json")
@@ -219,14 +222,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     best = max(res["throughput"].items(), key=lambda kv: kv[1]["rps"])
     ms = 1000.0
     return {
-        "benchmark": "proxy_bench",
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "load_average_1m_at_start": load_before,
-        },
+        "load_average_1m_at_start": load_before,
         "engine": "instant stub (fixed tokens, no compute)",
         "http_parser": "httptools"
         if importlib.util.find_spec("httptools")
@@ -455,8 +451,7 @@ async def run_burst(args: argparse.Namespace) -> dict[str, Any]:
         return round(statistics.median(xs), 3)
 
     result: dict[str, Any] = {
-        "benchmark": "proxy_bench --burst",
-        "machine": _machine(load_before),
+        "load_average_1m_at_start": load_before,
         "workload": {
             "requests_per_burst": n,
             "rounds": args.rounds,
@@ -535,16 +530,6 @@ def _phases(stats: Any, requests: int) -> dict[str, float]:
     return out
 
 
-def _machine(load: float) -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_average_1m_at_start": load,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", help=argparse.SUPPRESS)
@@ -588,11 +573,15 @@ def main() -> None:
     use_uvloop = False if args.no_uvloop else None  # None: uvloop where installed, unless $AGENTLOOP_UVLOOP=0
     result = event_loop.run(run_burst if args.burst else run, args, use_uvloop=use_uvloop)
     result["event_loop"] = event_loop.loop_name(use_uvloop)
-    text = json.dumps(result, indent=2)
-    print(text)
-    out = args.out or (BURST_RESULTS if args.burst else RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    head = result_file.header(
+        "proxy_bench --burst" if args.burst else "proxy_bench",
+        gpu=None,  # the stub engine computes nothing: the proxy's CPU is what is measured
+        python=platform.python_version(),
+        platform=platform.platform(),
+    )
+    document = result_file.result(head, result)
+    print(json.dumps(document, indent=2))
+    result_file.write(args.out or (BURST_RESULTS if args.burst else RESULTS), document)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import result_file
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TARGET = 0.10
@@ -73,15 +76,6 @@ def engine_row(bench: dict[str, Any], floor_ms: float) -> dict[str, Any]:
         "engine_work_in_timed_rounds": bench.get("engine_work_in_timed_rounds"),
         "proxied_round_critical_path_ms": bench.get("proxied_round_critical_path_ms"),
     }
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:
@@ -133,12 +127,10 @@ def main() -> None:
     if not benches:
         raise SystemExit(f"no engine finished: {errors}")
     first = next(iter(benches.values()))
+    # the engine runs' own machine facts (torch, platform) beside the header's CPU, cores and memory
+    extra = {k: v for k, v in first["machine"].items() if k not in ("cpu", "cores", "memory_gb")}
+    head = result_file.header("proxy_loss", gpu=first["card"], **extra)
     result = {
-        "benchmark": "proxy_loss",
-        "command": " ".join(sys.argv),
-        "commit": _commit(),
-        "machine": first.get("machine"),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "formula": "proxy_loss_beyond_floor = 1 - direct_round / (proxied_round - client_floor_round), medians",
         "target": TARGET,
         "met": not errors and all(r["proxy_loss_beyond_floor"] <= TARGET for r in rows.values()),
@@ -152,10 +144,10 @@ def main() -> None:
         "errors": errors,
         "wall_s": round(time.time() - t0, 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
+    document = result_file.result(head, result)
+    print(json.dumps(document, indent=2))
     if args.out:
-        args.out.write_text(text + "\n")
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

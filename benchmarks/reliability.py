@@ -26,8 +26,7 @@ import anyio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_machine import cpu_model  # noqa: E402
-
+from benchmarks import result_file  # noqa: E402
 from tests.reliability.load import run_load  # noqa: E402
 from tests.reliability.report import ENV  # noqa: E402
 
@@ -60,6 +59,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "reliability.json")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         rc, rows = run_tests(Path(tmp) / "report.jsonl")
     faults = [r for r in rows if r["kind"] == "fault"]
@@ -69,11 +69,10 @@ def main() -> None:
     small = next((r for r in rows if r["kind"] == "load"), None)
     faults.append({"name": "trainer SIGKILLed after a checkpoint and resumed (same next step)",
                    "survived": None, "covered_by": "tests/trainer/test_resume.py"})  # fmt: skip
+    head = result_file.header("reliability", gpu=None, python=platform.python_version())
     report = {
-        "benchmark": "reliability: fault injection, hostile-input fuzzing, security, load",
-        "machine": f"{os.cpu_count()}-core CPU dev machine, {cpu_model()}",
-        "load_average_at_start": os.getloadavg(),
-        "python": platform.python_version(),
+        "what": "fault injection, hostile-input fuzzing, security, load",
+        "load_average_at_start": load_at_start,
         "tests_passed": rc == 0,
         "faults_injected": len(faults) - 1,
         "faults_survived": sum(1 for f in faults if f.get("survived")),
@@ -89,9 +88,8 @@ def main() -> None:
         "load": big,
         "load_in_tests": {k: v for k, v in small.items() if k != "kind"} if small else None,
     }  # fmt: skip
-    text = json.dumps(report, indent=2)
-    print(text)
-    args.out.write_text(text + "\n")
+    print(json.dumps(result_file.result(head, report), indent=2))
+    result_file.write(args.out, result_file.result(head, report))
     if rc != 0 or report["server_5xx"] or report["lost_rollouts"] or report["attacks_held"] < len(attacks):
         sys.exit(1)
 

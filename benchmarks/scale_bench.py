@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import result_file
+
 
 def _model(args: argparse.Namespace) -> str:
     if args.model:
@@ -784,12 +786,12 @@ async def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_gpus=n_gpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
     model = _model(args)
+    head = result_file.header(
+        "scale_bench", gpu="auto" if gpu else None, torch=torch.__version__, ray=ray.__version__
+    )
     result: dict[str, Any] = {
         "device": args.device,
         "gpus": [torch.cuda.get_device_name(i) for i in range(n_gpus)],
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
         "model": model,
         "settings": {k: getattr(args, k) for k in defaults},
         "fsdp_config": _fsdp_config(args),
@@ -801,8 +803,7 @@ async def main() -> None:
 
     def save() -> None:  # after each part, so a later failure keeps the figures measured so far
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            result_file.write(args.out, result_file.result(head, result))
 
     if not args.only_sync and not args.only_rollout:
         t1 = await _train_tokens_per_s(model, 1, args, share=1.0)
@@ -842,7 +843,7 @@ async def main() -> None:
         if not args.no_split_sync:
             result["weight_sync_split"] = {**await _split_sync(model, args), "target_s": 1.0}
             save()
-    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    sys.stdout.write(json.dumps(result_file.result(head, result), indent=2) + "\n")
     ray.shutdown()
 
 

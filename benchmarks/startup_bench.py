@@ -194,11 +194,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.child, args.t0)))
         return
-    from bench_machine import cpu_model
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import result_file
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -227,17 +229,15 @@ def main() -> None:
     result = json.loads(lines[-1])
     if result["rc"] != 0:
         result["stderr_tail"] = out.stderr[-3000:]
-    result.update(
-        model=args.model,
-        device=args.device,
-        wall_s=round(wall, 2),
-        machine={
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "loadavg_at_start": [round(x, 2) for x in load],
-        },
+    result.update(model=args.model, device=args.device, wall_s=round(wall, 2))
+    loadavg = [round(x, 2) for x in load]
+    gpu = "auto" if args.device.startswith("cuda") else None
+    document = result_file.result(
+        result_file.header("startup_bench", gpu=gpu, loadavg_at_start=loadavg), result
     )
-    print(json.dumps(result, indent=2))
+    print(json.dumps(document, indent=2))
+    if args.out is not None:
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

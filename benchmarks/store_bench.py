@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from bench_machine import cpu_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentloop.store import MemoryStore, SQLiteStore, StoreClient, StoreServer
 from agentloop.store.base import Store
 from agentloop.types import Reward, Span
+from benchmarks import result_file
 
 LIFECYCLES = {"memory": 4000, "sqlite": 2000, "http-memory": 600, "http-sqlite": 600}
 
@@ -120,8 +122,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         if b in names
     }
     return {
-        "benchmark": "store lifecycles: enqueue -> dequeue -> 3 spans -> succeed -> wait",
-        "machine": f"{os.cpu_count()}-core CPU dev machine, {cpu_model()}",
+        "what": "store lifecycles: enqueue -> dequeue -> 3 spans -> succeed -> wait",
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
         "python": platform.python_version(),
@@ -141,8 +142,9 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--backends", nargs="+", default=list(LIFECYCLES), choices=list(LIFECYCLES))
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    report = anyio.run(main, parser.parse_args())
-    text = json.dumps(report, indent=2)
-    print(text)
-    if parser.parse_args().out is not None:
-        parser.parse_args().out.write_text(text + "\n")
+    args = parser.parse_args()
+    head = result_file.header("store_bench", gpu=None)
+    document = result_file.result(head, anyio.run(main, args))
+    print(json.dumps(document, indent=2))
+    if args.out is not None:
+        result_file.write(args.out, document)

@@ -240,7 +240,6 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from agentloop.engine.models import resolve_model
-    from benchmarks.bench_machine import cpu_model
 
     if args.from_logs is not None:
         rows = read_metrics(args.from_logs / "rl")
@@ -250,7 +249,7 @@ def main() -> None:
         )
         sl_rows = read_metrics(args.from_logs / "sl")
         write_result(
-            args, sl_rows, rows, (ended - started) / 60, None, None, tinker.__version__, cpu_model(),
+            args, sl_rows, rows, (ended - started) / 60, None, None, tinker.__version__,
             note=f"written from the logs of a run stopped at a time limit ({len(rows)} of {args.rl_steps} RL steps done)"
             if len(rows) < args.rl_steps else None,
         )  # fmt: skip
@@ -337,7 +336,6 @@ def main() -> None:
         sl_minutes,
         rl_minutes,
         tinker.__version__,
-        cpu_model(),
         note,
     )
 
@@ -350,20 +348,16 @@ def write_result(
     sl_minutes: float | None,
     rl_minutes: float | None,
     sdk_version: str,
-    cpu: str,
     note: str | None = None,
 ) -> None:
-    """Print the result as JSON and write it to ``args.out``."""
+    """Print the result as JSON (benchmarks/result_file.py's header, then the figures) and write it to
+    ``args.out``."""
+    from benchmarks import result_file
+
     sl_first, sl_last, sl_curve = (
         first_last(sl_rows, "train_mean_nll", 3) if sl_rows else (float("nan"),) * 2 + ([],)
     )
     rl_first, rl_last, rl_curve = first_last(rl_rows, "reward/total", 3)
-    commit = (
-        getattr(args, "commit", None)
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-    )
     correct = [float(r[k]) for r in rl_rows for k in r if k.endswith("/correct")]
     result = {
         "sl_loss_first": round(sl_first, 4),
@@ -373,8 +367,6 @@ def write_result(
         "wall_minutes": round(wall_minutes, 2),
         "sdk_version": sdk_version,
         "cookbook_version": __import__("tinker_cookbook").__version__,
-        "machine": f"{os.cpu_count()}-core {cpu}, CPU (shared: other jobs ran beside it, the run at nice 19)",
-        "git_commit": commit,
         "model": args.model,
         "sl": {
             "loop": "tinker_cookbook.supervised.train.main",
@@ -394,9 +386,12 @@ def write_result(
         "lora_rank": args.lora_rank,
         "note": note,
     }  # fmt: skip
-    print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    # the machine's niceness and load as the run ends: on a shared machine its minutes say as much of them
+    load = [round(x, 2) for x in os.getloadavg()]
+    head = result_file.header("tinker_cpu", gpu=None, nice=os.nice(0), load_average_at_end=load)
+    document = result_file.result(head, result)
+    print(json.dumps(document, indent=2))
+    result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

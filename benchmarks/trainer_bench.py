@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentloop.types import Triplet
+from benchmarks import result_file
 from benchmarks.gpu.random_model import RANDOM_CONFIGS, build_random_model
 from trainer.actor import Actor
 from trainer.batch import build_batch
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--no-shared-prompt", action="store_true", help="actor.shared_prompt_forward=False (A/B)")
     ap.add_argument("--token-budget", type=int, default=16384, help="ppo_max_token_len_per_gpu")
     ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     ap.add_argument("--no-compile", action="store_true", help="actor.use_torch_compile=False (A/B)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed updates (compilation, allocator)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N CUDA kernels of one update")
@@ -156,12 +157,10 @@ def main() -> None:
     card, peak = peak_flops(actor.device)
     achieved = computed * flops_per_token / elapsed
     result = {
-        "benchmark": "trainer_update",
         "model": args.random_config or args.model,
         "params_body": body,
         "params_head": head,
         "device": str(actor.device),
-        "card": card,
         "dtype": "bf16 autocast, fp32 master weights" if actor.device.type == "cuda" else "fp32",
         "torch_compile": actor.compiled,
         "critic": actor.critic is not None,
@@ -177,13 +176,15 @@ def main() -> None:
         "computed_tokens_per_s": round(computed / elapsed, 1),
         "achieved_tflops": round(achieved / 1e12, 2),
         "mfu": round(achieved / peak, 4) if peak else None,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
     }
-    print(json.dumps(result, indent=2))
+    gpu = card if actor.device.type == "cuda" else None
+    top = result_file.header(
+        "trainer_bench", gpu=gpu, torch=torch.__version__, python=platform.python_version()
+    )
+    document = result_file.result(top, result)
+    print(json.dumps(document, indent=2))
+    if args.out is not None:
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

@@ -66,23 +66,25 @@ def main() -> int:
         return proc.returncode
     steps, vals = read_metrics(run_dir)
     rewards = [float(r["reward/mean"]) for r in steps]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    from benchmarks.bench_machine import cpu_model
+    from benchmarks import result_file
 
-    cpu = cpu_model()
+    command = (
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} nice -n 19 {shown}  "
+        "(run by .venv/frameworks/verifiers/bin/python benchmarks/verifiers_bench.py)"
+    )
+    head = result_file.header(
+        "verifiers_bench",
+        command=command,
+        gpu=None,
+        load_average_at_start=[round(x, 2) for x in load_before],
+        nice=os.nice(0),
+    )
     summary: dict[str, Any] = {
-        "benchmark": "a verifiers 0.4.0 environment (examples/verifiers_envs/vf_arith.py: 'What is a + b?', a, b "
+        "what": "a verifiers 0.4.0 environment (examples/verifiers_envs/vf_arith.py: 'What is a + b?', a, b "
         "in 0..20, after one worked turn '15 + 23 = 38'; its @vf.reward method: the reply's last number is the "
         "sum) trained unchanged by agentloop train, GRPO on SmolLM2-135M-Instruct on the CPU; validation greedy "
         "on the env's held-out split",
-        "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} nice -n 19 {shown}  "
-        "(run by .venv/frameworks/verifiers/bin/python benchmarks/verifiers_bench.py)",
         "job_file": args.job.read_text(),
-        "machine": f"{os.cpu_count()}-core {cpu}, CPU (shared: other jobs ran beside it; this run at nice 19)",
-        "load_average_at_start": [round(x, 2) for x in load_before],
-        "git_commit": commit,
         "verifiers_version": version("verifiers"),
         "steps": len(steps),
         "wall_minutes": round(wall / 60, 1),
@@ -103,11 +105,11 @@ def main() -> int:
         ],
         "run_dir": str(run_dir),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    document = result_file.result(head, summary)
+    result_file.write(args.out, document)
     print(
         json.dumps(
-            {k: v for k, v in summary.items() if k not in ("per_step", "validation", "job_file")}, indent=2
+            {k: v for k, v in document.items() if k not in ("per_step", "validation", "job_file")}, indent=2
         )
     )
     return 0

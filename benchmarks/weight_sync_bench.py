@@ -24,11 +24,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from random_model import RANDOM_CONFIGS, build_random_model
 
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.factory import load_engine
 from agentloop.engine.vllm_engine import logprob_gap, reference_logprobs
+from benchmarks import result_file
 
 
 async def main() -> None:
@@ -100,15 +102,15 @@ async def main() -> None:
             "ratio_mean_abs": round(statistics.mean(g["ratio_mean_abs"] for g in gaps), 5),
             "tokens": sum(len(o.token_ids) for o in outs),
         },
-        "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "vllm": __import__("vllm").__version__,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
+    document = result_file.result(
+        result_file.header("weight_sync_bench", gpu=torch.cuda.get_device_name(0)), result
+    )
+    print(json.dumps(document, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        result_file.write(args.out, document)
 
 
 if __name__ == "__main__":

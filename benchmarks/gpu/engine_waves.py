@@ -30,6 +30,7 @@ from random_model import build_random_model
 
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.factory import load_engine
+from benchmarks import result_file
 
 _COUNTERS = ("step_s", "prefill_s", "decode_s", "idle_capture_s", "decode_steps", "graph_captures")
 
@@ -68,12 +69,9 @@ async def main() -> None:
     finally:
         await engine.stop()
     timed = [w["step_s"] for w in waves[1:]]
-    sys.stdout.write(
-        json.dumps(
-            {"waves": waves, "step_s_min_max": [min(timed), max(timed)], "gpu": _gpu_state()}, indent=1
-        )
-        + "\n"
-    )
+    figures = {"waves": waves, "step_s_min_max": [min(timed), max(timed)], "gpu": _gpu_state()}
+    document = result_file.result(result_file.header("engine_waves"), figures)
+    sys.stdout.write(json.dumps(document, indent=1) + "\n")
 
 
 if __name__ == "__main__":

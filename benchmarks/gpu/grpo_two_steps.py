@@ -125,9 +125,16 @@ def versions_info(backend: str, device: str) -> dict[str, Any]:
             info[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             info[name] = None
-    if torch.cuda.is_available() and (backend == "vllm" or device.startswith(("cuda", "auto"))):
-        info["card"] = torch.cuda.get_device_name(0)
     return info
+
+
+def card(backend: str, device: str) -> str | None:
+    """The GPU the run used (the header's card), None for a run on the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and (backend == "vllm" or device.startswith(("cuda", "auto"))):
+        return torch.cuda.get_device_name(0)
+    return None
 
 
 def check(steps: list[dict[str, Any]], start_version: int) -> list[str]:
@@ -221,10 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "run_dir")},
         **versions_info(args.backend, args.device),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
+    from benchmarks import result_file
+
+    document = result_file.result(
+        result_file.header("grpo_two_steps", gpu=card(args.backend, args.device)), report
+    )
+    print(json.dumps(document, indent=2))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        result_file.write(args.out, document)
     return 0 if report["ok"] else 1
 
 

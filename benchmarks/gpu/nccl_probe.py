@@ -16,8 +16,10 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,8 +78,12 @@ def main() -> None:
     dist.init_process_group("nccl")
     rows = probe_rows(args.mib)
     if rank == 0:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from benchmarks import result_file
+
         n = dist.get_world_size()
-        print(json.dumps({"ranks": n, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}))
+        figures = {"ranks": n, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}
+        print(json.dumps(result_file.result(result_file.header("nccl_probe"), figures)))
     dist.destroy_process_group()
 
 

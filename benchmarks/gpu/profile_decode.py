@@ -25,6 +25,7 @@ from agentloop.engine import _fused_sampling
 from agentloop.engine._sampling import sample
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.torch_engine import TorchEngine
+from benchmarks import result_file
 from benchmarks.gpu.random_model import RANDOM_CONFIGS, build_random_model
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     runner._ints[1, :b] = torch.arange(b, device=dev) % 200 + 40  # positions
     runner._ints[0, :b] = 100
     runner._floats[0, :b], runner._floats[1, :b] = 0.7, 0.9
-    result: dict[str, Any] = {"card": torch.cuda.get_device_name(), "batch": b, "kv_len": args.kv_len}
+    result: dict[str, Any] = {"batch": b, "kv_len": args.kv_len}  # the card: in the header
     with torch.inference_mode():
         ids, pos = runner._ints[0, :b, None], runner._ints[1, :b, None]
         mask = (runner._arange[: args.kv_len][None, :] <= pos)[:, None, None, :]
@@ -114,7 +115,14 @@ def main() -> None:
                 runner._forward(b, args.kv_len, "plain", False)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40), file=sys.stderr)
-    print(json.dumps(result, indent=2))
+    print(
+        json.dumps(
+            result_file.result(
+                result_file.header("profile_decode", gpu=torch.cuda.get_device_name()), result
+            ),
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -220,18 +220,24 @@ def main() -> None:
         for k in sorted(set(plain_env) | set(ray_env))
         if plain_env.get(k) != ray_env.get(k) and not k.startswith("RAY_") and "TOKEN" not in k
     }
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from benchmarks import result_file
+
     print(
         json.dumps(
-            {
-                "plain_all": _summary(plain_all),
-                "plain_one": _summary(plain_one),
-                "ray_all": _summary(ray_all),
-                "ray_one": _summary(ray_one),
-                "env_plain_vs_ray": env_diff,
-                "libs_only_plain": sorted(set(plain_all[0]["libs"]) - set(ray_all[0]["libs"])),
-                "libs_only_ray": sorted(set(ray_all[0]["libs"]) - set(plain_all[0]["libs"])),
-                "ray_env_keys": sorted(k for k in ray_env if k.startswith("RAY_")),
-            }
+            result_file.result(
+                result_file.header("ray_launch_probe"),
+                {
+                    "plain_all": _summary(plain_all),
+                    "plain_one": _summary(plain_one),
+                    "ray_all": _summary(ray_all),
+                    "ray_one": _summary(ray_one),
+                    "env_plain_vs_ray": env_diff,
+                    "libs_only_plain": sorted(set(plain_all[0]["libs"]) - set(ray_all[0]["libs"])),
+                    "libs_only_ray": sorted(set(ray_all[0]["libs"]) - set(plain_all[0]["libs"])),
+                    "ray_env_keys": sorted(k for k in ray_env if k.startswith("RAY_")),
+                },
+            )
         )
     )
 

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agentloop.engine.base import SamplingParams
+from benchmarks import result_file
 from benchmarks.gpu.random_model import RANDOM_CONFIGS, build_random_model
 
 
@@ -78,7 +79,6 @@ async def main() -> None:
     import vllm
 
     result = {
-        "benchmark": "vllm_weight_sync_cross_gpu",
         "model": f"random:{args.random_config}",
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "engine_gpu": 0,
@@ -98,10 +98,10 @@ async def main() -> None:
         "torch": torch.__version__,
     }
     await engine.stop()
-    text = json.dumps(result, indent=2)
-    print(text)
+    document = result_file.result(result_file.header("vllm_cross_gpu_sync"), result)
+    print(json.dumps(document, indent=2))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        result_file.write(args.out, document)
     ok = result["greedy_output_changed"] and result["param_check"]["ok"]
     sys.exit(0 if ok else 1)
 
