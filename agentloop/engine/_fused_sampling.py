@@ -49,6 +49,25 @@ if triton is not None:
     _K_MIX2 = tl.constexpr(_MIX2)
 
     @triton.jit
+    def _uniform(key, ids):
+        """Per token, the uniform in (0, 1) that the Gumbel noise is drawn from: ``_sampling.gumbel``'s
+        hash of (key, token id), in uint32 arithmetic. Inlined into the kernel."""
+        h = key ^ (ids.to(tl.uint32) * _K_GOLDEN)
+        h = h * _K_MIX1
+        h ^= h >> 15
+        h = h * _K_MIX2
+        h ^= h >> 13
+        h = h * _K_MIX1
+        h ^= h >> 16
+        return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+    @triton.jit
+    def _lowest_argmax(best, best_id):
+        """The id of the largest of the lanes' ``best`` values; on ties the lowest id. Inlined."""
+        top = tl.max(best, axis=0)
+        return tl.min(tl.where(best == top, best_id, 2147483647), axis=0)
+
+    @triton.jit
     def _sample_kernel(
         logits_ptr,
         row_stride,
@@ -83,14 +102,7 @@ if triton is not None:
             x = tl.load(base + ids, mask=inside, other=float("-inf")).to(tl.float32)
             s = libdevice.div_rn(x, divisor)  # IEEE division, as torch's
             if NOISE:
-                h = key ^ (ids.to(tl.uint32) * _K_GOLDEN)
-                h = h * _K_MIX1
-                h ^= h >> 15
-                h = h * _K_MIX2
-                h ^= h >> 13
-                h = h * _K_MIX1
-                h ^= h >> 16
-                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                u = _uniform(key, ids)
                 noisy = tl.where(inside, s - libdevice.log(-libdevice.log(u)), float("-inf"))
             else:
                 noisy = s
@@ -106,11 +118,9 @@ if triton is not None:
             term = tl.where(inside, tl.exp(s - new_max), 0.0)
             run_sum = run_sum * scale + term
             run_max = new_max
-        top = tl.max(best, axis=0)
-        token = tl.min(tl.where(best == top, best_id, 2147483647), axis=0)
+        token = _lowest_argmax(best, best_id)
         if GREEDY_ROWS:
-            raw_top = tl.max(raw_best, axis=0)
-            raw_token = tl.min(tl.where(raw_best == raw_top, raw_id, 2147483647), axis=0)
+            raw_token = _lowest_argmax(raw_best, raw_id)
             token = tl.where(t > 0, token, raw_token)
         m = tl.max(run_max, axis=0)
         total = tl.sum(run_sum * tl.exp(run_max - m), axis=0)

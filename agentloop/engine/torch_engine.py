@@ -131,18 +131,7 @@ class TorchEngine(EngineThread):
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        if kv_cache_bytes is not None and kv_cache_bytes < 1:
-            raise ValueError(
-                f"kv_cache_bytes must be >= 1 (or None for half the free memory), got {kv_cache_bytes}"
-            )
-        if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
-            raise ValueError(
-                f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
-            )
+        _check_limits(max_batch_size, max_prefill_tokens, kv_cache_bytes, weight_update_policy)
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         if isinstance(model, str | Path):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
@@ -183,12 +172,13 @@ class TorchEngine(EngineThread):
             idle_graph_capture,
             chunk_attention=self.grouped_attention,
         )
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(int(tokenizer.eos_token_id))
-        self._eos_ids = frozenset(eos_ids)
+        self._eos_ids = _eos_ids(model, tokenizer)
         self._param_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """The engine thread's state: the weights version, the inbox, the requests by stage, the
+        pending weight updates, counters and timers."""
         self._weights_version = 0
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -408,3 +398,33 @@ class TorchEngine(EngineThread):
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _check_limits(
+    max_batch_size: int,
+    max_prefill_tokens: int,
+    kv_cache_bytes: int | None,
+    weight_update_policy: WeightUpdatePolicy,
+) -> None:
+    """``TorchEngine``'s sizes and policy: a ValueError naming the one out of range."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+    if kv_cache_bytes is not None and kv_cache_bytes < 1:
+        raise ValueError(
+            f"kv_cache_bytes must be >= 1 (or None for half the free memory), got {kv_cache_bytes}"
+        )
+    if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
+        raise ValueError(
+            f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
+        )
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a sequence: the model's generation config's and the tokenizer's."""
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(int(tokenizer.eos_token_id))
+    return frozenset(eos_ids)

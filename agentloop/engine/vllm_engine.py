@@ -162,21 +162,7 @@ class VLLMEngine:
         seed: int = 0,
         **vllm_kwargs: Any,
     ) -> None:
-        if importlib.util.find_spec("vllm") is None:
-            raise EngineError(_VLLM_MISSING)
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model must be a local Hugging Face folder with config.json, got {str(model)!r}"
-            )
-        if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
-            raise ValueError(
-                f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
-            )
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        path = _checked_folder(model, weight_update_policy, gpu_memory_utilization, max_batch_size)
         from transformers import AutoTokenizer
 
         cfg = json.loads((path / "config.json").read_text())
@@ -192,24 +178,8 @@ class VLLMEngine:
         self._path = path
         self._tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         self._vocab_size = int(cfg["vocab_size"])
-        self._param_shapes = _param_shapes(path)
-        self._tied_aliases: set[str] = set()
-        if cfg.get("tie_word_embeddings") and "lm_head.weight" not in self._param_shapes:
-            embed = next(
-                (v for k, v in self._param_shapes.items() if k.endswith("embed_tokens.weight")), None
-            )
-            if embed is not None:  # trainers send the tied head too; it is accepted and not sent to vLLM
-                self._param_shapes["lm_head.weight"] = embed
-                self._tied_aliases = {"lm_head.weight"}
-        eos: set[int] = set()
-        gen = path / "generation_config.json"
-        gen_eos = (
-            json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else cfg.get("eos_token_id")
-        )
-        eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-        if self._tokenizer.eos_token_id is not None:
-            eos.add(int(self._tokenizer.eos_token_id))
-        self._eos_ids = sorted(eos)
+        self._param_shapes, self._tied_aliases = _accepted_shapes(path, cfg)
+        self._eos_ids = _eos_ids(path, cfg, self._tokenizer)
         self._policy = weight_update_policy
         self._live_stats = live_stats
         self._sleep_mode = enable_sleep_mode
@@ -230,6 +200,11 @@ class VLLMEngine:
             disable_log_stats=True,
             **vllm_kwargs,
         )
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """What the engine holds once started: vLLM, its loop and thread, the requests in flight,
+        counters and the weights version."""
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -574,6 +549,55 @@ class VLLMEngine:
         if self._llm is not None:
             return self._llm.model_config.dtype
         return torch.bfloat16
+
+
+def _checked_folder(
+    model: str | Path,
+    weight_update_policy: WeightUpdatePolicy,
+    gpu_memory_utilization: float,
+    max_batch_size: int,
+) -> Path:
+    """The model's local folder, once vLLM is installed and the arguments are in range (else an
+    EngineError or ValueError saying which)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError(_VLLM_MISSING)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model must be a local Hugging Face folder with config.json, got {str(model)!r}")
+    if weight_update_policy not in WEIGHT_UPDATE_POLICIES:
+        raise ValueError(
+            f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {weight_update_policy!r}"
+        )
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    return path
+
+
+def _accepted_shapes(path: Path, cfg: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The parameter shapes ``update_weights`` accepts, and the names among them that are aliases of a
+    tied embedding (accepted, not sent to vLLM)."""
+    shapes = _param_shapes(path)
+    tied: set[str] = set()
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in shapes:
+        embed = next((v for k, v in shapes.items() if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:  # trainers send the tied head too; it is accepted and not sent to vLLM
+            shapes["lm_head.weight"] = embed
+            tied = {"lm_head.weight"}
+    return shapes, tied
+
+
+def _eos_ids(path: Path, cfg: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The tokens that end a sequence (sorted): the generation config's (else the model config's) and
+    the tokenizer's."""
+    eos: set[int] = set()
+    gen = path / "generation_config.json"
+    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else cfg.get("eos_token_id")
+    eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return sorted(eos)
 
 
 def _pack(
