@@ -16,7 +16,8 @@ each, all at once) without one: N first-turn requests at one moment, each on a n
 SQLite store (``--store``), and a barrier engine that answers all N once all have arrived. It reports
 the proxy process's CPU per request (process, event-loop thread, store writer thread, GC) and
 send -> engine, engine -> received. ``--profile FILE`` adds a cProfile of the event-loop thread.
-benchmarks/results/proxy_cpu_profile.json holds the before/after figures of issue 20.
+benchmarks/results/proxy_cpu_profile.json holds the paired A/B of uvloop and one store read per liveness
+check; issue 20's before/after figures are in benchmarks/NOTES.md.
 
     python benchmarks/proxy_bench.py --burst 128 --rounds 8     # writes benchmarks/results/proxy_burst_cpu.json
 

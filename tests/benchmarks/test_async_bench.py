@@ -68,12 +68,4 @@ def test_the_recorded_h100_curves_give_the_recorded_rates() -> None:
         assert ratios[order] == pytest.approx(result["speedup_steps_per_hour_by_order"][order], abs=6e-4)
     assert result["speedup_steps_per_hour"] == min(result["speedup_steps_per_hour_by_order"].values())
     assert result["met"] is (result["speedup_steps_per_hour"] >= result["target_speedup"])
-    # the run before the compile warm-up: its ratio from step 2, recomputed from its curves
-    run = result["run_2026_11_27_max_staleness_4"]
-    before = {
-        mode: bench.steps_per_hour([p["elapsed_s"] for p in run["legs"][mode]["curve"]], 2)
-        for mode in ("sync", "async")
-    }
-    assert before["async"] / before["sync"] == pytest.approx(
-        result["before_2026_11_27_warm_up"]["speedup_steps_per_hour_from_step_2"], abs=6e-4
-    )
+    assert result["card"] == "NVIDIA H100 80GB HBM3"  # the header's card: the run's one GPU
