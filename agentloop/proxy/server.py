@@ -140,24 +140,9 @@ class Proxy:
         advertise_host: str | None = None,
         workers: int = 0,
     ) -> None:
-        if not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
-        if max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
-        if engine_timeout_s <= 0 or store_timeout_s <= 0:
-            raise ValueError(f"timeouts must be > 0, got engine {engine_timeout_s}, store {store_timeout_s}")
-        if not ledger_sweep_s > 0:
-            raise ValueError(f"ledger_sweep_s must be > 0, got {ledger_sweep_s}")
-        if default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
-        for name in ("generate", "tokenizer", "max_context"):
-            if not hasattr(engine, name):
-                raise TypeError(
-                    f"engine must implement InferenceEngine (missing {name!r}); got {type(engine).__name__}"
-                )
-        key = api_key if isinstance(api_key, SecretStr) or api_key is None else SecretStr(api_key)
-        if key is not None and not key.get_secret_value():
-            key = None
+        _check_settings(engine, port, max_body_bytes, engine_timeout_s, store_timeout_s, ledger_sweep_s,
+                        default_max_tokens)  # fmt: skip
+        key = _bearer_key(api_key)
         check_bind(host, key, "the proxy", "pass api_key=")
         if app_keys is not None:  # off loopback, the session routes need a key of their own too
             check_bind(host, next((k for k in app_keys if k), None), "the proxy", "pass app_keys=")
@@ -169,16 +154,8 @@ class Proxy:
         self.limits = limits or HttpLimits()
         self.ledger_sweep_s = ledger_sweep_s  # how often the ledgers of finished attempts are released
         name = model_name or served_model_name(engine)
-        journal = SessionJournal(store) if record_sessions and isinstance(store, SQLiteStore) else None
-        if journal is not None:
-            tokenizer_dir = str(getattr(engine.tokenizer, "name_or_path", "") or "")
-            journal.set_server({"model": name, "tokenizer": tokenizer_dir})
-        self.sessions = SessionTable(max_sessions=max_sessions, journal=journal)
         keys = [k for k in ([key] if app_keys is None else app_keys) if k]
-        if len(keys) == 1:  # sessions saved without an owner (no key, or before owners) are that key's
-            adopted = self.sessions.adopt_unowned(owner_id(keys[0]))
-            if adopted:
-                log.info("sessions_adopted", sessions=adopted, reason="saved without an owner; one app key")
+        self.sessions = _session_table(engine, store, name, record_sessions, max_sessions, keys)
         self.ledger = TokenLedger()
         self.service = ProxyService(
             engine,
@@ -381,6 +358,63 @@ class Proxy:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _check_settings(
+    engine: InferenceEngine,
+    port: int,
+    max_body_bytes: int,
+    engine_timeout_s: float,
+    store_timeout_s: float,
+    ledger_sweep_s: float,
+    default_max_tokens: int,
+) -> None:
+    """``Proxy``'s arguments: a ValueError (TypeError for an engine) naming the one out of range."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    if max_body_bytes < 1024:
+        raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
+    if engine_timeout_s <= 0 or store_timeout_s <= 0:
+        raise ValueError(f"timeouts must be > 0, got engine {engine_timeout_s}, store {store_timeout_s}")
+    if not ledger_sweep_s > 0:
+        raise ValueError(f"ledger_sweep_s must be > 0, got {ledger_sweep_s}")
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+    for name in ("generate", "tokenizer", "max_context"):
+        if not hasattr(engine, name):
+            raise TypeError(
+                f"engine must implement InferenceEngine (missing {name!r}); got {type(engine).__name__}"
+            )
+
+
+def _bearer_key(api_key: str | SecretStr | None) -> SecretStr | None:
+    """``api_key`` as a SecretStr; None for no key or an empty one."""
+    key = api_key if isinstance(api_key, SecretStr) or api_key is None else SecretStr(api_key)
+    if key is not None and not key.get_secret_value():
+        key = None
+    return key
+
+
+def _session_table(
+    engine: InferenceEngine,
+    store: Store,
+    name: str,
+    record_sessions: bool,
+    max_sessions: int,
+    keys: Sequence[str | SecretStr],
+) -> SessionTable:
+    """The app sessions' table: saved in ``store`` when it is a SQLiteStore and ``record_sessions``;
+    with one app key (``keys``), the sessions saved without an owner become that key's."""
+    journal = SessionJournal(store) if record_sessions and isinstance(store, SQLiteStore) else None
+    if journal is not None:
+        tokenizer_dir = str(getattr(engine.tokenizer, "name_or_path", "") or "")
+        journal.set_server({"model": name, "tokenizer": tokenizer_dir})
+    sessions = SessionTable(max_sessions=max_sessions, journal=journal)
+    if len(keys) == 1:  # sessions saved without an owner (no key, or before owners) are that key's
+        adopted = sessions.adopt_unowned(owner_id(keys[0]))
+        if adopted:
+            log.info("sessions_adopted", sessions=adopted, reason="saved without an owner; one app key")
+    return sessions
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
