@@ -65,7 +65,8 @@ test-slow: $(STAMP) sandbox-deps harnesses frameworks
 	$(BIN)/python -m pytest -q -x -m slow --durations=15  # end-to-end runs (SmolLM2, Ray, subprocesses)
 
 # The docs site (mkdocs.yml: docs/ into site/), every warning an error; the docs tools are pyproject's `docs`
-# extra, and docs/gen_config_ref.py writes the configuration reference from the config models as it builds.
+# extra. As it builds, docs/gen_config_ref.py writes the configuration reference from the config models and
+# docs/gen_results.py the results page's figures from benchmarks/results/*.json (a missing figure fails it).
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[docs]'
