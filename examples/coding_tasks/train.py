@@ -254,11 +254,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     configure_logging(level="WARNING")
     summary = run(args)
-    if args.result:
-        from benchmarks.bench_machine import cpu_model
+    if args.result:  # benchmarks/result_file.py's header (this checkout's commit), then the summary
+        from benchmarks import result_file
 
-        out = {**summary, "machine": f"{cpu_model()}, {_cores()} cores, CPU only"}
-        Path(args.result).write_text(json.dumps(out, indent=2) + "\n")
+        gpu = None if args.device == "cpu" else "auto"
+        head = result_file.header("coding_tasks", gpu=gpu, cpus_allowed=_cores())
+        figures = {k: v for k, v in summary.items() if k != "commit"}
+        result_file.write(args.result, result_file.result(head, figures))
     sys.stdout.write(
         f"\nheld-out success ({summary['held_out']} repositories, greedy): {summary['success_before']:.1%} before "
         f"-> {summary['success_after']:.1%} after ({summary['gain_points']:+.1f} points) in "
