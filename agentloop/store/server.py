@@ -185,28 +185,45 @@ def create_app(
 ) -> _Router:
     """The ASGI app serving ``store``: hand-routed (no dependency solving, no middleware); every route
     answers JSON. ``api_key`` is the admin key (kept for callers from before roles)."""
-    keys = Keys(admin_key_of(api_key, admin_key), runner_keys)
-    owners: dict[str, str | None] = {}  # attempt_id -> runner that dequeued it (a bounded cache)
-    waits: dict[Who, int] = {}  # long-polls open per key
-    routes: list[tuple[str, re.Pattern[str], Handler]] = []
+    routes = _Routes(
+        store, Keys(admin_key_of(api_key, admin_key), runner_keys), max_body_bytes, max_waits_per_key
+    )
+    _add_rollout_routes(routes)  # the order is the match order: a literal path before its {pattern}
+    _add_attempt_routes(routes)
+    _add_wait_routes(routes)
+    _add_resource_routes(routes)
+    return _Router(routes.table)
 
-    def remember(attempt_id: str, owner: str | None) -> None:
+
+class _Routes:
+    """What the store's routes share: the store, the keys, the attempts' owners, the long-polls open
+    per key, and the route table (``route`` adds to it)."""
+
+    def __init__(self, store: Store, keys: Keys, max_body_bytes: int, max_waits_per_key: int) -> None:
+        self.store, self.keys = store, keys
+        self.max_body_bytes, self.max_waits_per_key = max_body_bytes, max_waits_per_key
+        self.owners: dict[str, str | None] = {}  # attempt_id -> runner that dequeued it (a bounded cache)
+        self.waits: dict[Who, int] = {}  # long-polls open per key
+        self.table: list[tuple[str, re.Pattern[str], Handler]] = []
+
+    def remember(self, attempt_id: str, owner: str | None) -> None:
+        owners = self.owners
         if len(owners) >= _OWNERS_CACHED:
             owners.pop(next(iter(owners)))
         owners[attempt_id] = owner
 
     async def require_owner(
-        request: Request, rollout_id: str, attempt_id: str, verb: str = "write only to"
+        self, request: Request, rollout_id: str, attempt_id: str, verb: str = "write only to"
     ) -> None:
         """A runner reads and writes only attempts it dequeued (the admin any)."""
         who: Who = request.scope["agentloop.who"]
         if who.runner is None:
             return
-        if attempt_id in owners:
-            owner = owners[attempt_id]
+        if attempt_id in self.owners:
+            owner = self.owners[attempt_id]
         else:
-            owner = owner_of((await store.get_attempt(rollout_id, attempt_id)).worker_id)
-            remember(attempt_id, owner)
+            owner = owner_of((await self.store.get_attempt(rollout_id, attempt_id)).worker_id)
+            self.remember(attempt_id, owner)
         if owner != who.runner:
             raise _HTTPError(
                 403,
@@ -216,13 +233,13 @@ def create_app(
                 + (f"runner {owner!r}" if owner else "the admin or another worker"),
             )
 
-    async def own_attempts(request: Request, rollout_id: str) -> list[Any] | None:
+    async def own_attempts(self, request: Request, rollout_id: str) -> list[Any] | None:
         """The rollout's attempts a runner dequeued (403 when none: it may not read the rollout); None
         for the admin, who reads every attempt."""
         who: Who = request.scope["agentloop.who"]
         if who.runner is None:
             return None
-        mine = [a for a in await store.list_attempts(rollout_id) if owner_of(a.worker_id) == who.runner]
+        mine = [a for a in await self.store.list_attempts(rollout_id) if owner_of(a.worker_id) == who.runner]
         if not mine:
             raise _HTTPError(
                 403,
@@ -232,10 +249,16 @@ def create_app(
             )
         return mine
 
+    @staticmethod
     def shown(request: Request, rollout: Any) -> Any:
         return rollout if request.scope["agentloop.who"].runner is None else for_runner(rollout)
 
-    async def body(request: Request, model: type[BaseModel]) -> Any:
+    @staticmethod
+    def resources_shown(request: Request, resources: Resources | None) -> Resources | None:
+        return resources if request.scope["agentloop.who"].runner is None else _blank_proxy_keys(resources)
+
+    async def body(self, request: Request, model: type[BaseModel]) -> Any:
+        max_body_bytes = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise _HTTPError(
@@ -249,13 +272,14 @@ def create_app(
             chunks.append(chunk)
         return model.model_validate_json(b"".join(chunks) or b"null")
 
-    def route(method: str, path: str, admin: str | None = None) -> Callable[[Handler], Handler]:
-        """``admin``: what the route does, when only the admin key may do it."""
+    def route(self, method: str, path: str, admin: str | None = None) -> Callable[[Handler], Handler]:
+        """Add the decorated handler to the table behind the key check and the errors' answers.
+        ``admin``: what the route does, when only the admin key may do it."""
 
         def deco(fn: Handler) -> Handler:
             async def handler(request: Request) -> Response:
                 raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
-                who = keys.who(raw)
+                who = self.keys.who(raw)
                 if who is None:  # answered, then the connection is closed: no slot held without a key
                     resp = _error(401, "unauthorized", "missing or wrong bearer token (Authorization header)")
                     resp.headers["connection"] = "close"
@@ -267,31 +291,41 @@ def create_app(
                         f"runner {who.runner!r} may not {admin} ({method} {path} needs the admin key)",
                     )
                 request.scope["agentloop.who"] = who
-                try:
-                    return await fn(request)
-                except _HTTPError as exc:
-                    return _error(exc.status, exc.type, exc.message)
-                except ValidationError as exc:
-                    return _error(*_validation_message(exc))
-                except NotFoundError as exc:
-                    return _error(404, "not_found", str(exc))
-                except StaleAttemptError as exc:
-                    return _error(409, "stale_attempt", str(exc))
-                except InvalidTransitionError as exc:
-                    return _error(409, "invalid_transition", str(exc))
-                except (InvalidRequestError, ValueError, TypeError) as exc:
-                    return _error(422, "invalid_request", str(exc))
-                except ClientDisconnect:
-                    return _error(400, "invalid_request", "the client disconnected before sending the body")
-                except Exception as exc:  # a bug, not a bad request: say so without the traceback
-                    log.exception("store request failed", path=path)
-                    return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+                return await _answered(fn, request, path)
 
             regex = re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path)
-            routes.append((method, re.compile(regex), handler))
+            self.table.append((method, re.compile(regex), handler))
             return fn
 
         return deco
+
+
+async def _answered(fn: Handler, request: Request, path: str) -> Response:
+    """``fn``'s response, or the error response its exception stands for."""
+    try:
+        return await fn(request)
+    except _HTTPError as exc:
+        return _error(exc.status, exc.type, exc.message)
+    except ValidationError as exc:
+        return _error(*_validation_message(exc))
+    except NotFoundError as exc:
+        return _error(404, "not_found", str(exc))
+    except StaleAttemptError as exc:
+        return _error(409, "stale_attempt", str(exc))
+    except InvalidTransitionError as exc:
+        return _error(409, "invalid_transition", str(exc))
+    except (InvalidRequestError, ValueError, TypeError) as exc:
+        return _error(422, "invalid_request", str(exc))
+    except ClientDisconnect:
+        return _error(400, "invalid_request", "the client disconnected before sending the body")
+    except Exception as exc:  # a bug, not a bad request: say so without the traceback
+        log.exception("store request failed", path=path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+def _add_rollout_routes(r: _Routes) -> None:
+    """Health, enqueue, list, dequeue, read and cancel rollouts."""
+    store, route, body = r.store, r.route, r.body
 
     @route("GET", "/v1/health")
     async def health(request: Request) -> Response:
@@ -315,19 +349,25 @@ def create_app(
             worker_id = who.runner if not worker_id else f"{who.runner}/{worker_id}"
         attempted = await store.dequeue_rollout(worker_id)
         if attempted is not None and who.runner is not None:
-            remember(attempted.attempt.attempt_id, who.runner)
+            r.remember(attempted.attempt.attempt_id, who.runner)
             attempted = for_runner(attempted)
         return _json(attempted)
 
     @route("GET", "/v1/rollouts/{rollout_id}")
     async def get_rollout(request: Request) -> Response:
         rid = request.path_params["rollout_id"]
-        await own_attempts(request, rid)
-        return _json(shown(request, await store.get_rollout(rid)))
+        await r.own_attempts(request, rid)
+        return _json(r.shown(request, await store.get_rollout(rid)))
 
     @route("POST", "/v1/rollouts/{rollout_id}/cancel", admin="cancel rollouts")
     async def cancel(request: Request) -> Response:
         return _json(await store.cancel_rollout(request.path_params["rollout_id"]))
+
+
+def _add_attempt_routes(r: _Routes) -> None:
+    """Read and update attempts; read and add their spans."""
+    store, route, body = r.store, r.route, r.body
+    require_owner, own_attempts = r.require_owner, r.own_attempts
 
     @route("GET", "/v1/rollouts/{rollout_id}/attempts")
     async def list_attempts(request: Request) -> Response:
@@ -346,7 +386,7 @@ def create_app(
         p = request.path_params
         await require_owner(request, p["rollout_id"], p["attempt_id"], "read only")
         rollout, attempt = await store.get_rollout_attempt(p["rollout_id"], p["attempt_id"])
-        return _json((shown(request, rollout), attempt), ROLLOUT_ATTEMPT)
+        return _json((r.shown(request, rollout), attempt), ROLLOUT_ATTEMPT)
 
     @route("POST", "/v1/rollouts/{rollout_id}/attempts/{attempt_id}")
     async def update_attempt(request: Request) -> Response:
@@ -382,6 +422,11 @@ def create_app(
         await require_owner(request, span.rollout_id, span.attempt_id)
         return _json(await store.add_span(span))
 
+
+def _add_wait_routes(r: _Routes) -> None:
+    """The long-poll on rollouts (capped per key) and the watchdog."""
+    store, route, waits, max_waits_per_key = r.store, r.route, r.waits, r.max_waits_per_key
+
     @route("POST", "/v1/wait")
     async def wait(request: Request) -> Response:
         who: Who = request.scope["agentloop.who"]
@@ -395,40 +440,40 @@ def create_app(
             )
         waits[who] = open_now + 1
         try:
-            b = await body(request, WaitBody)
+            b = await r.body(request, WaitBody)
             if who.runner is not None:
                 for rid in dict.fromkeys(b.rollout_ids):
-                    await own_attempts(request, rid)
+                    await r.own_attempts(request, rid)
             done = await store.wait_for_rollouts(b.rollout_ids, min(b.timeout, MAX_WAIT_S))
         finally:
             waits[who] -= 1
             if not waits[who]:
                 del waits[who]
-        return _json([shown(request, r) for r in done], ROLLOUT_LIST)
+        return _json([r.shown(request, x) for x in done], ROLLOUT_LIST)
 
     @route("POST", "/v1/check_timeouts", admin="run the watchdog over every attempt (dequeue runs it)")
     async def check_timeouts(request: Request) -> Response:
         return _json(await store.check_timeouts(), ATTEMPT_LIST)
 
+
+def _add_resource_routes(r: _Routes) -> None:
+    """Add resources (the admin) and read them (a runner: with every ProxyLLM's key blanked)."""
+    store, route = r.store, r.route
+
     @route("POST", "/v1/resources", admin="add or replace resources")
     async def add_resources(request: Request) -> Response:
-        return _json({"version": await store.add_resources(await body(request, Resources))})
-
-    def resources_shown(request: Request, resources: Resources | None) -> Resources | None:
-        return resources if request.scope["agentloop.who"].runner is None else _blank_proxy_keys(resources)
+        return _json({"version": await store.add_resources(await r.body(request, Resources))})
 
     @route("GET", "/v1/resources/latest")
     async def latest_resources(request: Request) -> Response:
-        return _json(resources_shown(request, await store.get_latest_resources()))
+        return _json(r.resources_shown(request, await store.get_latest_resources()))
 
     @route("GET", "/v1/resources/{version}")
     async def get_resources(request: Request) -> Response:
         raw = request.path_params["version"]
         if not raw.isdigit():
             raise _HTTPError(422, "invalid_request", f"resources version must be an integer, got {raw!r:.40}")
-        return _json(resources_shown(request, await store.get_resources(int(raw))))
-
-    return _Router(routes)
+        return _json(r.resources_shown(request, await store.get_resources(int(raw))))
 
 
 class _Router:
