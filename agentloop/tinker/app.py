@@ -89,18 +89,33 @@ def build_app(service: TinkerService, keys: list[SecretStr]) -> Starlette:
     """The Starlette app serving ``service`` to clients holding one of ``keys`` (at least one)."""
     if not keys:
         raise ValueError("the Tinker server needs at least one API key (the SDK always sends one)")
-    secrets = [k.get_secret_value().encode() for k in keys]
+    routes = _Routes([k.get_secret_value().encode() for k in keys])
+    _add_session_routes(routes, service)
+    _add_training_routes(routes, service)
+    _add_sampling_routes(routes, service)
+    _add_future_routes(routes, service)
+    app = Starlette(routes=routes.routes)
+    app.add_route("/{rest:path}", routes.not_served, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    return app
 
-    def authorized(request: Request) -> bool:
+
+class _Routes:
+    """The app's routes (``add`` appends one) and the key check in front of them."""
+
+    def __init__(self, secrets: list[bytes]) -> None:
+        self.secrets = secrets
+        self.routes: list[Route] = []
+
+    def authorized(self, request: Request) -> bool:
         given = request.headers.get("x-api-key") or ""
         if not given and request.headers.get("authorization", "").lower().startswith("bearer "):
             given = request.headers["authorization"][7:]
-        return any(hmac.compare_digest(given.encode(), s) for s in secrets)
+        return any(hmac.compare_digest(given.encode(), s) for s in self.secrets)
 
-    def route(path: str, methods: list[str], auth: bool = True) -> Callable[[Handler], Route]:
+    def route(self, path: str, methods: list[str], auth: bool = True) -> Callable[[Handler], Route]:
         def wrap(fn: Handler) -> Route:
             async def endpoint(request: Request) -> Response:
-                if auth and not authorized(request):
+                if auth and not self.authorized(request):
                     return JSONResponse(
                         {
                             "detail": "missing or wrong API key: send the server's key (ServiceClient(api_key=...))"
@@ -125,15 +140,27 @@ def build_app(service: TinkerService, keys: list[SecretStr]) -> Starlette:
 
         return wrap
 
-    s = service
-    routes: list[Route] = []
-
-    def add(path: str, methods: list[str], auth: bool = True) -> Callable[[Handler], Handler]:
+    def add(self, path: str, methods: list[str], auth: bool = True) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
-            routes.append(route(path, methods, auth)(fn))
+            self.routes.append(self.route(path, methods, auth)(fn))
             return fn
 
         return deco
+
+    async def not_served(self, request: Request) -> Response:
+        if not self.authorized(request):
+            return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
+        return JSONResponse(
+            {
+                "detail": f"{request.method} {request.url.path} is not served by agentloop tinker (docs/tinker.md lists what is)"
+            },
+            status_code=404,
+        )
+
+
+def _add_session_routes(routes: _Routes, s: TinkerService) -> None:
+    """Health, the client's config, the server's capabilities, sessions and their heartbeats."""
+    add = routes.add
 
     @add("/api/v1/healthz", ["GET"], auth=False)
     async def healthz(request: Request) -> Response:
@@ -170,6 +197,11 @@ def build_app(service: TinkerService, keys: list[SecretStr]) -> Starlette:
     async def telemetry(request: Request) -> Response:
         await request.body()  # the SDK's own telemetry: accepted and dropped
         return JSONResponse({"status": "accepted"})
+
+
+def _add_training_routes(routes: _Routes, s: TinkerService) -> None:
+    """Training models: create, describe, forward_backward, optim_step, save and load weights."""
+    add = routes.add
 
     @add("/api/v1/create_model", ["POST"])
     async def create_model(request: Request) -> Response:
@@ -213,6 +245,11 @@ def build_app(service: TinkerService, keys: list[SecretStr]) -> Starlette:
         req = await _json(request, SaveWeightsForSamplerRequest)
         return _future(s.save_weights_for_sampler(req), req.model_id)
 
+
+def _add_sampling_routes(routes: _Routes, s: TinkerService) -> None:
+    """Sampling sessions, samplers and samples."""
+    add = routes.add
+
     @add("/api/v1/create_sampling_session", ["POST"])
     async def create_sampling_session(request: Request) -> Response:
         sid = s.create_sampling_session(await _json(request, CreateSamplingSessionRequest))
@@ -226,6 +263,11 @@ def build_app(service: TinkerService, keys: list[SecretStr]) -> Starlette:
     async def asample(request: Request) -> Response:
         rid, sequence_ids = s.sample(await _json(request, SampleRequest))
         return _future(rid, sample_sequence_ids=sequence_ids)
+
+
+def _add_future_routes(routes: _Routes, s: TinkerService) -> None:
+    """The futures the routes above answer: their results, and cancelling one."""
+    add = routes.add
 
     @add("/api/v1/retrieve_future", ["POST"])
     async def retrieve_future(request: Request) -> Response:
@@ -248,17 +290,3 @@ def build_app(service: TinkerService, keys: list[SecretStr]) -> Starlette:
         body = await _json(request, FutureRetrieveRequest)
         s.futures.cancel(body.request_id)
         return JSONResponse(None)
-
-    async def not_served(request: Request) -> Response:
-        if not authorized(request):
-            return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
-        return JSONResponse(
-            {
-                "detail": f"{request.method} {request.url.path} is not served by agentloop tinker (docs/tinker.md lists what is)"
-            },
-            status_code=404,
-        )
-
-    app = Starlette(routes=routes)
-    app.add_route("/{rest:path}", not_served, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    return app
