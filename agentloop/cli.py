@@ -78,20 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     register(sub)
     for command in sub.choices.values():
         _add_global_flags(command, default=argparse.SUPPRESS)
-    _add_demo_command(sub)  # after the loop: demo hands every word to trainer.demo's own parser
+    _add_demo_command(sub)  # after the loop: demo hands every word to trainer.demos.arithmetic's own parser
     return parser
 
 
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`agentloop demo [--task arithmetic|tools] [OPTIONS]`: GRPO on an agent with SmolLM2 on CPU.
 
-    The options belong to trainer.demo (``--task tools``: trainer.demo_tools), imported only when the
+    The options belong to trainer.demos.arithmetic (``--task tools``: trainer.demos.tools), imported only when the
     command runs (it pulls in torch).
     """
 
     def run(args: argparse.Namespace) -> int:
-        from trainer.demo import build_parser as demo_parser
-        from trainer.demo import main as demo_main
+        from trainer.demos.arithmetic import build_parser as demo_parser
+        from trainer.demos.arithmetic import main as demo_main
 
         return demo_main(demo_parser().parse_args(args.demo_args))
 

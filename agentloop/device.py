@@ -1,7 +1,7 @@
 """``pick_device``: the one place a device name (``auto``, ``cpu``, ``cuda``, ``cuda:N``) becomes a device.
 
 Used by the engine factory (``agentloop.engine.factory.load_engine``) and the trainer
-(``trainer.actor.resolve_device``). torch is imported on first call, not with this module.
+(``trainer.model.actor.resolve_device``). torch is imported on first call, not with this module.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ reward curves compare how much each learned from the same number of samples.
 Steps per hour count from the end of step ``--warmup-steps`` (default 2) to the end of the last
 step. The first steps hold one-off warm-up (CUDA graph captures). torch.compile's recompiles used to
 land in the updates of steps 1, 2, 8 and 16 (3-26 s each on an H100); the trainer now compiles every
-kind of micro-batch when the actor is built (trainer/compiled.py), and on an H100 every update took
+kind of micro-batch when the actor is built (trainer/model/compiled.py), and on an H100 every update took
 0.26-1.7 s. Each leg also reports ``steps_per_hour_from_step_1``. Run the legs in both orders
 (``--legs sync,async`` and ``--legs async,sync``) and report both ratios: on an H100 (2026-11-27,
 ``--max-num-seqs 256 --max-staleness 4 --lr 1e-4 --steps 16``) they were 2.16x and 1.99x, and the

@@ -1,11 +1,11 @@
 """How long a training batch takes to reach a Ray actor: ``ray.put`` plus an actor call until the actor
 holds it, for scale_bench's batch (128 rows of 256-512 + 256-512 tokens, 3.9 MB of tensors). Compares
-the batch as it travels now (trainer/_wire.py: CPU tensors as NumPy arrays, out of band) with the same
+the batch as it travels now (trainer/batch/_serialization.py: CPU tensors as NumPy arrays, out of band) with the same
 tensors pickled by torch, as every Batch travelled before (a dict of its fields). Prints JSON.
 
     python benchmarks/batch_transfer.py [--reps 20] [--out benchmarks/results/batch_transfer_cpu.json]
 
-The data-parallel trainer puts each update's batch once and every rank receives it (trainer/dp.py), so
+The data-parallel trainer puts each update's batch once and every rank receives it (trainer/distributed/data_parallel.py), so
 this is part of the dispatch that scale_bench's ``--rank-times`` reports as ``rank_start_s``.
 """
 

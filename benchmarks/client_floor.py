@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_bench import AgentProcesses, _agent_messages
 
 from benchmarks import result_file
-from trainer.dp import free_port
+from trainer.distributed.data_parallel import free_port
 
 _CANNED = orjson.dumps({
     "id": "chatcmpl-floor", "object": "chat.completion", "created": 0, "model": "agentloop",

@@ -68,7 +68,7 @@ def main() -> None:
     big = anyio.run(load, args.agents, args.turns)
     small = next((r for r in rows if r["kind"] == "load"), None)
     faults.append({"name": "trainer SIGKILLed after a checkpoint and resumed (same next step)",
-                   "survived": None, "covered_by": "tests/trainer/test_resume.py"})  # fmt: skip
+                   "survived": None, "covered_by": "tests/trainer/fit/test_resume.py"})  # fmt: skip
     head = result_file.header("reliability", gpu=None, python=platform.python_version())
     report = {
         "what": "fault injection, hostile-input fuzzing, security, load",

@@ -8,10 +8,10 @@ and the time to sync a 0.5B-class model's weights into every replica. Prints JSO
     python benchmarks/scale_bench.py --device cpu
 
 Trainer: one PPO/GRPO update (old-logprob pass + forward/backward + AdamW) of a synthetic batch, through
-trainer/dp.py (FSDP2) with world size 1 and then N; the batch grows with N (32 samples a GPU) so
+trainer/distributed/data_parallel.py (FSDP2) with world size 1 and then N; the batch grows with N (32 samples a GPU) so
 every rank keeps a full micro-batch. Rollout: ``engine_batch`` x N concurrent requests with distinct
 attempt keys through agentloop/engine/replicas.py (one replica runs them in N waves, N replicas in
-one each). Sync (``--only-sync`` measures just this): trainer/weight_sync.py
+one each). Sync (``--only-sync`` measures just this): trainer/distributed/weight_sync.py
 with N ranks and N replicas colocated (CUDA IPC; ``weight_sync.sync_s``) and with 1 rank and 1 replica
 on different GPUs (NCCL broadcast; ``weight_sync_split.sync_s``); as a baseline the old path,
 ``EngineReplicaPool.update_weights`` of the bf16 weights (``ray.put`` once, every replica loads) and
@@ -407,7 +407,7 @@ def _profile_rank(worker: Any, batch: Any) -> dict[str, Any]:
 async def _train_tokens_per_s(
     model: str, world: int, args: argparse.Namespace, share: float
 ) -> dict[str, Any]:
-    from trainer.dp import DataParallelGroup
+    from trainer.distributed.data_parallel import DataParallelGroup
 
     batch = _batch(args.batch, args.prompt_len, args.response_len)
     opts = {"num_gpus": share, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
@@ -527,8 +527,8 @@ def _check(trained: dict[str, torch.Tensor], sums: dict[str, float], dtype: torc
 
 
 async def _new_sync(group: Any, pool: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """trainer/weight_sync.py: warm-up (setup + first sync), then ``args.reps`` timed syncs."""
-    from trainer.weight_sync import WeightSync
+    """trainer/distributed/weight_sync.py: warm-up (setup + first sync), then ``args.reps`` timed syncs."""
+    from trainer.distributed.weight_sync import WeightSync
 
     sync = WeightSync(group, pool)
     try:
@@ -558,7 +558,7 @@ async def _weight_sync(
     import ray
 
     from agentloop.engine.replicas import EngineReplicaPool
-    from trainer.dp import DataParallelGroup
+    from trainer.distributed.data_parallel import DataParallelGroup
 
     bundles = None
 
@@ -621,7 +621,7 @@ async def _split_sync(model: str, args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from agentloop.engine.replicas import EngineReplicaPool
-    from trainer.dp import DataParallelGroup
+    from trainer.distributed.data_parallel import DataParallelGroup
 
     opts = {"num_gpus": 1, "num_cpus": 0} if args.device == "cuda" else {"num_cpus": 0}
     group = DataParallelGroup.create(

@@ -117,7 +117,7 @@ def job(model: str, device: str) -> dict[str, Any]:
 
 def child(folder: Path, t0: float) -> dict[str, Any]:
     """In the child: time the imports, then ``agentloop train`` with the fit's waits timed."""
-    import trainer.ray_trainer as rt
+    import trainer.fit.trainer as rt
     from agentloop.cli import main
 
     imports_s, imports_cpu = time.time() - t0, tree_cpu_s()
@@ -136,7 +136,7 @@ def child(folder: Path, t0: float) -> dict[str, Any]:
             cpu.setdefault(what, [start_cpu, tree_cpu_s()])
 
     rt.deadline = timed_deadline  # type: ignore[assignment]
-    import trainer.worker_loading as wl
+    import trainer.fit.worker_loading as wl
 
     wl.deadline = timed_deadline  # type: ignore[assignment]  # the worker's load, awaited where first needed
     init_ray = rt.init_ray

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentloop.types import Triplet
 from benchmarks import result_file
 from benchmarks.gpu.random_model import RANDOM_CONFIGS, build_random_model
-from trainer.actor import Actor
 from trainer.batch import build_batch
 from trainer.config import TrainerConfig
+from trainer.model.actor import Actor
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM)
 

@@ -1,7 +1,7 @@
 """Weight sync into a colocated vLLM engine, and the engine/trainer logprob gap after it.
 
 A random-weight Qwen2-0.5B-shaped model (``--random-config``) is served by VLLMEngine (bf16) while
-the "trainer" holds the same model in fp32 on the same GPU (as trainer/actor.py does). The trainer
+the "trainer" holds the same model in fp32 on the same GPU (as trainer/model/actor.py does). The trainer
 perturbs its weights; ``engine.update_weights(trainer.state_dict())`` is timed (median of
 ``--reps``, after one warm-up), the engine's output must change, and the logprobs of sampled
 responses are compared with the trainer's bf16-autocast forward (``logprob_gap``). Prints JSON and

@@ -34,7 +34,7 @@ MARKER = "<!-- config-reference -->"
 SECTIONS = [
     ("TrainerConfig", "", "trainer:TrainerConfig", "`Trainer(config)`, a job file, `--set KEY=VALUE`."),
     ("online", "online", "trainer.online:OnlineConfig", "`agentloop serve --train CONFIG.yaml`'s `online:` section."),
-    ("sft", "sft", "trainer.sft_config:SFTConfig", "`agentloop sft`'s `sft:` section (the RL keys above apply too)."),
+    ("sft", "sft", "trainer.sft.config:SFTConfig", "`agentloop sft`'s `sft:` section (the RL keys above apply too)."),
     ("reward.judge", "reward.judge", "agentloop.judge.config:JudgeConfig", "A job file's `reward: {judge: {...}}` (`al.judge_reward`'s options)."),
 ]  # fmt: skip
 

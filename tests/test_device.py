@@ -7,7 +7,7 @@ import torch
 
 from agentloop.device import pick_device
 from agentloop.errors import EngineError
-from trainer.actor import resolve_device
+from trainer.model.actor import resolve_device
 
 
 def test_names() -> None:
@@ -27,7 +27,7 @@ def test_cuda_without_cuda() -> None:
 
 
 def test_the_trainer_resolves_devices_the_same_way() -> None:
-    """trainer.actor.resolve_device is pick_device as a torch.device, without the availability check (the
+    """trainer.model.actor.resolve_device is pick_device as a torch.device, without the availability check (the
     driver may name the GPU of a Ray worker on another machine)."""
     assert resolve_device("auto") == torch.device(pick_device("auto"))
     assert resolve_device("cpu") == torch.device("cpu")

@@ -126,7 +126,7 @@ def _check_fit(trainer: Any, agent: Any, train: Any, val_dataset: Any = None, re
     import agentloop as al
     from integrations.langgraph import ReactAgentLoop
     from trainer import Trainer
-    from trainer.ray_trainer import FitResult
+    from trainer.fit.trainer import FitResult
 
     assert isinstance(trainer, Trainer), f".fit is called on a {type(trainer).__name__}, not a Trainer"
     assert isinstance(agent, al.Agent), f"the agent is a {type(agent).__name__}, not an al.Agent"
@@ -180,7 +180,7 @@ def test_snippet_trains_as_written_with_the_tiny_model(
     )  # fmt: skip
     if "judge_reward(" in block and out.returncode != 0:
         # a random model's verdicts are never valid JSON: every group fails (on_failure="skip"), no step
-        # has a reward, and the run must stop with the one-line error that says so (trainer/fit_signal.py)
+        # has a reward, and the run must stop with the one-line error that says so (trainer/fit/learning_signal.py)
         last = out.stderr.strip().splitlines()[-1]
         assert "no learning signal" in last and "the judge failed on" in last, out.stderr[-5000:]
         return

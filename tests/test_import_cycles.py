@@ -35,7 +35,7 @@ PACKAGES = ("agentloop", "trainer", "integrations")
 
 
 def module_name(relative: Path) -> str:
-    """``agentloop/store/__init__.py`` -> ``agentloop.store``; ``trainer/actor.py`` -> ``trainer.actor``."""
+    """``agentloop/store/__init__.py`` -> ``agentloop.store``; ``trainer/model/actor.py`` -> ``trainer.model.actor``."""
     parts = list(relative.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

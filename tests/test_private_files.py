@@ -13,7 +13,7 @@ import pytest
 from agentloop.private_files import private_dir, private_file, tighten_tree, write_private_text
 from agentloop.store.sqlite import SQLiteStore
 from agentloop.types import Log, Span
-from trainer import checkpoint as ck
+from trainer.run_folder import checkpoint as ck
 
 
 @pytest.fixture(autouse=True)

@@ -68,11 +68,11 @@ def trainer_parts() -> Any:
     import torch
 
     from agentloop.tinker.training import TrainerParts
-    from trainer._logprobs import logprobs_from_logits
-    from trainer._lora import merged_lora_weights, wrap_lora
-    from trainer.checkpoint import load_policy_state, save_policy
+    from trainer.algorithms._logprobs import logprobs_from_logits
     from trainer.config import TrainerConfig
-    from trainer.policy_model import load_policy
+    from trainer.model._lora import merged_lora_weights, wrap_lora
+    from trainer.model.policy_model import load_policy
+    from trainer.run_folder.checkpoint import load_policy_state, save_policy
 
     def lora(model: torch.nn.Module, rank: int, alpha: int, targets: list[str]) -> torch.nn.Module:
         config = TrainerConfig.from_dict(

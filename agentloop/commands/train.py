@@ -69,7 +69,7 @@ are named and nothing starts: --resume-with-changes continues that run with them
   agentloop train job.yaml --more-steps 10      # the run, 10 steps past where it stopped
 """
 
-# How the trainer's run-folder errors name the two ways on (trainer/checkpoint.py plan_run).
+# How the trainer's run-folder errors name the two ways on (trainer/run_folder/checkpoint.py plan_run).
 RUN_OPTIONS = {"resume": "--resume-with-changes", "new_folder": "--fresh"}
 
 
@@ -418,7 +418,7 @@ def _verifiers_job(doc: dict[str, Any], base: Path) -> tuple[Any, list[Any], lis
 
 def run(args: argparse.Namespace) -> int:
     from trainer import Trainer
-    from trainer.run_changes import describe
+    from trainer.run_folder.changes import describe
 
     def note(line: str) -> None:
         sys.stderr.write(f"agentloop train: {line}\n")
@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
 def _on_config_change(config: Any, args: argparse.Namespace) -> Any:
     """``config`` with what the run does when its folder holds a run of other settings: as the flags
     say; by default stop and name the keys (unless the job file sets trainer.on_config_change)."""
-    from trainer.checkpoint import read_run
+    from trainer.run_folder.checkpoint import read_run
 
     if args.more_steps is not None:
         if args.more_steps < 1:

@@ -5,7 +5,7 @@ while it has no request), a
 device-wide call from another thread of the process, such as ``torch.cuda.synchronize()``, fails with
 "operation not permitted when stream is capturing" and invalidates the capture, which turns the
 engine's CUDA graphs off for good. The trainer's weight loads do exactly that from a worker thread
-(trainer/weight_sync.py: ``open_ipc``, ``_broadcast`` and ``synchronize``, which local_sync.py and a
+(trainer/distributed/weight_sync.py: ``open_ipc``, ``_broadcast`` and ``synchronize``, which local_sync.py and a
 replica's load use), and with ``max_staleness`` and in-flight updates a new batch size can be captured
 at the same moment. Both sides hold this one lock.
 """

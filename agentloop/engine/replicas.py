@@ -11,7 +11,7 @@ prefix reuse) while attempts spread over replicas. A request id without ``/`` is
 
 ``update_weights`` puts the weights into the Ray object store once (``ray.put``) and every replica
 loads them from there, concurrently; the time it took is ``stats()["last_sync_s"]``. A trainer with
-data-parallel ranks has a faster path (CUDA IPC / NCCL, no object store): trainer/weight_sync.py,
+data-parallel ranks has a faster path (CUDA IPC / NCCL, no object store): trainer/distributed/weight_sync.py,
 through ``EngineReplica.call`` and ``note_sync``.
 """
 
@@ -117,7 +117,7 @@ class EngineReplica:
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(self, *args)`` (awaited when it is a coroutine function) in this replica: how a
-        trainer loads weights by CUDA IPC or a broadcast (trainer/weight_sync.py) without agentloop
+        trainer loads weights by CUDA IPC or a broadcast (trainer/distributed/weight_sync.py) without agentloop
         importing the trainer, as vLLM's ``collective_rpc`` does. Blocking work belongs in a thread."""
         out = fn(self, *args)
         return await out if inspect.isawaitable(out) else out

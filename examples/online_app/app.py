@@ -35,7 +35,7 @@ import httpx
 import openai
 
 from examples.online_app.reward import app_reward
-from trainer.demo import EXAMPLE, make_datasets
+from trainer.demos.arithmetic import EXAMPLE, make_datasets
 
 
 def write_eval(path: Path, size: int, seed: int) -> int:

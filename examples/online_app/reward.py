@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.demo import parse_answer
+from trainer.demos.arithmetic import parse_answer
 
 
 def score(task: dict[str, Any], text: str) -> float:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import verifiers.v1 as vf
 
-# One worked turn before the question, as the main demo (trainer/demo.py) found SmolLM2 needs: without it the
+# One worked turn before the question, as the main demo (trainer/demos/arithmetic.py) found SmolLM2 needs: without it the
 # model explains at length and a short reply ends before the sum (17% of held-out questions right, greedy).
 EXAMPLE = [
     {"role": "user", "content": "What is 15 + 23?"},  # 23 lies outside the operands 0..20

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from agentloop.cli import main
-from tests.trainer.test_sft import _hand_store
+from tests.trainer.sft.test_sft import _hand_store
 
 
 def _err_line(capsys: pytest.CaptureFixture[str]) -> str:

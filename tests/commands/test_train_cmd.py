@@ -136,7 +136,7 @@ def test_a_changed_key_stops_before_anything_loads_and_names_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The run folder holds a finished 3-step run of this job; asking for 2 steps names the key."""
-    from trainer import checkpoint as ck
+    from trainer.run_folder import checkpoint as ck
 
     doc = {
         "agent": "changed_agent:agent",

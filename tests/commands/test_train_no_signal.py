@@ -1,6 +1,6 @@
 """``agentloop train`` with an agent that forgets to ``return`` its reward: issue 42 found it printed
 ``trained 1 steps``, exited 0 and wrote a final model identical to the start. Now it exits 1 with one line
-that says why (trainer/fit_signal.py), and writes no final model. A whole fit through the command, run
+that says why (trainer/fit/learning_signal.py), and writes no final model. A whole fit through the command, run
 in-process through ``agentloop.cli.main`` (the tiny model, the proxy, Ray)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ async def agent(task, llm):
 """
 
 
-@pytest.mark.slow  # the CLI in a subprocess, a whole fit: ~20 s; the fit itself is in tests/trainer/test_fit_signal.py
+@pytest.mark.slow  # the CLI in a subprocess, a whole fit: ~20 s; the fit itself is in tests/trainer/fit/test_fit_signal.py
 @pytest.mark.timeout(240)
 def test_a_run_without_rewards_exits_1_with_one_line_saying_why(
     tiny_model_dir: Path,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentloop.engine.capture import graph_capture, no_graph_capture
-from trainer import local_sync, weight_sync
+from trainer.distributed import local_sync, weight_sync
 
 
 def _waits_for_capture(monkeypatch: pytest.MonkeyPatch, load: Callable[[], object]) -> None:

@@ -208,7 +208,7 @@ def test_the_prefix_cache_keeps_one_entry_per_conversation_and_its_room() -> Non
 
 def test_the_trainer_config_key_sets_the_engines_context() -> None:
     from trainer import TrainerConfig
-    from trainer._config_rollout import engine_kwargs
+    from trainer.config._rollout import engine_kwargs
 
     cfg = TrainerConfig.from_dict({"actor_rollout_ref": {"rollout": {"max_model_len": 1024}}})
     assert engine_kwargs(cfg.actor_rollout_ref.rollout)["max_context"] == 1024

@@ -19,7 +19,7 @@ import pytest
 
 from examples.online_app import app
 from examples.online_app.reward import app_reward, score
-from trainer.demo import make_datasets
+from trainer.demos.arithmetic import make_datasets
 
 HERE = Path(app.__file__).parent
 

@@ -104,7 +104,7 @@ def umask(mask: int) -> Iterator[None]:
 async def test_run_folders_and_stores_are_the_owners_only(tmp_path: Path) -> None:
     from agentloop.store.sqlite import SQLiteStore
     from agentloop.types import Log, Span
-    from trainer import checkpoint as ck
+    from trainer.run_folder import checkpoint as ck
 
     name = "files: run folder, store.db (+ -wal/-shm), run.json, config, checkpoints, agentloop-serve.db readable by other local users"
     run_dir = tmp_path / "runs" / "p" / "run"

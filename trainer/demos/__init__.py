@@ -1,0 +1,1 @@
+"""The demos behind ``agentloop demo``: GRPO on arithmetic (``arithmetic``) and on calculator tool use (``tools``)."""
