@@ -274,6 +274,185 @@ def index_on(device: torch.device, rows: Sequence[int]) -> torch.Tensor:
     return index.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class _Selection:
+    """What ``build_batch`` keeps of its triplets, before padding."""
+
+    rows: list[tuple[int, Row]]  # (attempt number, row), in the order of the batch
+    voters: list[tuple[int, Span]]  # calls not trained (prompt too long) that keep their place in the vote
+    group_keys: list[str]  # attempt number -> its group's key
+    positions: dict[int, int]  # triplet index -> the call's place in its attempt
+    stats: dict[str, int]  # what was kept and dropped (build_batch's second return)
+
+
+def _row_budget(max_prompt_length: int, max_response_length: int, max_row_tokens: int | None) -> int:
+    """The most tokens a row may hold (``max_row_tokens``, default prompt + response limits), checked."""
+    if max_prompt_length < 1 or max_response_length < 1:
+        raise ValueError(
+            f"max_prompt_length and max_response_length must be >= 1, got {max_prompt_length}, "
+            f"{max_response_length}"
+        )
+    budget = max_prompt_length + max_response_length if max_row_tokens is None else max_row_tokens
+    if budget < max_prompt_length + max_response_length:
+        raise ValueError(
+            f"max_row_tokens ({budget}) must be at least max_prompt_length + max_response_length "
+            f"({max_prompt_length + max_response_length}): one call must fit a row"
+        )
+    return budget
+
+
+def _select(
+    triplets: Sequence[Triplet], max_prompt_length: int, merge: bool, default_temperature: float, budget: int
+) -> _Selection:
+    """The attempts that can vote, their rows (merged when ``merge``), the calls whose prompt is too long."""
+    stats = {
+        "num_triplets": len(triplets),
+        "num_samples": 0,
+        "num_attempts": 0,
+        "calls_prompt_too_long": 0,
+        "attempts_untrained_prompt_too_long": 0,
+        "dropped_attempts_empty": 0,
+        "dropped_attempts_no_reward": 0,
+        "dropped_attempts_nonfinite_reward": 0,
+        "dropped_calls": 0,
+        "truncated_samples": 0,
+        "no_trainable_tokens": 0,
+        "ungrouped": 0,
+    }
+    for t in triplets:
+        if not isinstance(t, Triplet):
+            raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
+    selected = _Selection(rows=[], voters=[], group_keys=[], positions={}, stats=stats)
+    attempts = 0
+    for members in group_by_attempt(triplets):
+        reasons = [r for i in members if (r := unusable(triplets[i])) is not None]
+        if reasons:
+            stats[reasons[0]] += 1
+            stats["dropped_calls"] += len(members)
+            continue
+        number, attempts = attempts, attempts + 1
+        selected.positions.update(call_positions(triplets, members))
+        key = group_key(triplets[members[0]].metadata)
+        if key is None:
+            stats["ungrouped"] += 1
+            key = f"attempt:{number}"
+        selected.group_keys.append(key)
+        trained = 0
+        for row in attempt_rows(triplets, members, merge, default_temperature, budget if merge else None):
+            if len(row.sample.prompt_ids) > max_prompt_length:
+                stats["calls_prompt_too_long"] += len(row.spans)
+                selected.voters.extend((number, span) for span in row.spans)
+            else:
+                selected.rows.append((number, row))
+                trained += 1
+        stats["attempts_untrained_prompt_too_long"] += int(trained == 0)
+    stats["num_samples"], stats["num_attempts"] = len(selected.rows), attempts
+    return selected
+
+
+def _report_dropped(
+    stats: dict[str, int], num_rows: int, max_prompt_length: int, require_nonempty: bool
+) -> None:
+    """Warn about what was dropped or not trained; raise EmptyBatchError when asked and nothing is left."""
+    dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
+    if dropped:
+        log.warning("batch.dropped_attempts", **dropped)
+    if stats["calls_prompt_too_long"]:
+        log.warning(
+            "batch.calls_prompt_too_long",
+            calls=stats["calls_prompt_too_long"],
+            attempts_untrained=stats["attempts_untrained_prompt_too_long"],
+            max_prompt_length=max_prompt_length,
+        )
+    if not num_rows and require_nonempty:
+        raise EmptyBatchError(
+            f"no usable training sample out of {stats['num_triplets']} triplets "
+            f"(dropped: {', '.join(f'{k}={v}' for k, v in dropped.items()) or 'none'}); "
+            "did the agent call the LLM and give a reward? is max_prompt_length large enough?"
+        )
+
+
+class _CallColumns:
+    """The columns of ``Calls``, one entry a call, appended row by row."""
+
+    def __init__(self, positions: dict[int, int]) -> None:
+        self.positions = positions  # triplet index -> the call's place in its attempt
+        self.cols: dict[str, list[float]] = {
+            k: [] for k in ("row", "start", "length", "reward", "step", "source", "position")
+        }
+        self.attempts: list[int] = []
+
+    def add(self, row: int, start: int, length: int, span: Span, attempt: int) -> None:
+        for k, v in (("row", row), ("start", start), ("length", length), ("reward", span.reward)):
+            self.cols[k].append(v)
+        self.cols["step"].append(span.step_reward)
+        self.cols["source"].append(span.source)
+        self.cols["position"].append(self.positions[span.source])
+        self.attempts.append(attempt)
+
+    def calls(self, group_of_attempt: Sequence[int]) -> Calls:
+        longs = {
+            k: torch.tensor(self.cols[k], dtype=torch.long)
+            for k in ("row", "start", "length", "source", "position")
+        }
+        return Calls(
+            row=longs["row"],
+            start=longs["start"],
+            length=longs["length"],
+            reward=torch.tensor(self.cols["reward"], dtype=torch.float32),
+            step_reward=torch.tensor(self.cols["step"], dtype=torch.float32),
+            group=torch.tensor([group_of_attempt[a] for a in self.attempts], dtype=torch.long),
+            attempt=torch.tensor(self.attempts, dtype=torch.long),  # (C,)
+            position=longs["position"],
+            source=longs["source"],
+        )
+
+
+@dataclass
+class _Padded:
+    """A batch's token tensors while its rows are written in (P = longest prompt, R = longest response)."""
+
+    input_ids: torch.Tensor  # (B, P+R) long
+    attention_mask: torch.Tensor  # (B, P+R) long
+    response_mask: torch.Tensor  # (B, R) long
+    temperatures: torch.Tensor  # (B, R) float32
+    truncated: torch.Tensor  # (B,) bool
+    logprobs: torch.Tensor | None  # (B, R) float32, only when every row has the engine's log-probs
+    prompt_tokens: list[int] = field(default_factory=list)
+    response_tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, b: int, p: int, r_len: int, pad_token_id: int, with_logprobs: bool) -> _Padded:
+        return cls(
+            input_ids=torch.full((b, p + r_len), pad_token_id, dtype=torch.long),
+            attention_mask=torch.zeros((b, p + r_len), dtype=torch.long),
+            response_mask=torch.zeros((b, r_len), dtype=torch.long),
+            temperatures=torch.ones((b, r_len), dtype=torch.float32),
+            truncated=torch.zeros(b, dtype=torch.bool),
+            logprobs=torch.zeros((b, r_len), dtype=torch.float32) if with_logprobs else None,
+        )
+
+    def write(self, i: int, row: Row, p: int, limit: int) -> int:
+        """Write ``row`` into row ``i`` (its response cut at ``limit``); returns its response length."""
+        sample = row.sample
+        resp = sample.response_ids
+        np_, nr = len(sample.prompt_ids), min(len(resp), limit)
+        self.prompt_tokens.append(np_)
+        self.response_tokens.append(nr)
+        self.truncated[i] = len(resp) > limit or row.hit_max_tokens
+        self.input_ids[i, p - np_ : p] = torch.tensor(sample.prompt_ids)
+        self.input_ids[i, p : p + nr] = torch.tensor(resp[:nr])
+        self.attention_mask[i, p - np_ : p + nr] = 1
+        row_mask = sample.response_mask if sample.response_mask is not None else [1] * len(resp)
+        mask = torch.tensor(row_mask[:nr], dtype=torch.long)  # (nr,)
+        self.response_mask[i, :nr] = mask
+        self.temperatures[i, :nr] = torch.tensor(row.temps[:nr])
+        if self.logprobs is not None:  # 0 where masked
+            lp = torch.tensor(sample.response_logprobs[:nr], dtype=torch.float32)  # type: ignore[index]  # (nr,)
+            self.logprobs[i, :nr] = lp.masked_fill(mask == 0, 0.0)
+        return nr
+
+
 def build_batch(
     triplets: Sequence[Triplet],
     *,
@@ -302,78 +481,10 @@ def build_batch(
     Each token records its call's sampling temperature (``metadata["temperature"]``, else
     ``default_temperature``). Raises EmptyBatchError only when ``require_nonempty`` and nothing is left.
     """
-    if max_prompt_length < 1 or max_response_length < 1:
-        raise ValueError(
-            f"max_prompt_length and max_response_length must be >= 1, got {max_prompt_length}, "
-            f"{max_response_length}"
-        )
-    budget = max_prompt_length + max_response_length if max_row_tokens is None else max_row_tokens
-    if budget < max_prompt_length + max_response_length:
-        raise ValueError(
-            f"max_row_tokens ({budget}) must be at least max_prompt_length + max_response_length "
-            f"({max_prompt_length + max_response_length}): one call must fit a row"
-        )
-    stats = {
-        "num_triplets": len(triplets),
-        "num_samples": 0,
-        "num_attempts": 0,
-        "calls_prompt_too_long": 0,
-        "attempts_untrained_prompt_too_long": 0,
-        "dropped_attempts_empty": 0,
-        "dropped_attempts_no_reward": 0,
-        "dropped_attempts_nonfinite_reward": 0,
-        "dropped_calls": 0,
-        "truncated_samples": 0,
-        "no_trainable_tokens": 0,
-        "ungrouped": 0,
-    }
-    for t in triplets:
-        if not isinstance(t, Triplet):
-            raise TypeError(f"build_batch takes agentloop.types.Triplet objects, got {type(t).__name__}")
-    rows: list[tuple[int, Row]] = []  # (attempt number, row)
-    voters: list[tuple[int, Span]] = []  # calls not trained (prompt too long) that keep their place
-    attempts = 0
-    group_keys: list[str] = []
-    positions: dict[int, int] = {}  # triplet index -> the call's place in its attempt
-    for members in group_by_attempt(triplets):
-        reasons = [r for i in members if (r := unusable(triplets[i])) is not None]
-        if reasons:
-            stats[reasons[0]] += 1
-            stats["dropped_calls"] += len(members)
-            continue
-        number, attempts = attempts, attempts + 1
-        positions.update(call_positions(triplets, members))
-        key = group_key(triplets[members[0]].metadata)
-        if key is None:
-            stats["ungrouped"] += 1
-            key = f"attempt:{number}"
-        group_keys.append(key)
-        trained = 0
-        for row in attempt_rows(triplets, members, merge, default_temperature, budget if merge else None):
-            if len(row.sample.prompt_ids) > max_prompt_length:
-                stats["calls_prompt_too_long"] += len(row.spans)
-                voters.extend((number, span) for span in row.spans)
-            else:
-                rows.append((number, row))
-                trained += 1
-        stats["attempts_untrained_prompt_too_long"] += int(trained == 0)
-    stats["num_samples"], stats["num_attempts"] = len(rows), attempts
-    dropped = {k: v for k, v in stats.items() if k.startswith("dropped") and v}
-    if dropped:
-        log.warning("batch.dropped_attempts", **dropped)
-    if stats["calls_prompt_too_long"]:
-        log.warning(
-            "batch.calls_prompt_too_long",
-            calls=stats["calls_prompt_too_long"],
-            attempts_untrained=stats["attempts_untrained_prompt_too_long"],
-            max_prompt_length=max_prompt_length,
-        )
-    if not rows and require_nonempty:
-        raise EmptyBatchError(
-            f"no usable training sample out of {len(triplets)} triplets "
-            f"(dropped: {', '.join(f'{k}={v}' for k, v in dropped.items()) or 'none'}); "
-            "did the agent call the LLM and give a reward? is max_prompt_length large enough?"
-        )
+    budget = _row_budget(max_prompt_length, max_response_length, max_row_tokens)
+    selected = _select(triplets, max_prompt_length, merge, default_temperature, budget)
+    rows, stats = selected.rows, selected.stats
+    _report_dropped(stats, len(rows), max_prompt_length, require_nonempty)
 
     b = len(rows)
     p = max((len(r.sample.prompt_ids) for _, r in rows), default=0)  # P
@@ -384,91 +495,44 @@ def build_batch(
     r_len = max(
         (min(len(r.sample.response_ids), n) for (_, r), n in zip(rows, limits, strict=True)), default=0
     )
-    input_ids = torch.full((b, p + r_len), pad_token_id, dtype=torch.long)  # (B, P+R)
-    attention_mask = torch.zeros((b, p + r_len), dtype=torch.long)  # (B, P+R)
-    response_mask = torch.zeros((b, r_len), dtype=torch.long)  # (B, R)
-    temperatures = torch.ones((b, r_len), dtype=torch.float32)  # (B, R)
-    truncated = torch.zeros(b, dtype=torch.bool)  # (B,)
     with_logprobs = b > 0 and all(r.sample.response_logprobs is not None for _, r in rows)
-    logprobs = torch.zeros((b, r_len), dtype=torch.float32) if with_logprobs else None  # (B, R)
-    group_numbers = {k: n for n, k in enumerate(dict.fromkeys(group_keys))}
-    group_ids = torch.tensor([group_numbers[group_keys[a]] for a, _ in rows], dtype=torch.long)  # (B,)
+    padded = _Padded.empty(b, p, r_len, pad_token_id, with_logprobs)
+    group_numbers = {k: n for n, k in enumerate(dict.fromkeys(selected.group_keys))}
+    group_of_attempt = [group_numbers[k] for k in selected.group_keys]
+    group_ids = torch.tensor([group_of_attempt[a] for a, _ in rows], dtype=torch.long)  # (B,)
     attempt_ids = torch.tensor([a for a, _ in rows], dtype=torch.long)  # (B,)
-    call_cols: dict[str, list[float]] = {
-        k: [] for k in ("row", "start", "length", "reward", "step", "source", "position")
-    }
-    call_attempts: list[int] = []
-
-    def add_call(row: int, start: int, length: int, span: Span, attempt: int) -> None:
-        for k, v in (("row", row), ("start", start), ("length", length), ("reward", span.reward)):
-            call_cols[k].append(v)
-        call_cols["step"].append(span.step_reward)
-        call_cols["source"].append(span.source)
-        call_cols["position"].append(positions[span.source])
-        call_attempts.append(attempt)
-
-    prompt_tokens: list[int] = []
-    response_tokens: list[int] = []
+    columns = _CallColumns(selected.positions)
     for i, (attempt, row) in enumerate(rows):
-        sample = row.sample
-        resp = sample.response_ids
-        np_, nr = len(sample.prompt_ids), min(len(resp), limits[i])
-        prompt_tokens.append(np_)
-        response_tokens.append(nr)
-        truncated[i] = len(resp) > limits[i] or row.hit_max_tokens
-        input_ids[i, p - np_ : p] = torch.tensor(sample.prompt_ids)
-        input_ids[i, p : p + nr] = torch.tensor(resp[:nr])
-        attention_mask[i, p - np_ : p + nr] = 1
-        row_mask = sample.response_mask if sample.response_mask is not None else [1] * len(resp)
-        mask = torch.tensor(row_mask[:nr], dtype=torch.long)  # (nr,)
-        response_mask[i, :nr] = mask
-        temperatures[i, :nr] = torch.tensor(row.temps[:nr])
-        if logprobs is not None:  # 0 where masked
-            lp = torch.tensor(sample.response_logprobs[:nr], dtype=torch.float32)  # type: ignore[index]  # (nr,)
-            logprobs[i, :nr] = lp.masked_fill(mask == 0, 0.0)
-        stats["no_trainable_tokens"] += int(not bool(mask.any()))
+        nr = padded.write(i, row, p, limits[i])
+        stats["no_trainable_tokens"] += int(not bool(padded.response_mask[i, :nr].any()))
         for span in row.spans:
-            add_call(
+            columns.add(
                 i, min(span.start, nr), max(0, min(span.start + span.length, nr) - span.start), span, attempt
             )
-    for attempt, span in voters if b else []:  # no tokens (length 0) but a place in the attempt's vote
-        add_call(0, 0, 0, span, attempt)
-    stats["truncated_samples"] = int(truncated.sum())
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
+    for attempt, span in (
+        selected.voters if b else []
+    ):  # no tokens (length 0) but a place in the attempt's vote
+        columns.add(0, 0, 0, span, attempt)
+    stats["truncated_samples"] = int(padded.truncated.sum())
+    position_ids = (padded.attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R)
     rewards = torch.tensor([triplet_reward(r.sample) for _, r in rows], dtype=torch.float32)  # (B,)
-    longs = {
-        k: torch.tensor(call_cols[k], dtype=torch.long)
-        for k in ("row", "start", "length", "source", "position")
-    }
-    attempt_of_call = torch.tensor(call_attempts, dtype=torch.long)  # (C,)
-    calls = Calls(
-        row=longs["row"],
-        start=longs["start"],
-        length=longs["length"],
-        reward=torch.tensor(call_cols["reward"], dtype=torch.float32),
-        step_reward=torch.tensor(call_cols["step"], dtype=torch.float32),
-        group=torch.tensor([group_numbers[group_keys[a]] for a in call_attempts], dtype=torch.long),
-        attempt=attempt_of_call,
-        position=longs["position"],
-        source=longs["source"],
-    )
     batch = Batch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=padded.input_ids,
+        attention_mask=padded.attention_mask,
         position_ids=position_ids,
-        response_mask=response_mask,
+        response_mask=padded.response_mask,
         rewards=rewards,
         group_ids=group_ids,
         prompt_length=p,
-        engine_logprobs=logprobs,
+        engine_logprobs=padded.logprobs,
         metadata=[r.metadata for _, r in rows],
         attempt_ids=attempt_ids,
-        temperatures=temperatures,
-        truncated=truncated,
-        calls=calls,
+        temperatures=padded.temperatures,
+        truncated=padded.truncated,
+        calls=columns.calls(group_of_attempt),
         host_rows=HostRows(
-            tuple(prompt_tokens),
-            tuple(response_tokens),
+            tuple(padded.prompt_tokens),
+            tuple(padded.response_tokens),
             tuple(group_ids.tolist()),
             prompt_numbers([tuple(r.sample.prompt_ids) for _, r in rows]),
         ),

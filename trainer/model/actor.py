@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from trainer.algorithms import (
+    LossAggMode,
+    PolicyLossOutput,
     agg_loss,
     attempt_row_weights,
     compute_policy_loss,
@@ -222,55 +224,12 @@ class Actor:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO/GRPO update on ``batch``; returns its metrics."""
-        cfg, arr = self.config, self.config.actor_rollout_ref
-        actor = arr.actor
+        cfg, actor = self.config, self.config.actor_rollout_ref.actor
         t0 = time.perf_counter()
         batch = batch.to(self.device)
-        mask = batch.response_mask  # (B, R)
         metrics: dict[str, float] = {}
         on_device: dict[str, torch.Tensor] = {}  # metrics read back after the update, not before it
-
-        on_policy = from_the_loss(cfg, batch, has_ref=self.ref is not None)
-        old = None if on_policy else self._old_logprobs(batch, metrics)  # (B, R)
-        metrics["actor/old_logprobs_from_the_loss"] = float(old is None)
-        if old is not None:
-            batch.extras["old_logprobs"] = old
-        keep = loss_mask(batch, cfg)  # (B, R) bool: overlong-filtered samples out of the loss
-        is_level = cfg.rollout_is_level()
-        corr_cfg = cfg.algorithm.rollout_correction
-        if batch.engine_logprobs is not None and (is_level is not None or corr_cfg.rollout_rs is not None):
-            assert old is not None  # from_the_loss: not with rollout correction
-            corr = rollout_correction(old, batch.engine_logprobs, mask, corr_cfg, is_level)
-            metrics.update(corr.metrics)
-            keep = keep & corr.keep
-            if corr.weights is not None:
-                batch.extras["rollout_is_weights"] = corr.weights
-
-        kl = None
-        if self.ref is not None:
-            ref = self.compute_logprobs(batch, self.ref)
-            batch.extras["ref_logprobs"] = ref
-            if cfg.algorithm.use_kl_in_reward:
-                assert old is not None  # from_the_loss: not with the KL in the reward
-                kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
-                on_device["actor/kl_in_reward"] = masked_mean(kl, mask.bool(), dim=-1).mean()
-        if self.critic is not None:  # PPO: values, GAE over each attempt, the critic fitted to the returns
-            values = self.critic.values(batch)  # (B, R)
-            adv, returns = attempt_gae(batch, values, cfg, kl)  # (B, R) each
-            metrics.update(self.critic.update(batch, values, returns, loss_mask(batch, cfg)))
-        else:
-            adv = batch_advantages(batch, cfg, kl)  # (B, R)
-        # rewards are bounded (MAX_ABS_REWARD) and build_batch drops non-finite ones; an inf or NaN that
-        # still comes out of an estimator trains nothing (0) and is counted, with no host sync here
-        finite = torch.isfinite(adv)  # (B, R)
-        on_device["actor/advantage_nonfinite"] = (~finite & mask.bool()).sum()
-        adv = torch.where(finite, adv, torch.zeros_like(adv))
-        batch.extras["advantages"] = adv
-        on_device["actor/advantage_abs_mean"] = masked_mean(adv.abs(), mask.bool())
-        if batch.truncated is not None:
-            on_device["actor/truncated_samples"] = batch.truncated.sum()
-        on_device["actor/loss_tokens_masked"] = (mask.bool() & ~keep).sum()
-        batch = replace(batch, response_mask=keep.long())  # the loss trains on these tokens only
+        batch = self._loss_batch(batch, metrics, on_device)
 
         sums: dict[str, float] = {}
         n_steps = 0
@@ -300,6 +259,74 @@ class Actor:
         )
         return metrics
 
+    def _loss_batch(
+        self, batch: Batch, metrics: dict[str, float], on_device: dict[str, torch.Tensor]
+    ) -> Batch:
+        """The update's first step: ``batch`` with its old log-probs, advantages (and the critic fitted)
+        in ``extras``, its response mask cut to the tokens the loss trains on."""
+        cfg = self.config
+        mask = batch.response_mask  # (B, R)
+        on_policy = from_the_loss(cfg, batch, has_ref=self.ref is not None)
+        old = None if on_policy else self._old_logprobs(batch, metrics)  # (B, R)
+        metrics["actor/old_logprobs_from_the_loss"] = float(old is None)
+        if old is not None:
+            batch.extras["old_logprobs"] = old
+        keep = self._corrected_loss_mask(batch, old, metrics)  # (B, R) bool
+        kl = self._kl_in_reward(batch, old, on_device)  # (B, R) or None
+        if self.critic is not None:  # PPO: values, GAE over each attempt, the critic fitted to the returns
+            values = self.critic.values(batch)  # (B, R)
+            adv, returns = attempt_gae(batch, values, cfg, kl)  # (B, R) each
+            metrics.update(self.critic.update(batch, values, returns, loss_mask(batch, cfg)))
+        else:
+            adv = batch_advantages(batch, cfg, kl)  # (B, R)
+        # rewards are bounded (MAX_ABS_REWARD) and build_batch drops non-finite ones; an inf or NaN that
+        # still comes out of an estimator trains nothing (0) and is counted, with no host sync here
+        finite = torch.isfinite(adv)  # (B, R)
+        on_device["actor/advantage_nonfinite"] = (~finite & mask.bool()).sum()
+        adv = torch.where(finite, adv, torch.zeros_like(adv))
+        batch.extras["advantages"] = adv
+        on_device["actor/advantage_abs_mean"] = masked_mean(adv.abs(), mask.bool())
+        if batch.truncated is not None:
+            on_device["actor/truncated_samples"] = batch.truncated.sum()
+        on_device["actor/loss_tokens_masked"] = (mask.bool() & ~keep).sum()
+        return replace(batch, response_mask=keep.long())  # the loss trains on these tokens only
+
+    def _corrected_loss_mask(
+        self, batch: Batch, old: torch.Tensor | None, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """The tokens the loss trains on (overlong-filtered samples out), less those rollout correction
+        rejects; its importance weights go into ``batch.extras``."""
+        cfg = self.config
+        keep = loss_mask(batch, cfg)  # (B, R) bool: overlong-filtered samples out of the loss
+        is_level = cfg.rollout_is_level()
+        corr_cfg = cfg.algorithm.rollout_correction
+        if batch.engine_logprobs is not None and (is_level is not None or corr_cfg.rollout_rs is not None):
+            assert old is not None  # from_the_loss: not with rollout correction
+            corr = rollout_correction(old, batch.engine_logprobs, batch.response_mask, corr_cfg, is_level)
+            metrics.update(corr.metrics)
+            keep = keep & corr.keep
+            if corr.weights is not None:
+                batch.extras["rollout_is_weights"] = corr.weights
+        return keep
+
+    def _kl_in_reward(
+        self, batch: Batch, old: torch.Tensor | None, on_device: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The reference's log-probs into ``batch.extras`` (when there is a reference), and the KL penalty
+        the rewards pay when ``algorithm.use_kl_in_reward`` (B, R), else None."""
+        cfg = self.config
+        if self.ref is None:
+            return None
+        mask = batch.response_mask  # (B, R)
+        ref = self.compute_logprobs(batch, self.ref)
+        batch.extras["ref_logprobs"] = ref
+        if not cfg.algorithm.use_kl_in_reward:
+            return None
+        assert old is not None  # from_the_loss: not with the KL in the reward
+        kl = kl_penalty(old, ref, cfg.algorithm.kl_penalty).masked_fill(~mask.bool(), 0.0)  # (B, R)
+        on_device["actor/kl_in_reward"] = masked_mean(kl, mask.bool(), dim=-1).mean()
+        return kl
+
     def _old_logprobs(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
         """The update's old log-probs when not on-policy (trainer/model/old_logprobs.py)."""
         return old_logprobs(self.config, batch, self.compute_logprobs, metrics)
@@ -319,19 +346,8 @@ class Actor:
         # without autograd, against the mini-batch's denominator
         idle_entropy = None if idle is None else self._entropy_without_grad(idle, agg, denom)
         if len(active) == 0:  # every advantage is 0: the gradient is exactly 0, so no step
-            zeros = dict.fromkeys(self._loss_metric_names(), 0.0)
-            if idle_entropy is not None:  # note: a CPU-GPU sync (no step follows to wait for)
-                zeros["actor/entropy"] = float(self._summed_over_ranks({"e": idle_entropy})["e"])
-            return {**zeros, "actor/active_samples": 0.0, "actor/grad_norm": 0.0}
-        # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
-        totals = {k: torch.zeros((), device=self.device) for k in self._loss_metric_names()}
-        if idle_entropy is not None:
-            totals["actor/entropy"] = idle_entropy
-        # on-policy the loss's forward gives the old log-probs, and the train/engine gap over its tokens
-        gap_max = None
-        if "old_logprobs" not in mini.extras and mini.engine_logprobs is not None:
-            totals["actor/engine_logprob_gap_mean"] = torch.zeros((), device=self.device)
-            gap_max = torch.zeros((), device=self.device)
+            return self._metrics_without_a_step(idle_entropy)
+        totals, gap_max = self._loss_totals(mini, idle_entropy)
         active_tokens = active.response_mask.sum().clamp(min=1)  # the rows the metrics average over
         micro = self._split_micro_batches(active)
         try:
@@ -341,36 +357,15 @@ class Actor:
                 logprobs, ent = self._forward(self.model, mb, entropy=True)
                 recorded = mb.extras.get("old_logprobs")  # None: on-policy, the policy has not stepped
                 old = logprobs.detach() if recorded is None else recorded[:, :r]
-                adv = mb.extras["advantages"][:, :r]
-                is_weights = mb.extras.get("rollout_is_weights")
-                row_weights = mb.extras.get("row_weights")
-                pl = compute_policy_loss(
-                    actor.policy_loss,
-                    logprobs,
-                    old,
-                    adv,
-                    mb.response_mask,
-                    clip_ratio_low=actor.clip_ratio_low,
-                    clip_ratio_high=actor.clip_ratio_high,
-                    clip_ratio_c=actor.clip_ratio_c,
-                    loss_agg_mode=agg,
-                    rollout_is_weights=None if is_weights is None else is_weights[:, :r],
-                    row_weights=row_weights,
-                )
+                pl = self._policy_loss(mb, logprobs, old, agg)
                 share = m.sum() / active_tokens  # this micro-batch's share of the active tokens
                 # re-aggregate the policy loss against the mini-batch denominator
                 policy_loss = pl.loss * loss_denominator(m, pg_agg) / pg_denom
+                row_weights = mb.extras.get("row_weights")
                 entropy = agg_loss(ent, mb.response_mask, agg, denominator=denom, row_weights=row_weights)  # type: ignore[arg-type]
                 loss = policy_loss - actor.entropy_coeff * entropy
                 if actor.use_kl_loss:
-                    ref = mb.extras["ref_logprobs"][:, :r]
-                    kl = agg_loss(
-                        kl_penalty(logprobs, ref, actor.kl_loss_type),
-                        mb.response_mask,
-                        agg,
-                        denominator=denom,
-                        row_weights=row_weights,
-                    )
+                    kl = self._kl_loss(mb, logprobs, agg, denom)
                     loss = loss + actor.kl_loss_coef * kl
                     totals["actor/kl_loss"] += kl.detach()
                 self._sync_gradients(i == len(micro) - 1)  # padded: the same count on every rank
@@ -392,6 +387,64 @@ class Actor:
         metrics = self._apply_gradients(totals)
         metrics["actor/active_samples"] = float(len(active))
         return metrics
+
+    def _metrics_without_a_step(self, idle_entropy: torch.Tensor | None) -> dict[str, float]:
+        """A mini-batch's metrics when no row has a signal: the loss terms 0, the entropy of its rows."""
+        zeros = dict.fromkeys(self._loss_metric_names(), 0.0)
+        if idle_entropy is not None:  # note: a CPU-GPU sync (no step follows to wait for)
+            zeros["actor/entropy"] = float(self._summed_over_ranks({"e": idle_entropy})["e"])
+        return {**zeros, "actor/active_samples": 0.0, "actor/grad_norm": 0.0}
+
+    def _loss_totals(
+        self, mini: Batch, idle_entropy: torch.Tensor | None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The step's loss metrics at 0 (the entropy of the rows left out already in), and the running max
+        of the train/engine gap when the loss's forward gives the old log-probs (else None)."""
+        # the metrics stay on the device until the step reads them: nothing in the loop waits for the GPU
+        totals = {k: torch.zeros((), device=self.device) for k in self._loss_metric_names()}
+        if idle_entropy is not None:
+            totals["actor/entropy"] = idle_entropy
+        # on-policy the loss's forward gives the old log-probs, and the train/engine gap over its tokens
+        gap_max = None
+        if "old_logprobs" not in mini.extras and mini.engine_logprobs is not None:
+            totals["actor/engine_logprob_gap_mean"] = torch.zeros((), device=self.device)
+            gap_max = torch.zeros((), device=self.device)
+        return totals, gap_max
+
+    def _policy_loss(
+        self, mb: Batch, logprobs: torch.Tensor, old: torch.Tensor, agg: LossAggMode
+    ) -> PolicyLossOutput:
+        """The configured policy loss of micro-batch ``mb`` (log-probs (b, r)), aggregated by ``agg``."""
+        actor = self.config.actor_rollout_ref.actor
+        r = mb.response_length
+        is_weights = mb.extras.get("rollout_is_weights")
+        return compute_policy_loss(
+            actor.policy_loss,
+            logprobs,
+            old,
+            mb.extras["advantages"][:, :r],
+            mb.response_mask,
+            clip_ratio_low=actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            loss_agg_mode=agg,
+            rollout_is_weights=None if is_weights is None else is_weights[:, :r],
+            row_weights=mb.extras.get("row_weights"),
+        )
+
+    def _kl_loss(
+        self, mb: Batch, logprobs: torch.Tensor, agg: LossAggMode, denominator: torch.Tensor
+    ) -> torch.Tensor:
+        """The KL loss of micro-batch ``mb`` against the reference, against the mini-batch's denominator."""
+        actor = self.config.actor_rollout_ref.actor
+        ref = mb.extras["ref_logprobs"][:, : mb.response_length]
+        return agg_loss(
+            kl_penalty(logprobs, ref, actor.kl_loss_type),
+            mb.response_mask,
+            agg,
+            denominator=denominator,
+            row_weights=mb.extras.get("row_weights"),
+        )
 
     @torch.no_grad()
     def _entropy_without_grad(self, rows: Batch, agg: str, denominator: torch.Tensor) -> torch.Tensor:

@@ -168,23 +168,10 @@ def _train(
 
     run = cfg.trainer
     run_dir = plan.run_dir
-    private_dir(run_dir)  # 0700: the training data and the checkpoints (agentloop.private_files)
-    write_private_text(run_dir / "config.json", json.dumps(dump, indent=2))
-    record: dict[str, Any] = {"identity": identity, "kind": "sft", "status": "running", "step": plan.step}
+    record, cursor, total = _start_run(cfg, plan, identity, len(train), len(val), dump)
     ckpt = ck.CheckpointManager(run_dir / "checkpoints")
-    cursor = ck.DataCursor(len(train), cfg.data.train_batch_size, run.seed)
-    total = run.total_training_steps or run.total_epochs * cursor.batches_per_epoch
-    record.update(total_steps=total, train_attempts=len(train), val_attempts=len(val))
-    ck.write_run(run_dir, record)
-    step = 0
     worker = _Worker(actor)
-    if plan.action == "resume" and plan.checkpoint is not None:
-        path, state = plan.checkpoint
-        worker.load_checkpoint(str(path))
-        cursor.load_state(state["cursor"])
-        step = int(state["step"])
-        dropped = ck.keep_metrics_until(run_dir / "metrics.jsonl", step)
-        log.warning("sft resumed", step=step, checkpoint=str(path), metrics_lines_dropped=dropped)
+    step = _resume(plan, worker, cursor)
     val_batch = _batch(val, cfg, pad)[0] if val else None
     metrics_log = MetricsLogger.create(run.logger, run_dir, run.project_name, run.experiment_name, dump)
     result = SFTResult(
@@ -232,6 +219,50 @@ def _train(
         progress.close()
     finally:
         metrics_log.close()
+    _finish(cfg, plan.run_dir, worker, model_path, result, record, step, last_val)
+    return result
+
+
+def _start_run(
+    cfg: TrainerConfig, plan: ck.RunPlan, identity: str, n_train: int, n_val: int, dump: dict[str, Any]
+) -> tuple[dict[str, Any], ck.DataCursor, int]:
+    """The run folder made private with its config.json and run record; returns the record, the data
+    cursor and the number of steps to train."""
+    run, run_dir = cfg.trainer, plan.run_dir
+    private_dir(run_dir)  # 0700: the training data and the checkpoints (agentloop.private_files)
+    write_private_text(run_dir / "config.json", json.dumps(dump, indent=2))
+    record: dict[str, Any] = {"identity": identity, "kind": "sft", "status": "running", "step": plan.step}
+    cursor = ck.DataCursor(n_train, cfg.data.train_batch_size, run.seed)
+    total = run.total_training_steps or run.total_epochs * cursor.batches_per_epoch
+    record.update(total_steps=total, train_attempts=n_train, val_attempts=n_val)
+    ck.write_run(run_dir, record)
+    return record, cursor, total
+
+
+def _resume(plan: ck.RunPlan, worker: _Worker, cursor: ck.DataCursor) -> int:
+    """The step to start at: the plan's checkpoint loaded into ``worker`` and ``cursor``, else 0."""
+    if plan.action != "resume" or plan.checkpoint is None:
+        return 0
+    path, state = plan.checkpoint
+    worker.load_checkpoint(str(path))
+    cursor.load_state(state["cursor"])
+    step = int(state["step"])
+    dropped = ck.keep_metrics_until(plan.run_dir / "metrics.jsonl", step)
+    log.warning("sft resumed", step=step, checkpoint=str(path), metrics_lines_dropped=dropped)
+    return step
+
+
+def _finish(
+    cfg: TrainerConfig,
+    run_dir: Path,
+    worker: _Worker,
+    model_path: str,
+    result: SFTResult,
+    record: dict[str, Any],
+    step: int,
+    last_val: dict[str, float],
+) -> None:
+    """The trained model saved, the loss curves plotted, ``result`` and the run record finished."""
     result.steps = step
     result.model_dir = run_dir / ck.FINAL_MODEL
     result.adapter_dir = run_dir / ck.FINAL_ADAPTER if cfg.actor_rollout_ref.model.lora_rank > 0 else None
@@ -250,7 +281,6 @@ def _train(
     )
     ck.write_run(run_dir, record)
     log.info("sft finished", run_dir=str(run_dir), steps=step, model_dir=str(result.model_dir))
-    return result
 
 
 class _Worker(TrainerWorker):
