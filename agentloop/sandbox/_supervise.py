@@ -222,49 +222,9 @@ async def supervise(
     hit: list[LimitHit] = []
     start = time.monotonic()
     try:
+        proc = await _start(launch, stdin, write_fd)
         try:
-            argv, as_user = _as_user(launch.argv, launch.user)
-            proc = await anyio.open_process(
-                argv,
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=launch.cwd,
-                env=launch.env,
-                start_new_session=True,  # its own process group: killpg reaches what the launcher missed
-                pass_fds=(write_fd,),
-                **as_user,  # type: ignore[arg-type]
-            )
-        except OSError as exc:
-            raise SandboxError(f"cannot start the sandbox launcher {launch.argv[0]!r}: {exc}") from exc
-        finally:
-            os.close(write_fd)
-        try:
-            async with anyio.create_task_group() as tg:
-                assert proc.stdout is not None and proc.stderr is not None
-                tg.start_soon(out.drain, proc.stdout)
-                tg.start_soon(err.drain, proc.stderr)
-                if stdin is not None:
-                    assert proc.stdin is not None
-                    tg.start_soon(_feed, proc.stdin, stdin)
-
-                deadline = anyio.move_on_after(timeout_s)
-
-                def over_quota(used: int) -> None:
-                    hit.append("disk")
-                    deadline.cancel()
-
-                tg.start_soon(_watch_disk, workspace, limits.disk_mb << 20, limits.disk_poll_s, over_quota)
-                with deadline:
-                    await proc.wait()
-                if deadline.cancelled_caught and not hit:
-                    hit.append("timeout")
-                if hit:
-                    await _kill(proc, launch.kill)
-                with anyio.move_on_after(EXIT_GRACE_S):
-                    await out.done.wait()
-                    await err.done.wait()
-                tg.cancel_scope.cancel()
+            await _run_to_end(proc, launch, stdin, out, err, hit, timeout_s, limits, workspace)
         finally:
             with anyio.CancelScope(shield=True):
                 if proc.returncode is None:
@@ -278,6 +238,67 @@ async def supervise(
     if used > limits.disk_mb << 20 and not hit:
         hit.append("disk")
     return _result(launch, proc, report, out, err, hit, wall_s, used)
+
+
+async def _start(launch: Launch, stdin: bytes | None, write_fd: int) -> Process:
+    """The launcher's process, with the status pipe's write end passed on (and closed here)."""
+    try:
+        argv, as_user = _as_user(launch.argv, launch.user)
+        return await anyio.open_process(
+            argv,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=launch.cwd,
+            env=launch.env,
+            start_new_session=True,  # its own process group: killpg reaches what the launcher missed
+            pass_fds=(write_fd,),
+            **as_user,  # type: ignore[arg-type]
+        )
+    except OSError as exc:
+        raise SandboxError(f"cannot start the sandbox launcher {launch.argv[0]!r}: {exc}") from exc
+    finally:
+        os.close(write_fd)
+
+
+async def _run_to_end(
+    proc: Process,
+    launch: Launch,
+    stdin: bytes | None,
+    out: _Capture,
+    err: _Capture,
+    hit: list[LimitHit],
+    timeout_s: float,
+    limits: Limits,
+    workspace: Path,
+) -> None:
+    """Feed ``stdin``, drain the output and watch the disk until ``proc`` exits; at the deadline or
+    over the disk quota (appended to ``hit``), kill its tree."""
+    async with anyio.create_task_group() as tg:
+        assert proc.stdout is not None and proc.stderr is not None
+        tg.start_soon(out.drain, proc.stdout)
+        tg.start_soon(err.drain, proc.stderr)
+        if stdin is not None:
+            assert proc.stdin is not None
+            tg.start_soon(_feed, proc.stdin, stdin)
+
+        deadline = anyio.move_on_after(timeout_s)
+
+        def over_quota(used: int) -> None:
+            hit.append("disk")
+            deadline.cancel()
+
+        tg.start_soon(_watch_disk, workspace, limits.disk_mb << 20, limits.disk_poll_s, over_quota)
+        with deadline:
+            await proc.wait()
+        if deadline.cancelled_caught and not hit:
+            hit.append("timeout")
+        if hit:
+            await _kill(proc, launch.kill)
+        with anyio.move_on_after(EXIT_GRACE_S):
+            await out.done.wait()
+            await err.done.wait()
+        tg.cancel_scope.cancel()
 
 
 def _result(
