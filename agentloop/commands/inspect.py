@@ -29,6 +29,7 @@ import json
 import sqlite3
 import sys
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,16 +298,7 @@ def _run(args: argparse.Namespace) -> int:
     db = locate(args.run_dir)
     run_dir = db.parent
     if args.errors:  # agentloop/commands/inspect_errors.py
-        from agentloop.commands.inspect_errors import print_errors
-
-        store = ReadOnlyStore(db)
-        try:
-            where = db if db.name != "store.db" else run_dir
-            return print_errors(
-                store._conn, where, sys.stdout.write, printable, rollout=args.rollout, limit=args.limit
-            )
-        finally:
-            anyio.run(store.close)
+        return _print_errors(args, db)
     rows = anyio.run(collect, db)
     try:
         server, sessions = read_saved_sessions(db)
@@ -314,61 +306,21 @@ def _run(args: argparse.Namespace) -> int:
         raise InspectError(f"{db} is not an agentloop store ({exc})") from None
     color = not args.no_color and sys.stdout.isatty()
     w = sys.stdout.write
-    w(f"{len(rows)} rollouts in {db if db.name != 'store.db' else run_dir}\n")
-    w(f"{'rollout':<14} {'mode':<5} {'status':<10} {'attempts':>8} {'calls':>5} {'reward':>7}  input\n")
-    for rollout, reward, calls in rows[-args.limit :]:
-        shown = json.dumps(rollout.input)[:60]
-        r = "-" if reward is None else f"{reward:.3f}"
-        rid = printable(rollout.rollout_id[:13])
-        w(
-            f"{rid:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
-        )
+    _print_rollouts(w, rows, db, args.limit)
     session_rewards = {rec.session_id: _session_reward(rec) for rec in sessions}
     if server or sessions:
-        served = printable(str(server.get("model", "?")))
-        trained = sum(rec.trained is not None for rec in sessions)
-        w(
-            f"{len(sessions)} app sessions in {db} (served model {served}; {trained} trained on by serve --train)\n"
-        )
-        w(f"{'session':<22} {'calls':>5} {'reward':>7} {'trained':<16} first message\n")
-        for rec in sessions[-args.limit :]:
-            reward = session_rewards[rec.session_id]
-            r = "-" if reward is None else f"{reward:.3f}"
-            head = rec.calls[:1]
-            first = json.dumps(head[0].messages[-1].get("content") if head and head[0].messages else "")
-            w(
-                f"{printable(rec.session_id[:21]):<22} {len(rec.call_json):>5} {r:>7} {_trained(rec):<16} "
-                f"{printable(first[:60])}\n"
-            )
+        _print_sessions(w, server, sessions, session_rewards, db, args.limit)
     chosen = args.rollout
     if chosen is None:
-        scored = [(reward, r.rollout_id) for r, reward, calls in rows if reward is not None and calls]
-        scored += [(reward, sid) for sid, reward in session_rewards.items() if reward is not None]
-        if not scored:  # an app that posts no rewards: its latest session with calls
-            scored = [(0.0, rec.session_id) for rec in sessions[-1:] if rec.call_json]
-        if not scored:
+        chosen = _best(rows, sessions, session_rewards)
+        if chosen is None:
             w("no rollout with LLM calls and a reward to print\n")
             failed = sum(r.status.value == "failed" for r, _, _ in rows)
             if failed:
                 hint = f"`agentloop inspect {args.run_dir} --errors` shows where the agent raised"
                 w(f"{failed} failed: {hint}\n")
             return 0
-        chosen = max(scored)[1]
-    rollout_ids = [r.rollout_id for r, _, _ in rows]
-    matches = [i for i in [*rollout_ids, *session_rewards] if i.startswith(chosen)]
-    if chosen in rollout_ids or chosen in session_rewards:
-        matches = [chosen]
-    if not matches:
-        raise InspectError(
-            f"--rollout {chosen!r}: no rollout or session has this id ({len(rows)} rollouts, "
-            f"{len(sessions)} sessions in {args.run_dir}); the table above lists the ids"
-        )
-    if len(matches) > 1:
-        raise InspectError(
-            f"--rollout {chosen!r} starts {len(matches)} ids "
-            f"({', '.join(printable(m[:16]) for m in matches[:4])}, ...); give more of the id"
-        )
-    (match,) = matches
+    match = _match(chosen, rows, sessions, session_rewards, args.run_dir)
     from agentloop.adapter import merge_turns, spans_to_triplets
 
     if match in session_rewards:
@@ -383,6 +335,117 @@ def _run(args: argparse.Namespace) -> int:
         title, model, named_by = printable(match), args.model, None
     triplets = merge_turns(per_call)
     tokenizer = _tokenizer(run_dir, model, named_by)
+    _print_trajectory(w, title, per_call, triplets, advantages, tokenizer, color)
+    return 0
+
+
+def _print_errors(args: argparse.Namespace, db: Path) -> int:
+    """``--errors``: the failed attempts and where the agent raised (agentloop/commands/inspect_errors.py)."""
+    from agentloop.commands.inspect_errors import print_errors
+
+    store = ReadOnlyStore(db)
+    try:
+        where = db if db.name != "store.db" else db.parent
+        return print_errors(
+            store._conn, where, sys.stdout.write, printable, rollout=args.rollout, limit=args.limit
+        )
+    finally:
+        anyio.run(store.close)
+
+
+def _print_rollouts(
+    w: Callable[[str], Any], rows: list[tuple[Rollout, float | None, int]], db: Path, limit: int
+) -> None:
+    """The rollout table: the last ``limit`` rows."""
+    w(f"{len(rows)} rollouts in {db if db.name != 'store.db' else db.parent}\n")
+    w(f"{'rollout':<14} {'mode':<5} {'status':<10} {'attempts':>8} {'calls':>5} {'reward':>7}  input\n")
+    for rollout, reward, calls in rows[-limit:]:
+        shown = json.dumps(rollout.input)[:60]
+        r = "-" if reward is None else f"{reward:.3f}"
+        rid = printable(rollout.rollout_id[:13])
+        w(
+            f"{rid:<14} {rollout.mode:<5} {rollout.status.value:<10} {rollout.num_attempts:>8} {calls:>5} {r:>7}  {shown}\n"
+        )
+
+
+def _print_sessions(
+    w: Callable[[str], Any],
+    server: dict[str, Any],
+    sessions: list[SessionRecord],
+    session_rewards: dict[str, float | None],
+    db: Path,
+    limit: int,
+) -> None:
+    """The app session table (a store ``agentloop serve`` wrote): the last ``limit`` sessions."""
+    served = printable(str(server.get("model", "?")))
+    trained = sum(rec.trained is not None for rec in sessions)
+    w(
+        f"{len(sessions)} app sessions in {db} (served model {served}; {trained} trained on by serve --train)\n"
+    )
+    w(f"{'session':<22} {'calls':>5} {'reward':>7} {'trained':<16} first message\n")
+    for rec in sessions[-limit:]:
+        reward = session_rewards[rec.session_id]
+        r = "-" if reward is None else f"{reward:.3f}"
+        head = rec.calls[:1]
+        first = json.dumps(head[0].messages[-1].get("content") if head and head[0].messages else "")
+        w(
+            f"{printable(rec.session_id[:21]):<22} {len(rec.call_json):>5} {r:>7} {_trained(rec):<16} "
+            f"{printable(first[:60])}\n"
+        )
+
+
+def _best(
+    rows: list[tuple[Rollout, float | None, int]],
+    sessions: list[SessionRecord],
+    session_rewards: dict[str, float | None],
+) -> str | None:
+    """The id shown without ``--rollout``: the best-rewarded rollout or session with calls, else the
+    latest session with calls (an app that posts no rewards); None when there is none."""
+    scored = [(reward, r.rollout_id) for r, reward, calls in rows if reward is not None and calls]
+    scored += [(reward, sid) for sid, reward in session_rewards.items() if reward is not None]
+    if not scored:  # an app that posts no rewards: its latest session with calls
+        scored = [(0.0, rec.session_id) for rec in sessions[-1:] if rec.call_json]
+    if not scored:
+        return None
+    return max(scored)[1]
+
+
+def _match(
+    chosen: str,
+    rows: list[tuple[Rollout, float | None, int]],
+    sessions: list[SessionRecord],
+    session_rewards: dict[str, float | None],
+    run_dir: Path,
+) -> str:
+    """The one rollout or session id ``chosen`` names (the id, or a unique start of it)."""
+    rollout_ids = [r.rollout_id for r, _, _ in rows]
+    matches = [i for i in [*rollout_ids, *session_rewards] if i.startswith(chosen)]
+    if chosen in rollout_ids or chosen in session_rewards:
+        matches = [chosen]
+    if not matches:
+        raise InspectError(
+            f"--rollout {chosen!r}: no rollout or session has this id ({len(rows)} rollouts, "
+            f"{len(sessions)} sessions in {run_dir}); the table above lists the ids"
+        )
+    if len(matches) > 1:
+        raise InspectError(
+            f"--rollout {chosen!r} starts {len(matches)} ids "
+            f"({', '.join(printable(m[:16]) for m in matches[:4])}, ...); give more of the id"
+        )
+    (match,) = matches
+    return match
+
+
+def _print_trajectory(
+    w: Callable[[str], Any],
+    title: str,
+    per_call: list[Triplet],
+    triplets: list[Triplet],
+    advantages: list[float | None],
+    tokenizer: Any,
+    color: bool,
+) -> None:
+    """The call tree of ``per_call`` (one triplet a call), then each sample (``triplets``) in colour."""
     w(
         f"\n{BOLD if color else ''}trajectory of {title}{RESET if color else ''} "
         f"({len(triplets)} sample(s); green: model tokens, trained; yellow: masked)\n"
@@ -397,7 +460,6 @@ def _run(args: argparse.Namespace) -> int:
             w(printable(f"sample {number}/{len(triplets)}: {t.metadata.get('branch') or '?'}, calls {ids}\n"))
         shown = ", ".join("-" if advantages[k] is None else f"{advantages[k]:+.3f}" for k in sources)
         w(render(tokenizer, t, color) + f"\n  -> reward {t.reward}; advantage per call: {shown}\n")
-    return 0
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
