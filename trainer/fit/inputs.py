@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,5 +47,7 @@ def quiet_defaults(config: TrainerConfig) -> None:
 
     if getattr(al_logging, "_configured", None) is None:
         al_logging.configure_logging()
-    if config.trainer.ray_address is None:
+    # Ray reads the mode once, when it is imported: set after that, the GCS it starts (which reads it
+    # from the environment) would want a token its own client does not send ("Failed to start GCS")
+    if config.trainer.ray_address is None and "ray" not in sys.modules:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
