@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
-from agentloop.call_tree import call_tree
+from agentloop.call_tree import Node, call_tree
 from agentloop.logging import get_logger
 from agentloop.types import LLMCall, Reward, Rollout, RolloutStatus, Span, Triplet
 
@@ -206,20 +206,11 @@ def spans_to_triplets(
     if rollout is not None and not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must be a Rollout or None, got {type(rollout).__name__}")
     ordered = _ordered(spans)
-    calls: list[tuple[Span, LLMCall]] = []
-    rewards: list[tuple[int, float]] = []
-    for span in ordered:
-        if isinstance(span.payload, LLMCall):
-            calls.append((span, span.payload))
-        elif isinstance(span.payload, Reward):
-            rewards.append((len(calls) - 1, span.payload.value))
+    calls, rewards = _calls_and_rewards(ordered)
     rewards = _owned_by_kept_calls(rewards, [_missing_ids(call) is None for _, call in calls])
     values, early = _assign(len(calls), rewards, strategy, gamma)
     attempt_reward = sum(v for _, v in rewards) if rewards else None
-    own = [0.0] * len(calls)  # each call's own rewards (the spans after it), whatever the strategy
-    for owner, value in rewards:
-        if calls:
-            own[min(max(owner, 0), len(calls) - 1)] += value
+    own = _own_rewards(len(calls), rewards)
     stats = AdapterStats(
         rollouts=1,
         spans=len(ordered),
@@ -252,32 +243,16 @@ def spans_to_triplets(
                 }
             )
             continue
-        meta: dict[str, Any] = {
-            "rollout_id": span.rollout_id,
-            "attempt_id": span.attempt_id,
-            "sequence_id": span.sequence_id,
-            "call_index": index,
-            "num_calls": len(calls),
-            # the oldest and newest weights that sampled a token (they differ across an inflight update)
-            "weights_version": min(call.response_versions)
-            if call.response_versions
-            else call.weights_version,
-            "newest_weights_version": max(call.response_versions)
-            if call.response_versions
-            else call.weights_version,
-            "finish_reason": call.finish_reason,
-            "attempt_reward": attempt_reward,
-            "call_reward": own[index] if rewards else None,
-            "temperature": _temperature(call),
-            "call_id": tree[index].call_id,
-            "parent_call_id": tree[index].parent_call_id,
-            "branch": tree[index].branch,
-        }
-        if call.tool_call_parse_error:  # the trainer counts them (rollout/tool_call_parse_errors)
-            meta["tool_call_parse_error"] = True
-        if rollout is not None:
-            meta["input"] = rollout.input
-            meta["mode"] = rollout.mode
+        meta = _call_metadata(
+            span,
+            call,
+            index,
+            len(calls),
+            attempt_reward,
+            own[index] if rewards else None,
+            tree[index],
+            rollout,
+        )
         triplets.append(
             Triplet(
                 prompt_ids=call.prompt_ids,
@@ -288,6 +263,72 @@ def spans_to_triplets(
             )
         )
     stats.triplets = len(triplets)
+    _warn_incomplete(ordered, stats, has_calls=bool(calls), has_rewards=bool(rewards))
+    return AdapterResult(triplets=triplets, stats=stats)
+
+
+def _calls_and_rewards(ordered: list[Span]) -> tuple[list[tuple[Span, LLMCall]], list[tuple[int, float]]]:
+    """The LLM calls (span, call) in order, and the rewards as (index of the call before it or -1, value)."""
+    calls: list[tuple[Span, LLMCall]] = []
+    rewards: list[tuple[int, float]] = []
+    for span in ordered:
+        if isinstance(span.payload, LLMCall):
+            calls.append((span, span.payload))
+        elif isinstance(span.payload, Reward):
+            rewards.append((len(calls) - 1, span.payload.value))
+    return calls, rewards
+
+
+def _own_rewards(n_calls: int, rewards: list[tuple[int, float]]) -> list[float]:
+    """Each call's own rewards (the Reward spans after it; any before the first call: the first's),
+    whatever the strategy."""
+    own = [0.0] * n_calls
+    for owner, value in rewards:
+        if n_calls:
+            own[min(max(owner, 0), n_calls - 1)] += value
+    return own
+
+
+def _call_metadata(
+    span: Span,
+    call: LLMCall,
+    index: int,
+    num_calls: int,
+    attempt_reward: float | None,
+    call_reward: float | None,
+    node: Node,
+    rollout: Rollout | None,
+) -> dict[str, Any]:
+    """A call's triplet metadata: where it comes from, its weights versions, rewards and place in the tree."""
+    meta: dict[str, Any] = {
+        "rollout_id": span.rollout_id,
+        "attempt_id": span.attempt_id,
+        "sequence_id": span.sequence_id,
+        "call_index": index,
+        "num_calls": num_calls,
+        # the oldest and newest weights that sampled a token (they differ across an inflight update)
+        "weights_version": min(call.response_versions) if call.response_versions else call.weights_version,
+        "newest_weights_version": max(call.response_versions)
+        if call.response_versions
+        else call.weights_version,
+        "finish_reason": call.finish_reason,
+        "attempt_reward": attempt_reward,
+        "call_reward": call_reward,
+        "temperature": _temperature(call),
+        "call_id": node.call_id,
+        "parent_call_id": node.parent_call_id,
+        "branch": node.branch,
+    }
+    if call.tool_call_parse_error:  # the trainer counts them (rollout/tool_call_parse_errors)
+        meta["tool_call_parse_error"] = True
+    if rollout is not None:
+        meta["input"] = rollout.input
+        meta["mode"] = rollout.mode
+    return meta
+
+
+def _warn_incomplete(ordered: list[Span], stats: AdapterStats, *, has_calls: bool, has_rewards: bool) -> None:
+    """Log the attempt's calls that had no token ids, and an attempt with calls but no reward."""
     if stats.calls_without_ids:
         log.warning(
             "llm_calls_without_token_ids",
@@ -296,11 +337,10 @@ def spans_to_triplets(
             count=stats.calls_without_ids,
             reasons=sorted({c["reason"] for c in stats.skipped_calls}),
         )
-    if calls and not rewards:
+    if has_calls and not has_rewards:
         log.warning(
             "attempt_without_reward", rollout_id=ordered[0].rollout_id, attempt_id=ordered[0].attempt_id
         )
-    return AdapterResult(triplets=triplets, stats=stats)
 
 
 async def triplets_for_rollouts(
