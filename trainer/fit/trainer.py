@@ -29,6 +29,8 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -213,8 +215,6 @@ class Trainer:
         engine: Any,
         state: FitState,
     ) -> FitResult:
-        from agentloop.engine.factory import load_engine
-        from agentloop.engine.models import resolve_model
         from agentloop.store.sqlite import SQLiteStore
 
         t_fit = time.perf_counter()
@@ -222,9 +222,130 @@ class Trainer:
         limits = cfg.trainer.timeouts
         plan = state.plan
         run_dir = plan.run_dir
-        model_path = resolve_model(
-            cfg.actor_rollout_ref.model.path
-        )  # before the folder: a bad path leaves none
+        model_path, record = self._open_run_folder(state)
+        device = str(resolve_device(cfg.trainer.device))
+        own_store = store is None
+        store = store or SQLiteStore(run_dir / "store.db")
+        layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
+        if state.handler is not None:  # a ray.init in place() replaced our SIGTERM handler with sys.exit(15)
+            signal.signal(signal.SIGTERM, state.handler)
+        loading, loaded = await _start_loading(
+            cfg, layout, str(model_path), device, load_engine_here=engine is None and layout.engine is None
+        )
+        worker: Any = None  # the TrainerWorker, from loading.wait() where first needed
+        engine = engine or loaded or layout.engine
+        _warn_if_policy_differs(engine, cfg.actor_rollout_ref.rollout.weight_update_policy)
+        ckpt, cursor, total_steps, metrics_log, result = self._step_state(plan, len(train), record)
+        proxy = training_proxy(cfg, engine, store, record_sessions=self._judge is None)
+        # runners dequeue through it: each attempt gets its own proxy key (the proxy's is never stored)
+        keyed = AttemptKeyStore(store, proxy)
+        store_server = await serve_store(cfg, keyed)  # None unless placement.store_server (remote runners)
+        try:
+            await deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
+            self._served = (served_llm(proxy), engine)
+            if plan.checkpoint is not None:
+                worker = await loading.wait()
+            step = await resume(cfg, ckpt, worker, engine, cursor, store, plan, sync=self._sync_weights)
+            resources, val_resources = _rollout_resources(cfg, proxy)
+            await store.add_resources(resources)
+            steps = _StepLoop(
+                cfg=cfg,
+                run_dir=run_dir,
+                store=store,
+                train=train,
+                val=val,
+                cursor=cursor,
+                ckpt=ckpt,
+                metrics_log=metrics_log,
+                resources=resources,
+                val_resources=val_resources,
+                result=result,
+                record=record,
+                state=state,
+                loading=loading,
+                engine=engine,
+                total_steps=total_steps,
+            )
+            result.steps = await self._steps_beside_the_runner(agent, keyed, steps, step)
+            worker = await loading.wait()
+            model_dir, adapter_dir = await save_model(cfg, worker, str(model_path), run_dir)
+            result.model_dir, result.adapter_dir = model_dir, adapter_dir
+        finally:
+            loading.close()
+            metrics_log.close()
+            with anyio.move_on_after(60, shield=True):  # also when a signal cancelled the run
+                await self._stop_services(proxy, store_server, layout, store if own_store else None)
+        self._finish_run(record, result, t_fit, len(train), len(val) if val else None)
+        return result
+
+    def _step_state(
+        self, plan: ck.RunPlan, train_size: int, record: dict[str, Any]
+    ) -> tuple[CheckpointManager, DataCursor, int, MetricsLogger, FitResult]:
+        """The checkpoints, the data cursor, the number of steps (into ``record``), the metric sinks and
+        the result the steps fill; a resumed run's metrics.jsonl cut back to its checkpoint."""
+        cfg = self.config
+        run_dir = plan.run_dir
+        ckpt = CheckpointManager(run_dir / "checkpoints")
+        cursor = DataCursor(train_size, cfg.data.train_batch_size, cfg.trainer.seed)
+        total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * cursor.batches_per_epoch
+        record["total_steps"] = total_steps
+        if plan.action == "resume":
+            _log_resume(plan)
+        metrics_log = MetricsLogger.create(
+            cfg.trainer.logger,
+            run_dir,
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            cfg.model_dump(mode="json"),  # keys (SecretStr) as ********** for W&B
+        )
+        result = FitResult(
+            run_dir=run_dir, steps=0, resumed_from=plan.step if plan.action == "resume" else None
+        )
+        return ckpt, cursor, total_steps, metrics_log, result
+
+    async def _steps_beside_the_runner(
+        self, agent: Agent, keyed: AttemptKeyStore, steps: _StepLoop, step: int
+    ) -> int:
+        """The training steps from ``step``, with the local runner running the agent beside them
+        (``placement.local_runner``; remote runners otherwise); the runner stops after the last step.
+        Returns the step reached."""
+        limits = self.config.trainer.timeouts
+        runner = Runner(agent, keyed, concurrency=self.config.actor_rollout_ref.rollout.concurrency)
+        runner_done = anyio.Event()
+
+        async def run_runner() -> None:
+            try:
+                await runner.run()
+            finally:
+                runner_done.set()
+
+        steps.state.started = True
+        async with anyio.create_task_group() as tg:
+            if self.config.placement.local_runner:
+                tg.start_soon(run_runner)
+            else:
+                runner_done.set()
+            step = await self._train_steps(steps, step)
+            runner.stop()
+            with anyio.move_on_after(limits.runner_s):
+                await runner_done.wait()
+            if not runner_done.is_set():
+                raise TrainerTimeoutError(
+                    f"gave up waiting {limits.runner_s:g} s for the local runner to stop (an agent that "
+                    "ignores cancellation?); raise trainer.timeouts.runner_s if it is only slow"
+                )
+        return step
+
+    def _open_run_folder(self, state: FitState) -> tuple[Any, dict[str, Any]]:
+        """The model resolved (before the folder: a bad path leaves none), then the run folder made
+        private with its config.json, this run's judge and its record (run.json); returns the model's
+        path and the record."""
+        from agentloop.engine.models import resolve_model
+
+        cfg = self.config
+        plan = state.plan
+        run_dir = plan.run_dir
+        model_path = resolve_model(cfg.actor_rollout_ref.model.path)
         private_dir(run_dir)  # 0700: the tasks, every rollout, the checkpoints (agentloop.private_files)
         write_private_text(run_dir / "config.json", cfg.model_dump_json(indent=2))
         self._judge = self._reward.for_run(run_dir / "judge.jsonl") if self._reward is not None else None
@@ -241,232 +362,111 @@ class Trainer:
         if continued:
             record["continued"] = continued
         ck.write_run(run_dir, record)
-        device = str(resolve_device(cfg.trainer.device))
-        own_store = store is None
-        store = store or SQLiteStore(run_dir / "store.db")
-        layout = place(cfg, str(model_path), device, engine_given=engine is not None)  # ranks, replicas
-        if state.handler is not None:  # a ray.init in place() replaced our SIGTERM handler with sys.exit(15)
-            signal.signal(signal.SIGTERM, state.handler)
-        what = f"the trainer worker to load {model_path}"
+        return model_path, record
 
-        def load_worker() -> WorkerLoading:
-            """The worker loads while rollouts start: awaited before its first call (trainer/fit/worker_loading.py).
-            Unscaled, Ray and the worker start on the Ray thread, leaving this loop free."""
-            if layout.worker is not None:
-                return WorkerLoading(layout.worker, limits.engine_s, what)
-            start = functools.partial(_start_worker, cfg, str(model_path), device)
-            return WorkerLoading.starting(start, limits.engine_s, what)
-
-        loading: WorkerLoading | None = None
-        loaded: dict[str, Any] = {}
-        try:
-            async with anyio.create_task_group() as tg:
-                if engine is None and layout.engine is None:
-                    kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
-
-                    async def load() -> None:
-                        loaded["engine"] = await deadline(
-                            anyio.to_thread.run_sync(
-                                lambda: load_engine(str(model_path), device=device, **kwargs),
-                                abandon_on_cancel=True,
-                            ),
-                            limits.engine_s,
-                            f"the inference engine to load {model_path}",
-                            "engine_s",
-                        )
-
-                    tg.start_soon(load)
-                # On a GPU, Ray starts and the worker loads its model in its own process while the engine
-                # loads here. On a CPU both start once the engine is up: Ray's processes (~7 CPU-s) would
-                # slow the engine's load on 2 cores, and the first rollouts need only the engine
-                if device != "cpu":
-                    loading = load_worker()
-            loading = loading or load_worker()
-        except BaseException:
-            if loading is not None:
-                loading.close()
-            raise
-        worker: Any = None  # the TrainerWorker, from loading.wait() where first needed
-        engine = engine or loaded.get("engine") or layout.engine
-        _warn_if_policy_differs(engine, cfg.actor_rollout_ref.rollout.weight_update_policy)
-        ckpt = CheckpointManager(run_dir / "checkpoints")
-        cursor = DataCursor(len(train), cfg.data.train_batch_size, cfg.trainer.seed)
-        total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * cursor.batches_per_epoch
-        record["total_steps"] = total_steps
-        if plan.action == "resume":
-            dropped = ck.keep_metrics_until(run_dir / "metrics.jsonl", plan.step)
-            log.warning(
-                "resuming",
-                step=plan.step,
-                checkpoint=str(plan.checkpoint[0]) if plan.checkpoint else None,
-                metrics_lines_dropped=dropped,
-            )
-        metrics_log = MetricsLogger.create(
-            cfg.trainer.logger,
-            run_dir,
-            cfg.trainer.project_name,
-            cfg.trainer.experiment_name,
-            cfg.model_dump(mode="json"),  # keys (SecretStr) as ********** for W&B
+    async def _train_steps(self, run: _StepLoop, step: int) -> int:
+        """The training steps from ``step`` to the last (validation and checkpoints on their steps);
+        returns the step reached. Rollouts enqueued past it are cancelled."""
+        cfg, store = run.cfg, run.store
+        rollout_cfg = cfg.actor_rollout_ref.rollout
+        validate = functools.partial(
+            run_validation,
+            store,
+            run.val or [],
+            run.metrics_log,
+            run.resources,
+            run.val_resources,
+            config=cfg,
+            judge=self._judge_rollouts,
         )
-        result = FitResult(
-            run_dir=run_dir, steps=0, resumed_from=plan.step if plan.action == "resume" else None
-        )
-        proxy = training_proxy(cfg, engine, store, record_sessions=self._judge is None)
-        # runners dequeue through it: each attempt gets its own proxy key (the proxy's is never stored)
-        keyed = AttemptKeyStore(store, proxy)
-        store_server = await serve_store(cfg, keyed)  # None unless placement.store_server (remote runners)
-        try:
-            await deadline(proxy.start(), limits.engine_s, "the proxy to start", "engine_s")
-            self._served = (served_llm(proxy), engine)
-            if plan.checkpoint is not None:
-                worker = await loading.wait()
-            step = await resume(cfg, ckpt, worker, engine, cursor, store, plan, sync=self._sync_weights)
-            rollout_cfg = cfg.actor_rollout_ref.rollout
-            sampling = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p}
-            sampling["max_tokens"] = cfg.data.max_response_length
-            resources = Resources(
-                items={LLM_RESOURCE: _per_attempt(proxy.as_resource("agentloop", sampling))}
+        if run.val and cfg.trainer.val_before_train and step == 0:
+            run.result.val_history.append(await validate(step))
+        pending: deque[Pending] = deque()
+        signal_watch = SignalWatch(cfg.trainer.max_steps_without_signal, run.run_dir)
+        progress = _progress(run.total_steps, step)
+        started = time.perf_counter()
+        run.state.step = step
+        while step < run.total_steps:
+            while len(pending) <= rollout_cfg.max_staleness and (step + len(pending) < run.total_steps):
+                pending.append(await enqueue_batch(cfg, store, run.train, run.cursor, step + len(pending)))
+            batch_info = pending.popleft()
+            worker = await run.loading.wait()
+            metrics = await train_step(
+                store,
+                worker,
+                run.engine,
+                run.resources,
+                batch_info,
+                cfg,
+                judge=self._judge_rollouts,
+                sync=self._sync_weights,
             )
-            val_sampling = {**rollout_cfg.val_kwargs.sampling(), "max_tokens": cfg.data.max_response_length}
-            val_resources = Resources(
-                items={
-                    LLM_RESOURCE: _per_attempt(
-                        proxy.as_resource("agentloop", val_sampling, enforce_sampling=True)
-                    )
-                }
-            )
-            await store.add_resources(resources)
-            runner = Runner(agent, keyed, concurrency=rollout_cfg.concurrency)
-            runner_done = anyio.Event()
-
-            async def run_runner() -> None:
-                try:
-                    await runner.run()
-                finally:
-                    runner_done.set()
-
-            state.started = True
-            async with anyio.create_task_group() as tg:
-                if cfg.placement.local_runner:
-                    tg.start_soon(run_runner)
-                else:
-                    runner_done.set()
-                validate = functools.partial(
-                    run_validation,
-                    store,
-                    val or [],
-                    metrics_log,
-                    resources,
-                    val_resources,
-                    config=cfg,
-                    judge=self._judge_rollouts,
+            if not signal_watch.observe(metrics, batch_info.rollout_ids):  # trained nothing
+                await _step_without_signal(
+                    signal_watch, progress, store, step, cfg.trainer.max_steps_without_signal
                 )
-                if val and cfg.trainer.val_before_train and step == 0:
-                    result.val_history.append(await validate(step))
-                pending: deque[Pending] = deque()
-                max_no_signal = cfg.trainer.max_steps_without_signal
-                signal_watch = SignalWatch(max_no_signal, run_dir)
-                progress = _progress(total_steps, step)
-                started = time.perf_counter()
-                state.step = step
-                while step < total_steps:
-                    while len(pending) <= rollout_cfg.max_staleness and (step + len(pending) < total_steps):
-                        pending.append(await enqueue_batch(cfg, store, train, cursor, step + len(pending)))
-                    batch_info = pending.popleft()
-                    worker = await loading.wait()
-                    metrics = await train_step(
-                        store,
-                        worker,
-                        engine,
-                        resources,
-                        batch_info,
-                        cfg,
-                        judge=self._judge_rollouts,
-                        sync=self._sync_weights,
-                    )
-                    if not signal_watch.observe(metrics, batch_info.rollout_ids):  # trained nothing
-                        log.warning("trainer.step_without_signal", step=step + 1, **signal_watch.summary())
-                        progress.set_postfix(
-                            reward="nan", no_signal=f"{signal_watch.in_a_row}/{max_no_signal}"
-                        )
-                        if signal_watch.exhausted:
-                            progress.close()
-                            ids = signal_watch.rollout_ids
-                            failed = signal_watch.counts["rollout/failed"]
-                            raise signal_watch.error(await failure_summary(store, ids) if failed else "")
-                        continue  # not a training step: the next batch is drawn for the same step
-                    step += 1
-                    state.step = step
-                    metrics["step"] = step
-                    metrics["timing/elapsed_s"] = time.perf_counter() - started  # since this fit's loop began
-                    last = step == total_steps
-                    if val and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
-                        if last:  # async mode: batches for steps that will not run
-                            for p in pending:
-                                for rid in p.rollout_ids:
-                                    await cancel_quietly(store, rid)
-                            pending.clear()
-                        for p in pending:  # in flight on the training weights: let them finish first
-                            await wait_all(store, p.rollout_ids, limits.rollouts_s, f"step {p.step + 1}")
-                        val_metrics = await validate(step)
-                        result.val_history.append(val_metrics)
-                        metrics.update(val_metrics)
-                    metrics_log.log(step, metrics)
-                    result.history.append(metrics)
-                    progress.update(1)
-                    progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-                    every = cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0
-                    if every or (last and (cfg.trainer.save_freq > 0 or cfg.trainer.save_last)):
-                        # async mode has batches enqueued but not trained: resume re-draws them
-                        data_state = pending[0].cursor_before if pending else cursor.state()
-                        await save_checkpoint(cfg, ckpt, worker, step, data_state)
-                        record["step"] = step
-                        ck.write_run(run_dir, record)
-                progress.close()
-                for p in pending:  # async mode may have enqueued beyond the last step
-                    for rid in p.rollout_ids:
-                        await cancel_quietly(store, rid)
-                runner.stop()
-                with anyio.move_on_after(limits.runner_s):
-                    await runner_done.wait()
-                if not runner_done.is_set():
-                    raise TrainerTimeoutError(
-                        f"gave up waiting {limits.runner_s:g} s for the local runner to stop (an agent that "
-                        "ignores cancellation?); raise trainer.timeouts.runner_s if it is only slow"
-                    )
-            result.steps = step
-            worker = await loading.wait()
-            model_dir, adapter_dir = await save_model(cfg, worker, str(model_path), run_dir)
-            result.model_dir, result.adapter_dir = model_dir, adapter_dir
-        finally:
-            loading.close()
-            metrics_log.close()
-            with anyio.move_on_after(60, shield=True):  # also when a signal cancelled the run
-                await proxy.stop()
-                if store_server is not None:
-                    await store_server.stop()
-                if self._weight_sync is not None:
-                    await self._weight_sync.close()
-                    self._weight_sync = None
-                self._local_sync = None
-                await layout.aclose()
-                if own_store:
-                    await store.close()
-        if (
-            run_dir / "metrics.jsonl"
-        ).exists():  # report.md, curves.png, summary.json (trainer/run_folder/report.py)
-            _write_report(run_dir, cfg, time.perf_counter() - t_fit, len(train), len(val) if val else None)
+                continue  # not a training step: the next batch is drawn for the same step
+            step += 1
+            run.state.step = step
+            metrics["step"] = step
+            metrics["timing/elapsed_s"] = time.perf_counter() - started  # since this fit's loop began
+            last = step == run.total_steps
+            if run.val and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+                await _settle_before_validation(store, pending, last, cfg.trainer.timeouts.rollouts_s)
+                val_metrics = await validate(step)
+                run.result.val_history.append(val_metrics)
+                metrics.update(val_metrics)
+            run.metrics_log.log(step, metrics)
+            run.result.history.append(metrics)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+            every = cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0
+            if every or (last and (cfg.trainer.save_freq > 0 or cfg.trainer.save_last)):
+                # async mode has batches enqueued but not trained: resume re-draws them
+                data_state = pending[0].cursor_before if pending else run.cursor.state()
+                await save_checkpoint(cfg, run.ckpt, worker, step, data_state)
+                run.record["step"] = step
+                ck.write_run(run.run_dir, run.record)
+        progress.close()
+        for p in pending:  # async mode may have enqueued beyond the last step
+            for rid in p.rollout_ids:
+                await cancel_quietly(store, rid)
+        return step
+
+    async def _stop_services(
+        self, proxy: Any, store_server: Any, layout: Any, own_store: Store | None
+    ) -> None:
+        """Stop what the run started, in order: the proxy, the store server, weight sync, the placed
+        engines and workers, and the store the run opened (``own_store``; None when it was given)."""
+        await proxy.stop()
+        if store_server is not None:
+            await store_server.stop()
+        if self._weight_sync is not None:
+            await self._weight_sync.close()
+            self._weight_sync = None
+        self._local_sync = None
+        await layout.aclose()
+        if own_store is not None:
+            await own_store.close()
+
+    def _finish_run(
+        self, record: dict[str, Any], result: FitResult, t_fit: float, train_size: int, val_size: int | None
+    ) -> None:
+        """The report, the final metrics and the finished run record (run.json)."""
+        run_dir = result.run_dir
+        # report.md, curves.png, summary.json (trainer/run_folder/report.py)
+        if (run_dir / "metrics.jsonl").exists():
+            _write_report(run_dir, self.config, time.perf_counter() - t_fit, train_size, val_size)
         result.metrics = final_metrics(result.history, result.val_history)
         record.update(
             status="finished",
             step=result.steps,
             model_dir=ck.FINAL_MODEL,
-            adapter_dir=ck.FINAL_ADAPTER if adapter_dir is not None else None,
+            adapter_dir=ck.FINAL_ADAPTER if result.adapter_dir is not None else None,
             metrics=result.metrics,
         )
         ck.write_run(run_dir, record)
-        log.info("run finished", run_dir=str(run_dir), steps=result.steps, model_dir=str(model_dir))
-        return result
+        log.info("run finished", run_dir=str(run_dir), steps=result.steps, model_dir=str(result.model_dir))
 
     async def _judge_rollouts(self, store: Store, rollout_ids: list[str]) -> dict[str, float]:
         """fit(reward=judge): the judge scores each task's succeeded attempts and the scores become Reward
@@ -493,6 +493,133 @@ class Trainer:
             report = await self._local_sync.sync()
             return report.version, report.metrics()
         return int(await engine.update_weights(await worker.named_weights.remote())), {}
+
+
+@dataclass
+class _StepLoop:
+    """What the training steps of one run work with (``Trainer._train_steps``)."""
+
+    cfg: TrainerConfig
+    run_dir: Path
+    store: Store
+    train: list[Any]
+    val: list[Any] | None
+    cursor: DataCursor
+    ckpt: CheckpointManager
+    metrics_log: MetricsLogger
+    resources: Resources  # what training rollouts get: the proxy with the training sampling
+    val_resources: Resources  # what validation rollouts get: the validation sampling, enforced
+    result: FitResult
+    record: dict[str, Any]  # run.json, rewritten at each checkpoint
+    state: FitState
+    loading: WorkerLoading
+    engine: Any
+    total_steps: int
+
+
+async def _start_loading(
+    cfg: TrainerConfig, layout: Any, model_path: str, device: str, *, load_engine_here: bool
+) -> tuple[WorkerLoading, Any]:
+    """The inference engine loaded in this process (when ``load_engine_here``) while the trainer worker
+    starts loading; returns the worker's loading and the engine loaded here (None when none was)."""
+    from agentloop.engine.factory import load_engine
+
+    limits = cfg.trainer.timeouts
+    what = f"the trainer worker to load {model_path}"
+
+    def load_worker() -> WorkerLoading:
+        """The worker loads while rollouts start: awaited before its first call (trainer/fit/worker_loading.py).
+        Unscaled, Ray and the worker start on the Ray thread, leaving this loop free."""
+        if layout.worker is not None:
+            return WorkerLoading(layout.worker, limits.engine_s, what)
+        start = functools.partial(_start_worker, cfg, model_path, device)
+        return WorkerLoading.starting(start, limits.engine_s, what)
+
+    loading: WorkerLoading | None = None
+    loaded: dict[str, Any] = {}
+    try:
+        async with anyio.create_task_group() as tg:
+            if load_engine_here:
+                kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
+
+                async def load() -> None:
+                    loaded["engine"] = await deadline(
+                        anyio.to_thread.run_sync(
+                            lambda: load_engine(model_path, device=device, **kwargs),
+                            abandon_on_cancel=True,
+                        ),
+                        limits.engine_s,
+                        f"the inference engine to load {model_path}",
+                        "engine_s",
+                    )
+
+                tg.start_soon(load)
+            # On a GPU, Ray starts and the worker loads its model in its own process while the engine
+            # loads here. On a CPU both start once the engine is up: Ray's processes (~7 CPU-s) would
+            # slow the engine's load on 2 cores, and the first rollouts need only the engine
+            if device != "cpu":
+                loading = load_worker()
+        loading = loading or load_worker()
+    except BaseException:
+        if loading is not None:
+            loading.close()
+        raise
+    return loading, loaded.get("engine")
+
+
+def _log_resume(plan: ck.RunPlan) -> None:
+    """A resumed run: metrics.jsonl cut back to the checkpoint's step, and one warning that says so."""
+    dropped = ck.keep_metrics_until(plan.run_dir / "metrics.jsonl", plan.step)
+    log.warning(
+        "resuming",
+        step=plan.step,
+        checkpoint=str(plan.checkpoint[0]) if plan.checkpoint else None,
+        metrics_lines_dropped=dropped,
+    )
+
+
+def _rollout_resources(cfg: TrainerConfig, proxy: Any) -> tuple[Resources, Resources]:
+    """The resources training rollouts and validation rollouts get: the proxy as an LLM with each's
+    sampling (validation's enforced), no proxy key (each attempt gets its own)."""
+    rollout_cfg = cfg.actor_rollout_ref.rollout
+    sampling = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p}
+    sampling["max_tokens"] = cfg.data.max_response_length
+    resources = Resources(items={LLM_RESOURCE: _per_attempt(proxy.as_resource("agentloop", sampling))})
+    val_sampling = {**rollout_cfg.val_kwargs.sampling(), "max_tokens": cfg.data.max_response_length}
+    val_resources = Resources(
+        items={
+            LLM_RESOURCE: _per_attempt(proxy.as_resource("agentloop", val_sampling, enforce_sampling=True))
+        }
+    )
+    return resources, val_resources
+
+
+async def _step_without_signal(
+    signal_watch: SignalWatch, progress: Any, store: Store, step: int, max_no_signal: int
+) -> None:
+    """A batch that trained nothing: logged and shown; the fit stops (SignalWatch's error, with why the
+    rollouts failed) once ``trainer.max_steps_without_signal`` came in a row."""
+    log.warning("trainer.step_without_signal", step=step + 1, **signal_watch.summary())
+    progress.set_postfix(reward="nan", no_signal=f"{signal_watch.in_a_row}/{max_no_signal}")
+    if signal_watch.exhausted:
+        progress.close()
+        ids = signal_watch.rollout_ids
+        failed = signal_watch.counts["rollout/failed"]
+        raise signal_watch.error(await failure_summary(store, ids) if failed else "")
+
+
+async def _settle_before_validation(
+    store: Store, pending: deque[Pending], last: bool, rollouts_s: float
+) -> None:
+    """Before a validation: after the last step the batches enqueued for steps that will not run are
+    cancelled (async mode); the others, in flight on the training weights, finish first."""
+    if last:  # async mode: batches for steps that will not run
+        for p in pending:
+            for rid in p.rollout_ids:
+                await cancel_quietly(store, rid)
+        pending.clear()
+    for p in pending:  # in flight on the training weights: let them finish first
+        await wait_all(store, p.rollout_ids, rollouts_s, f"step {p.step + 1}")
 
 
 def _warn_if_policy_differs(engine: Any, configured: str) -> None:
