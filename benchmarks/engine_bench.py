@@ -53,7 +53,7 @@ import torch
 from agentloop.device import pick_device
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.models import resolve_model
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.event_loop import loop_name
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))

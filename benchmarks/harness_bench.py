@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from benchmarks import result_file
 
 TINY_POSITIONS = 32768

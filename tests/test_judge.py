@@ -282,7 +282,7 @@ async def test_a_judge_without_llm_says_where_one_comes_from() -> None:
 
 async def test_the_served_tiny_model_answers_no_json_and_the_error_says_so(tiny_model_dir: Path) -> None:
     """The real proxy and engine (a random tiny model): its answers are never the JSON asked for."""
-    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.engine.torch.engine import TorchEngine
     from agentloop.proxy import Proxy
 
     engine = TorchEngine(tiny_model_dir, max_context=2048, max_batch_size=2)

@@ -8,7 +8,7 @@ from typing import Any
 from agentloop.engine.base import InferenceEngine, SamplingParams, TokenOutput
 from agentloop.engine.factory import load_engine
 from agentloop.engine.models import resolve_model
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 
 __all__ = [
     "InferenceEngine",

@@ -28,7 +28,7 @@ def load_engine(
     if backend == "torch":
         import torch
 
-        from agentloop.engine.torch_engine import TorchEngine
+        from agentloop.engine.torch.engine import TorchEngine
 
         dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
         return TorchEngine(path, device=dev, dtype=dtype, **engine_kwargs)

@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agentloop.engine import _fused_sampling
-from agentloop.engine._sampling import sample
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch import _fused_sampling
+from agentloop.engine.torch._sampling import sample
+from agentloop.engine.torch.engine import TorchEngine
 from benchmarks import result_file
 from benchmarks.gpu.random_model import RANDOM_CONFIGS, build_random_model
 

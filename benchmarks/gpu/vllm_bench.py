@@ -158,7 +158,7 @@ async def bench_torch_vs_vllm(path: Path, args: Any) -> dict[str, Any]:
     import torch
 
     from agentloop.engine.base import SamplingParams
-    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.engine.torch.engine import TorchEngine
 
     n, m, vocab = args.prompts, args.new_tokens, VOCAB
     raw = _raw_engine(path, 0.4)

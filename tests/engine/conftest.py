@@ -44,7 +44,7 @@ def make_engine(kind: str, model_dir: Path, **kwargs: Any) -> Any:
     if kind == "torch":
         import torch
 
-        from agentloop.engine.torch_engine import TorchEngine
+        from agentloop.engine.torch.engine import TorchEngine
 
         # AGENTLOOP_TEST_DEVICE=cuda runs the torch leg on the GPU (fp32, to match the fp32 references)
         device = os.environ.get("AGENTLOOP_TEST_DEVICE", "cpu")

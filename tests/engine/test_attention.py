@@ -1,4 +1,4 @@
-"""grouped_sdpa (agentloop/engine/_attention.py) equals SDPA over repeated KV heads."""
+"""grouped_sdpa (agentloop/engine/torch/_attention.py) equals SDPA over repeated KV heads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentloop.engine._attention import avoid_cudnn_attention, cudnn_attention, grouped_sdpa, use_grouped_sdpa
+from agentloop.engine.torch._attention import (
+    avoid_cudnn_attention,
+    cudnn_attention,
+    grouped_sdpa,
+    use_grouped_sdpa,
+)
 
 
 @pytest.mark.parametrize("q", [1, 5])
@@ -82,7 +87,7 @@ def test_chunk_attention_on_cuda_equals_the_masked_attention(cached: int) -> Non
     """A prefill chunk of 200 new tokens after ``cached`` ones, 14 query heads on 2 KV heads, bf16: the two
     flash passes merged by log-sum-exp against SDPA with the dense mask, both from the same bf16 inputs.
     bf16 keeps 8 bits: outputs of size ~1 agree to a few bf16 ulps (2^-8 each), the merge adds one more."""
-    from agentloop.engine._attention import _sdpa, chunk_attention
+    from agentloop.engine.torch._attention import _sdpa, chunk_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q_len, k_len = 200, cached + 200

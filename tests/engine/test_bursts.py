@@ -16,7 +16,7 @@ import pytest
 
 from agentloop.engine.base import SamplingParams, TokenOutput
 from agentloop.engine.replicas import EngineReplica
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.errors import ContextLengthExceededError
 from tests.engine.conftest import make_engine
 

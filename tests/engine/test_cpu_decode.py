@@ -1,4 +1,4 @@
-"""The hand-written CPU decode step (agentloop/engine/_cpu_decode.py) reproduces transformers' forward."""
+"""The hand-written CPU decode step (agentloop/engine/torch/_cpu_decode.py) reproduces transformers' forward."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from agentloop.engine._cpu_decode import CpuDecoder, PackedLinear, supports
-from agentloop.engine._decode import ModelRunner
-from agentloop.engine._kv import SlotKVCache
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.models import cache_argument
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch._cpu_decode import CpuDecoder, PackedLinear, supports
+from agentloop.engine.torch._decode import ModelRunner
+from agentloop.engine.torch._kv import SlotKVCache
+from agentloop.engine.torch.engine import TorchEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

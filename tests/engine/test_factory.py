@@ -9,7 +9,7 @@ import pytest
 
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.factory import load_engine
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.errors import EngineError
 
 

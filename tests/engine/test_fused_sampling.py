@@ -1,4 +1,4 @@
-"""The one-kernel greedy / plain sampler (engine/_fused_sampling.py) against ``sample()``.
+"""The one-kernel greedy / plain sampler (engine/torch/_fused_sampling.py) against ``sample()``.
 
 The kernel needs Triton and a CUDA device: those tests run on the GPU machine and are skipped
 elsewhere with a visible reason; the argument checks and the CPU fallback run everywhere.
@@ -13,10 +13,10 @@ import anyio
 import pytest
 import torch
 
-from agentloop.engine import _fused_sampling
-from agentloop.engine._decode import ModelRunner
-from agentloop.engine._sampling import row_key, sample
 from agentloop.engine.base import SamplingParams
+from agentloop.engine.torch import _fused_sampling
+from agentloop.engine.torch._decode import ModelRunner
+from agentloop.engine.torch._sampling import row_key, sample
 from tests.engine.conftest import make_engine
 
 CUDA = torch.device("cuda")

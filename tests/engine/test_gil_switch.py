@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentloop.engine._thread_settings import GIL_SWITCH_INTERVAL_S, shorten_gil_switch_interval
+from agentloop.engine.torch._thread_settings import GIL_SWITCH_INTERVAL_S, shorten_gil_switch_interval
 
 
 @pytest.fixture

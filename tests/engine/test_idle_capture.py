@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentloop.engine._decode import ModelRunner, _batch_buckets, _pow2_at_least
-from agentloop.engine._engine_thread import IDLE_CAPTURE_AFTER_S
-from agentloop.engine._kv import SlotKVCache
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.models import cache_argument
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch._decode import ModelRunner, _batch_buckets, _pow2_at_least
+from agentloop.engine.torch._engine_thread import IDLE_CAPTURE_AFTER_S
+from agentloop.engine.torch._kv import SlotKVCache
+from agentloop.engine.torch.engine import TorchEngine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentloop.engine import _attention
-from agentloop.engine._attention import chunk_attention
-from agentloop.engine._kv import PrefixCache, SlotKVCache
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.models import context_limit
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch import _attention
+from agentloop.engine.torch._attention import chunk_attention
+from agentloop.engine.torch._kv import PrefixCache, SlotKVCache
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.errors import ContextLengthExceededError
 from tests.engine.conftest import EPS32, policy_logprobs
 
@@ -267,7 +267,7 @@ async def test_a_long_prompt_is_prefilled_between_the_running_requests_decode_st
 def test_grouped_attention_without_a_mask_is_causal(q: int) -> None:
     """The model's own forward with no mask (a reference pass outside the engine): causal over the
     positions, for every query head of a KV head (folding them into the length would not be)."""
-    from agentloop.engine._attention import grouped_sdpa
+    from agentloop.engine.torch._attention import grouped_sdpa
 
     g = torch.Generator().manual_seed(q)
     query = torch.randn(1, 4, q, 16, generator=g)

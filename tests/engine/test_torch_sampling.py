@@ -1,4 +1,4 @@
-"""TorchEngine's batched sampling (agentloop.engine._sampling) and its static-shape decode path.
+"""TorchEngine's batched sampling (agentloop.engine.torch._sampling) and its static-shape decode path.
 
 The CUDA-graph path cannot run here; what it relies on can: bucketed batch shapes whose padding
 rows write into other slots' future positions, and top-k / top-p by radix select (no host sync).
@@ -14,8 +14,8 @@ import anyio
 import pytest
 import torch
 
-from agentloop.engine._sampling import _threshold_radix, _threshold_sorted, row_key, sample
 from agentloop.engine.base import SamplingParams
+from agentloop.engine.torch._sampling import _threshold_radix, _threshold_sorted, row_key, sample
 from tests.engine.conftest import make_engine
 
 V = 3000

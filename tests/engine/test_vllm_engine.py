@@ -49,7 +49,7 @@ async def test_reference_logprobs_match_the_torch_engine(
     agrees with an engine's logprobs (the sampling policy's, base.py) to fp32 rounding on CPU."""
     from transformers import AutoModelForCausalLM
 
-    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.engine.torch.engine import TorchEngine
     from agentloop.engine.vllm_engine import logprob_gap, reference_logprobs
 
     eng = TorchEngine(tiny_model_dir, device="cpu")

@@ -11,9 +11,9 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from agentloop.engine._engine_thread import Request
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch._engine_thread import Request
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.errors import EngineError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 
 
 async def test_an_answer_queued_on_a_busy_loop_is_not_lost(tiny_model_dir: Path) -> None:

@@ -103,7 +103,7 @@ async def test_one_attempt_through_claude_code_with_the_tiny_model(tiny_model_di
     """The agent as training runs it: Claude Code on the attempt's proxy, the tiny random model behind
     it. Its calls are recorded with exact ids, every one with the example session's turns before the
     task, and the attempt ends with the test's verdict as its reward (0: a random model fixes nothing)."""
-    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.engine.torch.engine import TorchEngine
 
     task = make_tasks()[1][0]
     engine, store = TorchEngine(str(tiny_model_dir), device="cpu"), MemoryStore()

@@ -125,7 +125,7 @@ def long_model(tiny_model_dir: Path) -> tuple[Any, Any]:
 
 @pytest.fixture
 async def engine(long_model: tuple[Any, Any]) -> AsyncIterator[Recording]:
-    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.engine.torch.engine import TorchEngine
 
     torch_engine = TorchEngine(*long_model, device="cpu", max_context=CONTEXT, max_batch_size=4)
     await torch_engine.start()

@@ -59,7 +59,7 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
     task = train_tasks(agent.env, limit=1)[0]
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     if cfg["engine"] == "torch":
-        from agentloop.engine.torch_engine import TorchEngine
+        from agentloop.engine.torch.engine import TorchEngine
 
         engine: Any = TorchEngine(cfg["model"], max_context=2048, max_batch_size=2)
     else:

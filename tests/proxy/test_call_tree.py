@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from agentloop.adapter import merge_turns, spans_to_triplets
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.proxy.chat import ChatTemplate
 from agentloop.proxy.ledger import TokenLedger
 from agentloop.store.memory import MemoryStore

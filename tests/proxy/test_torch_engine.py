@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.store.memory import MemoryStore
 from agentloop.types import LLMCall
 from tests.proxy.conftest import attempt_url, new_attempt, running_proxy

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.proxy.server import Proxy
 from agentloop.proxy.workers import ProxyWorkers
 from agentloop.store.memory import MemoryStore

@@ -307,7 +307,7 @@ def test_agent_rollouts_have_a_deadline_that_every_rollout_gets() -> None:
 
 
 async def test_rollout_proxy_workers_reach_the_fits_proxy(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from agentloop.engine.torch_engine import TorchEngine
+    from agentloop.engine.torch.engine import TorchEngine
     from agentloop.proxy.workers import ProxyWorkers
     from agentloop.store.memory import MemoryStore
     from agentloop.store.sqlite import SQLiteStore

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.types import Triplet
 from tests.trainer.samples import actor_config, small_batch, small_triplets
 from trainer.algorithms import entropy_from_logits, logprobs_from_logits

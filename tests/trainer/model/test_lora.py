@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agentloop.engine.base import SamplingParams
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.errors import ConfigError
 from agentloop.types import Triplet
 from tests.trainer.samples import small_batch

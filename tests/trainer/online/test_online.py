@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from agentloop.adapter import spans_to_triplets
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.errors import ConfigError
 from agentloop.proxy.admin import add_admin_routes
 from agentloop.proxy.server import Proxy

@@ -16,7 +16,7 @@ import anyio
 import httpx
 import pytest
 
-from agentloop.engine.torch_engine import TorchEngine
+from agentloop.engine.torch.engine import TorchEngine
 from agentloop.proxy.server import Proxy
 from agentloop.proxy.sessions import read_saved_sessions
 from agentloop.store.sqlite import SQLiteStore

@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 import torch
 
-log = structlog.get_logger("agentloop.engine.torch_engine")
+log = structlog.get_logger("agentloop.engine.torch.engine")
 
 GIL_SWITCH_INTERVAL_S = 0.0002  # see shorten_gil_switch_interval
 

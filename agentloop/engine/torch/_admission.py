@@ -17,11 +17,11 @@ import time
 import structlog
 import torch
 
-from agentloop.engine._decode import ModelRunner
-from agentloop.engine._kv import PrefixCache, SlotKVCache, capacity_for, rows_for
-from agentloop.engine._request import Request
+from agentloop.engine.torch._decode import ModelRunner
+from agentloop.engine.torch._kv import PrefixCache, SlotKVCache, capacity_for, rows_for
+from agentloop.engine.torch._request import Request
 
-log = structlog.get_logger("agentloop.engine.torch_engine")
+log = structlog.get_logger("agentloop.engine.torch.engine")
 
 
 class KVAdmission:

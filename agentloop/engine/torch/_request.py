@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentloop.engine._kv import SlotKVCache
 from agentloop.engine.base import SamplingParams, TokenOutput
+from agentloop.engine.torch._kv import SlotKVCache
 
 
 @dataclass(eq=False)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from agentloop.engine._sampling import _GOLDEN, _MIN_TEMPERATURE, _MIX1, _MIX2
+from agentloop.engine.torch._sampling import _GOLDEN, _MIN_TEMPERATURE, _MIX1, _MIX2
 
 try:  # Triton ships with CUDA builds of torch; absent on CPU-only installs
     import triton

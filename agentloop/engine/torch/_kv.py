@@ -10,7 +10,7 @@ Memory follows use, not the limits: the cache holds ``rows x capacity`` position
 two at least the running requests (at most ``max_batch``), capacity grown by doubling as the longest
 running request needs it. One position costs ``bytes_per_token = 2 (K, V) x n_layers x n_kv_heads x
 head_dim x dtype size`` (SmolLM2-135M fp32: 46 KB, so its full 8192-token context is 377 MB per
-sequence and 12 GB for 32 of them; the engine bounds the whole with a budget, torch_engine.py).
+sequence and 12 GB for 32 of them; the engine bounds the whole with a budget, engine.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine thread's side of TorchEngine: its loop, scheduling, prefill, decode steps and answers.
 
-``EngineThread`` holds the methods the dedicated thread runs (torch_engine.py's docstring describes
+``EngineThread`` holds the methods the dedicated thread runs (engine.py's docstring describes
 one step; what it admits within the KV budget, and the long prompt it prefills a chunk per step, are
 ``_admission.KVAdmission``'s); ``TorchEngine`` inherits them and owns the state they work on, set up in its
 ``__init__``. The asyncio side only puts commands into ``_inbox`` and awaits each request's future,
@@ -19,15 +19,15 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from agentloop.engine._admission import KVAdmission
-from agentloop.engine._decode import DecodeRow, ModelRunner
-from agentloop.engine._kv import PrefixCache, SlotKVCache
-from agentloop.engine._request import Request
-from agentloop.engine._sampling import row_key, sample, sample_mode
 from agentloop.engine.base import TokenOutput, WeightUpdatePolicy
+from agentloop.engine.torch._admission import KVAdmission
+from agentloop.engine.torch._decode import DecodeRow, ModelRunner
+from agentloop.engine.torch._kv import PrefixCache, SlotKVCache
+from agentloop.engine.torch._request import Request
+from agentloop.engine.torch._sampling import row_key, sample, sample_mode
 from agentloop.errors import EngineError
 
-log = structlog.get_logger("agentloop.engine.torch_engine")
+log = structlog.get_logger("agentloop.engine.torch.engine")
 
 # no request for this long: the engine captures a missing decode graph. Long enough that an agent's
 # next call after a tool rarely meets a capture (~190 ms on an H200), short next to a training step

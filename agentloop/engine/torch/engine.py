@@ -4,19 +4,19 @@ Continuous batching with a slot KV cache: every running request owns one row ("s
 preallocated cache ``(n_layers, max_batch_size, n_kv_heads, capacity, head_dim)``; running
 requests are kept compact in slots ``0..n-1`` so a decode step reads a view, never a copy.
 One engine step (run by a dedicated thread, so the asyncio side never blocks on a forward; its
-methods are agentloop.engine._engine_thread's):
+methods are agentloop.engine.torch._engine_thread's):
 
 1. ``_schedule()``  admit waiting requests into free slots and prefill them in left-padded groups
    of at most ``max_prefill_tokens`` (each reusing the longest cached prefix of a recently finished
    request; requests of a group that repeat a prompt, GRPO's n samples, copy one prefill's KV),
    sampling their first tokens together; a longer prompt gets one chunk of its prefill per step;
 2. ``_execute()``   one batched decode forward + sampling of all older running requests
-   (agentloop.engine._decode: static device buffers, a mask built on device, one host->device copy
+   (agentloop.engine.torch._decode: static device buffers, a mask built on device, one host->device copy
    in and one device->host copy out; on CUDA replayed from captured CUDA graphs);
 3. ``_update()``    append, finish on eos / stop ids / stop strings / max_tokens / context limit,
    resolve the caller's future.
 
-Sampling (agentloop.engine._sampling) is batched and batch-invariant: Gumbel-max with noise hashed
+Sampling (agentloop.engine.torch._sampling) is batched and batch-invariant: Gumbel-max with noise hashed
 from ``(seed, step, token)``, so no per-request generator and no per-request kernels. Every path
 (the prefill's first token, eager or CPU-decoder or CUDA-graph decode steps, prompts shared within a
 prefill group) samples through it, so every logprob is the sampling policy's (base.py), per row.
@@ -28,7 +28,7 @@ after its logits processors, top-p/top-k masks included (renormalised; our contr
 ``log_softmax(logits / T)`` without renormalisation, raw logits for greedy rows), sampling
 settings are per manager rather than per request, and it has no stop strings or abort-with-partial
 output. The model forward itself is transformers' (we pass our own cache object, a 4D mask and
-position ids), except a CPU decode step of a Llama-family model, which agentloop.engine._cpu_decode
+position ids), except a CPU decode step of a Llama-family model, which agentloop.engine.torch._cpu_decode
 writes out with fused, MKL-packed projections (its docstring says why and what it measured).
 
 Weight updates (``weight_update_policy``): ``"drain"`` (default) stops admitting requests, lets
@@ -61,12 +61,7 @@ import anyio
 import structlog
 import torch
 
-from agentloop.engine._attention import avoid_cudnn_attention, use_grouped_sdpa
 from agentloop.engine._bursts import Answer, as_finished, labelled
-from agentloop.engine._decode import ModelRunner
-from agentloop.engine._engine_thread import EngineThread, Request
-from agentloop.engine._kv import PrefixCache, SlotKVCache, default_kv_budget, kv_shape
-from agentloop.engine._thread_settings import free_openmp_pool_of_this_thread, shorten_gil_switch_interval
 from agentloop.engine.base import (
     WEIGHT_UPDATE_POLICIES,
     SamplingParams,
@@ -77,6 +72,14 @@ from agentloop.engine.base import (
     check_sampling,
 )
 from agentloop.engine.models import cache_argument, context_limit
+from agentloop.engine.torch._attention import avoid_cudnn_attention, use_grouped_sdpa
+from agentloop.engine.torch._decode import ModelRunner
+from agentloop.engine.torch._engine_thread import EngineThread, Request
+from agentloop.engine.torch._kv import PrefixCache, SlotKVCache, default_kv_budget, kv_shape
+from agentloop.engine.torch._thread_settings import (
+    free_openmp_pool_of_this_thread,
+    shorten_gil_switch_interval,
+)
 
 log = structlog.get_logger(__name__)
 

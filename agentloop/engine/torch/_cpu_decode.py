@@ -26,7 +26,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from agentloop.engine._kv import SlotKVCache
+from agentloop.engine.torch._kv import SlotKVCache
 
 log = structlog.get_logger(__name__)
 

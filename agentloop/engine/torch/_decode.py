@@ -4,7 +4,7 @@ ones) and a static decode step.
 The decode step reads its per-row inputs (last token, position, sampling settings and the row's
 noise key) from preallocated device buffers filled with ONE host->device copy per kind (ints,
 floats), runs one forward over slots ``0..B-1`` with a mask built on device from the positions,
-samples the whole batch (agentloop.engine._sampling) and returns ``(2, B)`` (token, logprob), read
+samples the whole batch (agentloop.engine.torch._sampling) and returns ``(2, B)`` (token, logprob), read
 back with ONE device->host copy. With ``cuda_graphs`` the step is captured per
 ``(batch bucket, kv-length bucket, sampling mode)`` and replayed, so a step costs one graph
 launch instead of hundreds of kernel launches; padded rows write only into free slots.
@@ -18,12 +18,12 @@ from typing import Any
 import structlog
 import torch
 
-from agentloop.engine import _fused_sampling
-from agentloop.engine._attention import CHUNK_KW, cudnn_attention
-from agentloop.engine._cpu_decode import CpuDecoder, supports
-from agentloop.engine._kv import SlotKVCache
-from agentloop.engine._sampling import SampleMode, sample
 from agentloop.engine.capture import graph_capture
+from agentloop.engine.torch import _fused_sampling
+from agentloop.engine.torch._attention import CHUNK_KW, cudnn_attention
+from agentloop.engine.torch._cpu_decode import CpuDecoder, supports
+from agentloop.engine.torch._kv import SlotKVCache
+from agentloop.engine.torch._sampling import SampleMode, sample
 
 log = structlog.get_logger(__name__)
 
