@@ -75,7 +75,7 @@ class TinkerServer:
 
         from agentloop.device import pick_device
         from agentloop.engine.models import resolve_model
-        from agentloop.engine.torch_engine import TorchEngine
+        from agentloop.engine.torch.engine import TorchEngine
 
         dev = pick_device(self.device)
         path = resolve_model(self.model)
