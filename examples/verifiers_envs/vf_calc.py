@@ -1,20 +1,46 @@
 """A tool-using verifiers environment: multiply two numbers with a Python calculator tool.
 
 Written with verifiers' own classes (``verifiers.v1``, 0.4.0): the tool is a ``vf.Toolset`` (an MCP
-server verifiers starts per rollout, ``python -m vf_calc``) with one ``@vf.tool`` method; the ``Task``
-names it in ``toolsets`` and scores the final reply with ``@vf.reward``. ``ENV`` pins verifiers' chat
-loop (``null``: it calls the MCP tools the task offers) and a local subprocess runtime.
+server verifiers starts as ``python -m vf_calc``) with one ``@vf.tool`` method; the ``Taskset`` names it in
+``toolsets``, so one server serves every episode (the tool keeps no per-task state), and each ``Task`` scores
+the finished trace with two ``@vf.reward`` methods. ``ENV`` pins verifiers' chat loop (``null``: it calls
+the MCP tools the taskset offers) and a local subprocess runtime.
+
+The questions are ``a * b`` with a, b in 2..99, drawn with a fixed seed, each after one worked example
+episode (a call of the tool, its result, the answer); the taskset config's ``split`` picks the training
+questions (``train``, the default) or the held-out ones (``test``, never trained on). ``held_out()`` gives
+the test split as agentloop tasks (``val_data: vf_calc:held_out``).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import verifiers.v1 as vf
 
 SYSTEM_PROMPT = "Use the multiply tool, then answer with the number only."
+TOOL = "calc_multiply"  # verifiers' chat program names an MCP tool <server>_<tool>
+# One worked episode before the question: without it SmolLM2-135M never calls the tool (0 of 16 right);
+# with it, it sometimes does (often under a wrong name).
+EXAMPLE = [
+    {"role": "user", "content": "What is 12 * 34?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_0", "name": TOOL, "arguments": '{"a": 12, "b": 34}'}],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": "408"},
+    {"role": "assistant", "content": "408"},
+]
+# The shaping reward: a call of the tool on the question's numbers. Small beside the answer's 1, so a
+# reward >= 1 still means a right answer (agentloop's val/success_rate counts those).
+CALL_BONUS = 0.1
+QUESTIONS = 256
+HELD_OUT = 32  # the first 32 questions: the test split
 
 
 class CalcToolset(vf.Toolset[vf.ToolsetConfig]):
@@ -33,39 +59,74 @@ def last_number(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def call_operands(arguments: str) -> tuple[Any, Any] | None:
+    """The (a, b) of a tool call's JSON arguments; None when they are not an object holding both."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return None
+    return (args.get("a"), args.get("b")) if isinstance(args, dict) else None
+
+
 class CalcData(vf.TaskData):
+    a: int
+    b: int
     answer: str
     """The product, as text."""
 
 
 class CalcTask(vf.Task[CalcData, vf.State, vf.TaskConfig]):
-    @classmethod
-    def toolsets(cls, config: vf.TaskConfig) -> list[vf.Toolset]:
-        return [CalcToolset(vf.ToolsetConfig())]
-
     @vf.reward
     async def correct(self, task: CalcData, trace: vf.Trace) -> float:
         """1 when the last number of the model's last reply is the product."""
         return float(last_number(trace.last_reply) == task.answer)
+
+    @vf.reward(weight=CALL_BONUS)
+    async def called_tool(self, task: CalcData, trace: vf.Trace) -> float:
+        """1 when the model called the multiply tool on the question's two numbers (either order)."""
+        wanted = sorted([str(task.a), str(task.b)])
+        calls = [c for m in trace.assistant_messages for c in m.tool_calls or [] if c.name == TOOL]
+        return float(any(sorted(map(str, call_operands(c.arguments) or ())) == wanted for c in calls))
 
     @vf.metric
     async def tool_calls(self, trace: vf.Trace) -> float:
         return float(len(trace.tool_messages))
 
 
-class CalcTaskset(vf.Taskset[CalcTask, vf.TasksetConfig]):
+class CalcConfig(vf.TasksetConfig):
+    split: Literal["train", "test"] = "train"
+    """``train``: the training questions; ``test``: the held-out ones."""
+
+
+def questions(split: str) -> list[tuple[int, int]]:
+    rng = random.Random(0)
+    pairs = [(rng.randint(2, 99), rng.randint(2, 99)) for _ in range(QUESTIONS)]
+    return pairs[:HELD_OUT] if split == "test" else pairs[HELD_OUT:]
+
+
+class CalcTaskset(vf.Taskset[CalcTask, CalcConfig]):
+    @classmethod
+    def toolsets(cls, config: CalcConfig) -> list[vf.Toolset]:
+        return [CalcToolset(vf.ToolsetConfig())]
+
     def load(self) -> Iterator[CalcTask]:
-        rng = random.Random(0)
-        for _ in range(64):
-            a, b = rng.randint(2, 99), rng.randint(2, 99)
+        for a, b in questions(self.config.split):
+            prompt = [*EXAMPLE, {"role": "user", "content": f"What is {a} * {b}?"}]
             yield CalcTask(
-                CalcData(prompt=f"What is {a} * {b}?", system_prompt=SYSTEM_PROMPT, answer=str(a * b)),
+                CalcData(prompt=prompt, system_prompt=SYSTEM_PROMPT, a=a, b=b, answer=str(a * b)),
                 self.config.task,
             )
 
 
+def held_out() -> list[dict[str, Any]]:
+    """The test split as agentloop tasks: each row's ``TaskData`` as JSON, as agentloop's train_tasks makes."""
+    taskset = CalcTaskset(CalcConfig(id="vf_calc", split="test"))
+    return [task.data.model_dump(mode="json", exclude_unset=True) for task in taskset]
+
+
 __all__ = ["CalcTaskset"]
 
+# The environment as `agentloop train` (agent: verifiers:vf_calc:ENV) and `vf-eval` both take it.
 ENV = vf.SingleAgentEnvConfig(
     taskset={"id": "vf_calc"},
     agent=vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), max_turns=4),

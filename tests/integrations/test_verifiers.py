@@ -75,14 +75,16 @@ def test_single_turn_env_with_the_tiny_model(tiny_model_dir: Path) -> None:
 @SKIP
 def test_tool_env_masks_the_tool_result(tiny_model_dir: Path) -> None:
     """vf_calc with a scripted engine (the tiny model's tokenizer): call the MCP multiply tool, then answer.
-    The engine's ids are recorded exactly, the reward is the env's (1: the product), and in the merged
-    training sample the tool's result tokens are masked out while both model turns are trained."""
+    The engine's ids are recorded exactly, the reward is the env's (1 for the product, plus its bonus for
+    the call on the question's numbers), and in the merged training sample the tool's result tokens are
+    masked out while both model turns are trained."""
     out = run_side("vf_calc", tiny_model_dir, "script")
     assert out["status"] == "succeeded", out["error"]
     check_calls(out)
     assert len(out["calls"]) == 2 and len(out["engine_calls"]) == 2
     assert out["last_text"] == out["answer"]
-    assert out["reward"] == [out["rubric_correct"]] == [1.0]
+    assert out["rubric_correct"] == 1.0 and out["call_bonus"] > 0
+    assert out["reward"] == [out["rubric_correct"] + out["call_bonus"]]
     (sample,) = out["merged"]
     first, second = out["calls"]
     tool_part = len(second["prompt_ids"]) - len(first["prompt_ids"]) - len(first["response_ids"])

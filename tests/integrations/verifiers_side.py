@@ -30,14 +30,15 @@ MAX_TOKENS = {
 
 def script_reply(tokenizer: Any, task: dict[str, Any]) -> Any:
     """The model's part for the tool env: call multiply, then (once its result is in the prompt) answer."""
-    a, b = (int(x) for x in task["prompt"].removeprefix("What is ").removesuffix("?").split(" * "))
-    product = str(a * b)
+    a, b = task["a"], task["b"]
+    question, product = f"What is {a} * {b}?", str(a * b)
     # verifiers' chat program names an MCP tool <server>_<tool>: the model sees `calc_multiply`
     call = json.dumps({"name": "calc_multiply", "arguments": {"a": a, "b": b}})
 
     def reply(ids: list[int], _: Any) -> str:
-        after_call = tokenizer.decode(ids).rpartition("</tool_call>")[2]  # the tool's result, once it came
-        return product if product in after_call else f"<tool_call>\n{call}\n</tool_call>"
+        # the prompt's worked example holds a call too: the question after the last call means none made yet
+        after_call = tokenizer.decode(ids).rpartition("</tool_call>")[2]
+        return f"<tool_call>\n{call}\n</tool_call>" if question in after_call else product
 
     return reply
 
@@ -97,6 +98,8 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "stats": vars(stats),
         "reward": [t.reward for t in merged],
         "rubric_correct": rubric,
+        # vf_calc's reward for its tool called on the question's numbers (0: an env without one)
+        "call_bonus": getattr(module, "CALL_BONUS", 0.0),
         "last_text": last,
         "answer": task["answer"],
         "error": error.model_dump() if error is not None else None,
