@@ -15,7 +15,7 @@
 # checks them, installs the wheels into /tmp/site (skipped when done), unpacks the code into /tmp/vfcode and
 # runs the benchmark from there. A reply with warm: false before the last call means /tmp is gone: start over.
 # uv (verifiers' null harness prepares its chat program with `uv sync --script`) resolves offline from the
-# same wheels: UV_NO_INDEX, UV_FIND_LINKS. LIMIT: seconds for the benchmark (default: 570 less the setup).
+# same wheels: UV_OFFLINE (through a shim), UV_FIND_LINKS. LIMIT: seconds for the benchmark (default: 570 less the setup).
 # Results under $OUT: verifiers_calc_gpu.json, bench.log, card.txt, and the run folder's metrics.jsonl,
 # report.md, summary.json.
 set -u
@@ -49,8 +49,13 @@ cd /tmp/vfcode || exit 2
 source benchmarks/gpu/env.sh
 export PYTHONPATH=/tmp/site:/tmp/vfcode PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled
 export AGENTLOOP_CACHE_DIR=/tmp/agentloop_cache  # the converted model survives into the next warm call
-# the chat program's environment from these wheels alone, on this python (it sees /tmp/site first, cp312)
-export UV_NO_INDEX=1 UV_FIND_LINKS=/tmp/vfkit/vf UV_PYTHON_DOWNLOADS=never UV_PYTHON=$(command -v python3)
+# the chat program's environment from these wheels alone, on this python (it sees /tmp/site first, cp312).
+# verifiers runs `uv sync --script` with UV_OFFLINE=false and uv 0.13.9 ignores UV_NO_INDEX there, so it
+# asked PyPI (no network here: every episode failed): a `uv` first on PATH runs the real one offline.
+mkdir -p /tmp/uvshim
+printf '#!/bin/sh\nUV_OFFLINE=true exec /tmp/site/bin/uv "$@"\n' > /tmp/uvshim/uv && chmod +x /tmp/uvshim/uv
+export PATH=/tmp/uvshim:$PATH
+export UV_FIND_LINKS=/tmp/vfkit/vf UV_PYTHON_DOWNLOADS=never UV_PYTHON=$(command -v python3)
 echo "card: $(card)" | tee "$OUT/card.txt"
 budget=${LIMIT:-$((570 - (SECONDS - T0)))}
 echo "bench: calc_job.yaml on cuda $* (limit $budget s)"
