@@ -229,5 +229,5 @@ async def test_sqlite_store_process_killed_and_restarted(tmp_path: Path) -> None
 
 def test_trainer_kill_and_resume_is_covered_elsewhere() -> None:
     """The trainer SIGKILLed after a checkpoint and resumed: tests/trainer/fit/test_resume.py."""
-    path = REPO / "tests" / "trainer" / "test_resume.py"
+    path = REPO / "tests" / "trainer" / "fit" / "test_resume.py"
     assert "SIGKILL" in path.read_text() and "def test_resume_after_kill" in path.read_text()
