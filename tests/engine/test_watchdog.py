@@ -66,3 +66,34 @@ async def test_a_request_the_engine_does_not_hold_is_failed(tiny_model_dir: Path
     finally:
         engine._inflight.pop("lost-1", None)
         await engine.stop()
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(tiny_model_dir: Path) -> None:
+    """A program stopped with requests in flight (its event loop closed, e.g. by a SIGTERM during
+    validation) leaves answers nobody can take: the engine thread drops them and keeps serving, where it
+    used to die of "Event loop is closed" and leave every later caller waiting."""
+    engine = TorchEngine(tiny_model_dir, device="cpu")
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    gone = asyncio.new_event_loop()
+    pending = gone.create_task(engine.generate([1, 2, 3, 4], sp))
+    deadline = time.monotonic() + 30
+    while not engine._inflight and time.monotonic() < deadline:
+        gone.run_until_complete(asyncio.sleep(0.01))
+    assert engine._inflight, "the request never reached the engine"
+    thread, request = engine._thread, next(iter(engine._inflight.values()))
+    gone.close()  # the answer comes back to a closed loop
+    del pending
+    while not request.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the answer handed on (or, before the fix, the thread dead)
+    assert thread is not None and thread.is_alive()
+
+    async def later() -> list[int]:
+        out = await asyncio.wait_for(
+            engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4)), 60
+        )
+        assert engine._thread is thread  # the same thread served it, not a restarted one
+        await engine.stop()
+        return out.token_ids
+
+    assert len(asyncio.run(later())) == 4

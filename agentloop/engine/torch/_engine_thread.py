@@ -113,7 +113,7 @@ class EngineThread(KVAdmission):
                 log.error("engine.request_lost", request_id=req.request_id, age_s=round(age, 1))
                 self._stats["lost"] += 1
                 err = EngineError(f"the engine lost track of request {req.request_id} after {age:.0f} s")
-                req.loop.call_soon_threadsafe(resolve, req.future, None, err)
+                deliver(req.loop, req.future, None, err)
             elif not req.warned:
                 req.warned = True
                 log.warning(
@@ -359,14 +359,14 @@ class EngineThread(KVAdmission):
             token_versions=list(req.versions),
         )
         req.finished = True
-        req.loop.call_soon_threadsafe(resolve, req.future, out, None)
+        deliver(req.loop, req.future, out, None)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         self._release(req)
         self._stats["failed"] += 1
         err = EngineError(f"engine step failed for request {req.request_id}: {type(exc).__name__}: {exc}")
         req.finished = True
-        req.loop.call_soon_threadsafe(resolve, req.future, None, err)
+        deliver(req.loop, req.future, None, err)
 
     def _apply_updates(self) -> None:
         for tensors, fut, loop in self._updates:
@@ -382,9 +382,9 @@ class EngineThread(KVAdmission):
                     self._chunking.prefilled = self._chunking.num_cached = 0
                     self._chunking.prefill_version = self._weights_version
                 log.info("engine.weights_updated", version=self._weights_version, tensors=len(tensors))
-                loop.call_soon_threadsafe(resolve, fut, self._weights_version, None)
+                deliver(loop, fut, self._weights_version, None)
             except Exception as exc:
-                loop.call_soon_threadsafe(resolve, fut, None, EngineError(f"weight update failed: {exc}"))
+                deliver(loop, fut, None, EngineError(f"weight update failed: {exc}"))
         self._updates.clear()
 
     def _shutdown(self, cmds: list[tuple[str, Any]]) -> None:
@@ -393,9 +393,7 @@ class EngineThread(KVAdmission):
         for req in [*self._waiting, *self._running, *self._held_chunking()]:
             self._finish(req, "abort")
         for _, fut, loop in self._updates:
-            loop.call_soon_threadsafe(
-                resolve, fut, None, EngineError("engine stopped before the weight update")
-            )
+            deliver(loop, fut, None, EngineError("engine stopped before the weight update"))
         self._updates.clear()
         log.info("engine.stop")
 
@@ -411,6 +409,20 @@ def _first_of_each_prompt_first(group: list[Request]) -> list[Request]:
         (repeats if key in seen else firsts).append(req)
         seen.add(key)
     return firsts + repeats
+
+
+def deliver(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any, exc: BaseException | None
+) -> None:
+    """Hand a result to its caller's event loop. A loop already closed (its program stopped, e.g. a
+    SIGTERM while requests were in flight) has nobody left to tell: the answer is dropped, and the engine
+    thread goes on serving the others instead of dying of "Event loop is closed"."""
+    try:
+        loop.call_soon_threadsafe(resolve, fut, value, exc)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        log.debug("engine.caller_loop_closed")
 
 
 def resolve(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
