@@ -25,7 +25,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 import anyio
 
-__all__ = ["UVLOOP_ENV", "loop_name", "request_stop", "run", "uvloop_wanted"]
+__all__ = ["UVLOOP_ENV", "call_soon_from_thread", "loop_name", "request_stop", "run", "uvloop_wanted"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -71,6 +71,21 @@ def request_stop() -> bool:
         return False
     loop, scope = _running[-1]
     loop.call_soon_threadsafe(scope.cancel)
+    return True
+
+
+def call_soon_from_thread(
+    loop: asyncio.AbstractEventLoop, callback: Callable[[Unpack[Ts]], object], *args: *Ts
+) -> bool:
+    """``loop.call_soon_threadsafe(callback, *args)`` from a worker thread (the engine's, the SQLite
+    store's) answering a caller on ``loop``; False, and nothing done, when that loop has already closed
+    (its program stopped with calls in flight): nobody is left to answer, and the thread goes on."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
     return True
 
 

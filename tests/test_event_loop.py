@@ -144,3 +144,28 @@ def test_a_signal_stops_a_command_through_its_loop() -> None:
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert done.stdout == "stopped with CancelledError\ncleaned up\n"  # not KeyboardInterrupt mid-stretch
     assert done.stderr.endswith("agentloop inspect: stopped by SIGTERM\n"), done.stderr
+
+
+def test_call_soon_from_thread_answers_an_open_loop_and_skips_a_closed_one() -> None:
+    """A worker thread's answer reaches an open loop; to a closed one it returns False (the caller is
+    gone) instead of raising "Event loop is closed" in the worker thread."""
+    import asyncio
+    import threading
+
+    from agentloop.event_loop import call_soon_from_thread
+
+    async def answered() -> int:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        sent: list[bool] = []
+        worker = threading.Thread(target=lambda: sent.append(call_soon_from_thread(loop, fut.set_result, 7)))
+        worker.start()
+        value = await fut
+        worker.join()
+        assert sent == [True]
+        return value
+
+    assert asyncio.run(answered()) == 7
+    closed = asyncio.new_event_loop()
+    closed.close()
+    assert call_soon_from_thread(closed, print, "never") is False

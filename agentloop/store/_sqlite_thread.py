@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import structlog
 
 from agentloop.errors import AgentLoopError
+from agentloop.event_loop import call_soon_from_thread
 
 log = structlog.get_logger("agentloop.store.sqlite")
 T = TypeVar("T")
@@ -101,10 +102,7 @@ class ConnectionThread(threading.Thread):
             elif loop is not None:
                 by_loop.setdefault(loop, []).append((fut, ok, value))
         for loop, answers in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, answers)
-            except RuntimeError:  # the caller's loop is closed; nobody is waiting
-                pass
+            call_soon_from_thread(loop, _deliver, answers)  # a closed loop: nobody is waiting
 
 
 def _deliver(answers: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:

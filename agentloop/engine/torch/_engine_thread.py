@@ -26,6 +26,7 @@ from agentloop.engine.torch._kv import PrefixCache, SlotKVCache
 from agentloop.engine.torch._request import Request
 from agentloop.engine.torch._sampling import row_key, sample, sample_mode
 from agentloop.errors import EngineError
+from agentloop.event_loop import call_soon_from_thread
 
 log = structlog.get_logger("agentloop.engine.torch.engine")
 
@@ -417,11 +418,7 @@ def deliver(
     """Hand a result to its caller's event loop. A loop already closed (its program stopped, e.g. a
     SIGTERM while requests were in flight) has nobody left to tell: the answer is dropped, and the engine
     thread goes on serving the others instead of dying of "Event loop is closed"."""
-    try:
-        loop.call_soon_threadsafe(resolve, fut, value, exc)
-    except RuntimeError:
-        if not loop.is_closed():
-            raise
+    if not call_soon_from_thread(loop, resolve, fut, value, exc):
         log.debug("engine.caller_loop_closed")
 
 
