@@ -535,36 +535,27 @@ async def _start_loading(
         start = functools.partial(_start_worker, cfg, model_path, device)
         return WorkerLoading.starting(start, limits.engine_s, what)
 
-    loading: WorkerLoading | None = None
-    loaded: dict[str, Any] = {}
+    # On a GPU, Ray starts and the worker loads its model in its own process while the engine loads here.
+    # On a CPU both start once the engine is up: Ray's processes (~7 CPU-s) would slow the engine's load
+    # on 2 cores, and the first rollouts need only the engine
+    loading = load_worker() if device != "cpu" else None
+    engine = None
     try:
-        async with anyio.create_task_group() as tg:
-            if load_engine_here:
-                kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
-
-                async def load() -> None:
-                    loaded["engine"] = await deadline(
-                        anyio.to_thread.run_sync(
-                            lambda: load_engine(model_path, device=device, **kwargs),
-                            abandon_on_cancel=True,
-                        ),
-                        limits.engine_s,
-                        f"the inference engine to load {model_path}",
-                        "engine_s",
-                    )
-
-                tg.start_soon(load)
-            # On a GPU, Ray starts and the worker loads its model in its own process while the engine
-            # loads here. On a CPU both start once the engine is up: Ray's processes (~7 CPU-s) would
-            # slow the engine's load on 2 cores, and the first rollouts need only the engine
-            if device != "cpu":
-                loading = load_worker()
-        loading = loading or load_worker()
+        if load_engine_here:
+            kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
+            engine = await deadline(
+                anyio.to_thread.run_sync(
+                    lambda: load_engine(model_path, device=device, **kwargs), abandon_on_cancel=True
+                ),
+                limits.engine_s,
+                f"the inference engine to load {model_path}",
+                "engine_s",
+            )
     except BaseException:
         if loading is not None:
             loading.close()
         raise
-    return loading, loaded.get("engine")
+    return loading or load_worker(), engine
 
 
 def _log_resume(plan: ck.RunPlan) -> None:
