@@ -6,8 +6,8 @@ server verifiers starts as ``python -m vf_calc``) with one ``@vf.tool`` method; 
 the finished trace with two ``@vf.reward`` methods. ``ENV`` pins verifiers' chat loop (``null``: it calls
 the MCP tools the taskset offers) and a local subprocess runtime.
 
-The questions are ``a * b`` with a, b in 2..99, drawn with a fixed seed, each after one worked example
-episode (a call of the tool, its result, the answer); the taskset config's ``split`` picks the training
+The questions are ``a * b`` with a, b in 2..99, drawn with a fixed seed, each after two worked example
+episodes (a call of the tool, its result, the answer); the taskset config's ``split`` picks the training
 questions (``train``, the default) or the held-out ones (``test``, never trained on). ``held_out()`` gives
 the test split as agentloop tasks (``val_data: vf_calc:held_out``).
 """
@@ -24,18 +24,25 @@ import verifiers.v1 as vf
 
 SYSTEM_PROMPT = "Use the multiply tool, then answer with the number only."
 TOOL = "calc_multiply"  # verifiers' chat program names an MCP tool <server>_<tool>
-# One worked episode before the question: without it SmolLM2-135M never calls the tool (0 of 16 right);
-# with it, it sometimes does (often under a wrong name).
-EXAMPLE = [
-    {"role": "user", "content": "What is 12 * 34?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"id": "call_0", "name": TOOL, "arguments": '{"a": 12, "b": 34}'}],
-    },
-    {"role": "tool", "tool_call_id": "call_0", "content": "408"},
-    {"role": "assistant", "content": "408"},
-]
+# Two worked episodes before the question (a call of the tool, its result, the answer). Measured on
+# SmolLM2-135M at T 0.8 over 64 samples of 16 questions (a bare HF generate of the proxy's prompt): with none
+# it never called the tool (0 of 16 right); with one, 14 of 64 samples called it, 7 on the question's
+# numbers, and greedy answered directly (3 of 32 held out right); with two, 53 of 64 called it, 37 on the
+# right numbers: enough right episodes in a group of 8 for GRPO to compare.
+WORKED = [(12, 34), (57, 8)]
+
+
+def worked_episode(index: int, a: int, b: int) -> list[dict[str, Any]]:
+    call = {"id": f"call_{index}", "name": TOOL, "arguments": json.dumps({"a": a, "b": b})}
+    return [
+        {"role": "user", "content": f"What is {a} * {b}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
+
+
+EXAMPLE = [message for i, (a, b) in enumerate(WORKED) for message in worked_episode(i, a, b)]
 # The shaping reward: a call of the tool on the question's numbers. Small beside the answer's 1, so a
 # reward >= 1 still means a right answer (agentloop's val/success_rate counts those).
 CALL_BONUS = 0.1
