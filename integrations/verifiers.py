@@ -64,6 +64,8 @@ PREFIX = "verifiers:"  # a job file's `agent: verifiers:SPEC`
 # episode registers with its interception server; its subprocess runtime drops every variable with API_KEY
 # in its name, so harness programs never see it. Each attempt has its own key (agentloop/proxy/attempt_keys.py)
 # and episodes run concurrently, so each attempt gets its own variable, API_KEY_VAR + "_" + a hash of its URL.
+# It is set in os.environ's mapping only (:func:`_hold_key`): a real setenv while the engine's thread runs
+# crashed an H200 run at step 9 (SIGSEGV in torch's getenv).
 API_KEY_VAR = "AGENTLOOP_VERIFIERS_API_KEY"
 SPEC_FORMS = (
     "a taskset module (vf_arith), or module:name / path/to/file.py:name naming a vf.EnvConfig, a vf.Env, "
@@ -167,6 +169,20 @@ def _key_var(base_url: str) -> str:
     return f"{API_KEY_VAR}_{hashlib.sha256(base_url.encode()).hexdigest()[:16].upper()}"
 
 
+def _hold_key(var: str, value: str | None) -> None:
+    """Set (or, for None, remove) ``var`` in ``os.environ`` as Python code reads it (verifiers'
+    ``os.environ.get``), leaving the process's C environment alone. ``os.environ[var] = value`` also calls
+    setenv, which may move the environment's array while another thread reads it: torch's C++ reads its
+    settings with getenv on the engine's thread, and an episode starts every few milliseconds. Subprocesses
+    do not need the key (verifiers' runtime drops every variable with API_KEY in its name)."""
+    data = os.environ._data  # type: ignore[attr-defined]  # os._Environ's own mapping, what .get reads
+    key = os.environ.encodekey(var)  # type: ignore[attr-defined]
+    if value is None:
+        data.pop(key, None)
+    else:
+        data[key] = os.environ.encodevalue(value)  # type: ignore[attr-defined]
+
+
 def _episode_error(env_id: str, episode: Any) -> str:
     """The message of a failed episode: its first error on the first line (what the console and ``agentloop
     inspect --errors`` show in one line), then each error of the environment with its own traceback."""
@@ -221,7 +237,7 @@ class VerifiersAgent(Agent):
         in the attempt's own environment variable (:func:`_key_var`; the caller removes it afterwards)."""
         vf = _vf()
         var = _key_var(llm.base_url)
-        os.environ[var] = llm.api_key  # the attempt's key, read by verifiers' client as the episode registers
+        _hold_key(var, llm.api_key)  # the attempt's key, read by verifiers' client as the episode registers
         client = vf.EvalClientConfig(base_url=llm.base_url, api_key_var=var)
         sampling = vf.SamplingConfig.model_validate({**llm.sampling, **self.sampling})
         return vf.ModelContext(model=llm.model, client=client, sampling=sampling)
@@ -289,7 +305,7 @@ class VerifiersAgent(Agent):
             async with self.serving():  # the env's interception server and shared tool servers
                 episode = await env.run_slot(slot, self.context(llm))
         finally:
-            os.environ.pop(_key_var(llm.base_url), None)
+            _hold_key(_key_var(llm.base_url), None)
         if not episode.ok:
             raise VerifiersEpisodeError(_episode_error(env.config.env_id, episode))
         # verifiers' rewards are per trace (named, weighted), not per turn: the attempt's reward is their sum

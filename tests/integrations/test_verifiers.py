@@ -9,8 +9,10 @@ first task. The end-to-end tests take over a minute on 2 cores (verifiers starts
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 
 from agentloop.errors import ConfigError
+from integrations.verifiers import API_KEY_VAR, _hold_key
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_PYTHON = ROOT / ".venv" / "frameworks" / "verifiers" / "bin" / "python"
@@ -84,6 +87,7 @@ def test_tool_env_masks_the_tool_result(tiny_model_dir: Path) -> None:
     assert len(out["calls"]) == 2 and len(out["engine_calls"]) == 2
     assert out["last_text"] == out["answer"]
     assert out["rubric_correct"] == 1.0 and out["call_bonus"] > 0
+    assert not [n for n in out["setenv_names"] if n.startswith(API_KEY_VAR)], out["setenv_names"]
     assert out["reward"] == [out["rubric_correct"] + out["call_bonus"]]
     (sample,) = out["merged"]
     first, second = out["calls"]
@@ -94,6 +98,23 @@ def test_tool_env_masks_the_tool_result(tiny_model_dir: Path) -> None:
 
 
 # --- fast: what needs no verifiers ----------------------------------------------------------------------------
+
+
+def test_an_attempts_key_is_seen_by_python_but_never_set_in_the_c_environment() -> None:
+    """The key verifiers' client reads with os.environ.get is there for Python, while the process's C
+    environment (what torch's threads read with getenv) is never written: a setenv racing the engine
+    thread's getenv killed an H200 run with SIGSEGV at step 9."""
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    var = API_KEY_VAR + "_TEST_HOLD_KEY"
+    _hold_key(var, "sk-attempt")
+    try:
+        assert os.environ.get(var) == "sk-attempt" and var in os.environ
+        assert libc.getenv(var.encode()) is None
+    finally:
+        _hold_key(var, None)
+    assert var not in os.environ and os.environ.get(var) is None
+    _hold_key(var, None)  # removing what is not there is no error
 
 
 def test_without_verifiers_the_error_says_how_to_install() -> None:

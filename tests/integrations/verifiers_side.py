@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,19 @@ def script_reply(tokenizer: Any, task: dict[str, Any]) -> Any:
         return f"<tool_call>\n{call}\n</tool_call>" if question in after_call else product
 
     return reply
+
+
+def record_setenv() -> list[tuple[str, str]]:
+    """From now on, every os.putenv this process makes (os.environ[...] = ... calls it), as (name, value)."""
+    seen: list[tuple[str, str]] = []
+    real = os.putenv
+
+    def putenv(name: Any, value: Any) -> None:
+        seen.append((os.fsdecode(name), os.fsdecode(value)))
+        real(name, value)
+
+    os.putenv = putenv  # os._Environ.__setitem__ looks putenv up in os's namespace when it runs
+    return seen
 
 
 async def main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +88,9 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         await store.add_resources(Resources(items={"main_llm": proxy.as_resource("tiny")}))
         rollout = await store.enqueue_rollout(task)
         attempted: list[Any] = []
+        setenv = record_setenv()
         stats = await asyncio.wait_for(Runner(agent, store).run(max_rollouts=1), 300)
+        setenv_names = sorted({name for name, _ in setenv})
         done = await store.get_rollout(rollout.rollout_id)
         spans = await store.query_spans(rollout.rollout_id)
         spans_all = spans
@@ -103,6 +119,8 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "last_text": last,
         "answer": task["answer"],
         "error": error.model_dump() if error is not None else None,
+        # variables this process set with a real setenv during the episode (a race with the engine's getenv)
+        "setenv_names": setenv_names,
         "calls": [
             {
                 "prompt_ids": c.prompt_ids,
