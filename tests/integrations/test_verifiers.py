@@ -97,6 +97,32 @@ def test_tool_env_masks_the_tool_result(tiny_model_dir: Path) -> None:
     assert sample["mask"] == expected
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
+@SKIP
+def test_tool_env_with_smollm2() -> None:
+    """vf_calc's first training question answered by SmolLM2-135M-Instruct (greedy) through a TorchEngine:
+    every call recorded with the engine's ids, the reward the env's own (its answer rubric on the recorded
+    text, plus the call bonus or not), and when the model called the tool, the tool's result masked out of
+    the merged sample. Whether this question comes out right is the model's business, not asserted."""
+    from agentloop.engine.models import resolve_model
+
+    out = run_side("vf_calc", resolve_model("smollm2-135m-instruct"), "smollm2")
+    assert out["status"] == "succeeded", out["error"]
+    check_calls(out)
+    assert 1 <= len(out["calls"]) <= 4  # ENV's max_turns
+    (reward,) = out["reward"]
+    assert reward in (
+        pytest.approx(out["rubric_correct"]),
+        pytest.approx(out["rubric_correct"] + out["call_bonus"]),
+    )
+    (sample,) = out["merged"]
+    assert len(sample["response_ids"]) == len(sample["mask"])
+    if len(out["calls"]) > 1:  # a tool turn came between the model's calls: its tokens are not trained
+        assert 0 in sample["mask"]
+    assert not [n for n in out["setenv_names"] if n.startswith(API_KEY_VAR)], out["setenv_names"]
+
+
 # --- fast: what needs no verifiers ----------------------------------------------------------------------------
 
 

@@ -23,10 +23,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "verifiers_envs")]
 
-MAX_TOKENS = {
-    "torch": 24,
-    "script": 128,
-}  # the random model's replies stay short; the script's tool call fits
+# per engine: the tiny random model's replies stay short; SmolLM2's tool call (~35 tokens) and the script's fit
+MAX_TOKENS = {"torch": 24, "smollm2": 64, "script": 128}
+TEMPERATURE = {"torch": 1.0, "smollm2": 0.0, "script": 1.0}  # SmolLM2 greedy, as agentloop validates
 
 
 def script_reply(tokenizer: Any, task: dict[str, Any]) -> Any:
@@ -69,11 +68,12 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
     from integrations.verifiers import VerifiersAgent, train_tasks
 
     agent = VerifiersAgent(
-        f"{cfg['env']}:ENV", sampling={"max_tokens": MAX_TOKENS[cfg["engine"]], "temperature": 1.0}
+        f"{cfg['env']}:ENV",
+        sampling={"max_tokens": MAX_TOKENS[cfg["engine"]], "temperature": TEMPERATURE[cfg["engine"]]},
     )
     task = train_tasks(agent.env, limit=1)[0]
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
-    if cfg["engine"] == "torch":
+    if cfg["engine"] in ("torch", "smollm2"):
         from agentloop.engine.torch.engine import TorchEngine
 
         engine: Any = TorchEngine(cfg["model"], max_context=2048, max_batch_size=2)
