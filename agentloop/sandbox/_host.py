@@ -55,6 +55,45 @@ def _world_usable(path: Path) -> bool:
         return False
 
 
+def closed_folder(path: Path, uid: int) -> Path | None:
+    """The first folder on the way to ``path`` (``path`` too, when it is a folder) that user ``uid``, in its
+    own group ``uid`` and no other (how the sandbox runs it), may not enter by the permission bits; None
+    when the way is open. ACLs are not read."""
+    way = [*reversed(path.parents), *([path] if path.is_dir() else [])]
+    for folder in way:
+        try:
+            st = os.stat(folder)
+        except OSError:
+            return folder
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == uid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return folder
+    return None
+
+
+def check_lent_paths(config: SandboxConfig) -> None:
+    """Refuse, naming the folder and the fix, a ``ro_binds`` path the sandbox's user cannot reach: under a
+    private folder (a checkout in a 0700 home or ``mktemp -d``) bubblewrap fails with "Can't find source
+    path ...: Permission denied", and the subprocess backend cannot run what lies there."""
+    uid = run_as(config)
+    if uid is None:  # the sandbox runs as this user, who reached these paths to name them
+        return
+    for path in config.ro_binds:
+        closed = closed_folder(path, uid)
+        if closed is not None:
+            mode = stat.filemode(os.stat(closed).st_mode) if closed.exists() else "missing"
+            raise SandboxUnavailableError(
+                f"the sandbox runs commands as uid {uid}, which cannot enter {closed} ({mode}) on the way to "
+                f"{path}, a path lent to it (ro_binds): open the way (chmod o+x {closed}) or keep what is "
+                "lent (the harness CLIs, a virtualenv) outside private folders"
+            )
+
+
 def launcher_python(config: SandboxConfig) -> tuple[str, Path | None]:
     """(interpreter, the directory to lend read-only for it or None when /usr holds it).
 
@@ -103,6 +142,7 @@ class HostWorkspace(ABC):
     @classmethod
     async def make(cls, source: Source, config: SandboxConfig, **kwargs: Any) -> Self:
         """A new workspace filled from ``source``; nothing is left behind when that fails."""
+        check_lent_paths(config)
         base = Path(tempfile.mkdtemp(prefix="agentloop-sandbox-"))
         try:
             os.chmod(base, 0o711)

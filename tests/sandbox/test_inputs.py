@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,8 @@ from agentloop.sandbox import (
     SandboxUnavailableError,
     loopback_port,
 )
-from tests.sandbox.helpers import config
+from agentloop.sandbox._host import closed_folder
+from tests.sandbox.helpers import config, needs_bwrap
 
 
 @pytest.mark.parametrize(
@@ -140,3 +143,59 @@ def test_loopback_port() -> None:
         with pytest.raises(SandboxArgumentError, match=r"expected an http URL on 127.0.0.1 or localhost"):
             loopback_port(url)
     assert issubclass(SandboxUnavailableError, SandboxError) and issubclass(SandboxError, AgentLoopError)
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A temporary folder on a way any user may take (pytest's own tmp_path lies under a 0700 folder)."""
+    path = Path(tempfile.mkdtemp())
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_closed_folder_names_the_first_folder_a_user_cannot_enter(open_tmp: Path) -> None:
+    """By the permission bits the sandbox's user (its own uid and group, no other) meets on the way."""
+    other = os.getuid() + 54321  # a user that owns nothing here
+    private = open_tmp / "private"
+    lent = private / "harness" / "bin"
+    lent.mkdir(parents=True)
+    private.chmod(0o700)
+    try:
+        assert closed_folder(lent, other) == private
+        assert closed_folder(lent / "claude", other) == private  # a file's folders
+        private.chmod(0o711)
+        assert closed_folder(lent, other) is None
+        (private / "harness").chmod(0o750)
+        assert closed_folder(lent, other) == private / "harness"
+        (private / "harness").chmod(0o751)
+        lent.chmod(0o700)  # the lent folder itself is entered too
+        assert closed_folder(lent, other) == lent
+    finally:
+        private.chmod(0o755)
+        (private / "harness").chmod(0o755)
+        lent.chmod(0o755)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="as root the sandbox runs commands as its own uid; else as this user"
+)
+@pytest.mark.parametrize("backend", ["subprocess", pytest.param("bwrap", marks=needs_bwrap)])
+async def test_a_lent_path_under_a_private_folder_is_refused_naming_it(open_tmp: Path, backend: str) -> None:
+    """A checkout in a 0700 folder (mktemp -d, a private home) lends its harness CLIs to the sandbox's user,
+    who cannot reach them: bwrap said only "Can't find source path ...: Permission denied"."""
+    private = open_tmp / "home"
+    lent = private / "checkout" / ".venv" / "harness"
+    lent.mkdir(parents=True)
+    private.chmod(0o700)
+    try:
+        with pytest.raises(
+            SandboxUnavailableError, match=rf"cannot enter {private} \(drwx------\).*chmod o\+x"
+        ):
+            async with Sandbox.open(config=config(backend, ro_binds=(lent,))):
+                pass
+        private.chmod(0o711)
+        async with Sandbox.open(config=config(backend, ro_binds=(lent,))) as sb:
+            assert (await sb.run(["true"])).exit_code == 0
+    finally:
+        private.chmod(0o755)
