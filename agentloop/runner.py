@@ -66,9 +66,9 @@ class RunnerStats:
     attempts: int = 0  # dequeued attempts
     succeeded: int = 0
     failed: int = 0  # the agent raised or broke its contract
-    timeout: int = 0  # cancelled after timeout_s
+    timeout: int = 0  # cancelled after timeout_s (by the runner, or by the store's watchdog first)
     stopped: int = 0  # cancelled because the runner stopped (reported as failed)
-    lost: int = 0  # the store had already ended the attempt (watchdog, cancel) or was unreachable
+    lost: int = 0  # the store had already ended the attempt otherwise (cancel) or was unreachable
 
 
 @dataclass
@@ -371,6 +371,8 @@ class Runner:
                 except Exception as exc:
                     log.error("attempt_report_failed", rollout_id=rid, attempt_id=aid, error=repr(exc))
                     kind = "lost"
+        if kind == "lost":
+            kind = await self._ended_by_store_as(rid, aid)
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         error = outcome.error
         if error is not None and outcome.status is not AttemptStatus.SUCCEEDED and kind != "stopped":
@@ -388,6 +390,19 @@ class Runner:
             duration_s=round(duration_s, 4),
             error=outcome.error.message if outcome.error else None,
         )
+
+    async def _ended_by_store_as(self, rollout_id: str, attempt_id: str) -> str:
+        """How to count an attempt the store ended itself (our report or heartbeat refused): ``timeout`` when
+        its watchdog timed it out, which is what the runner's own timer does a moment later on a loaded
+        machine, else ``lost`` (cancelled by the store, or the store unreachable)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_REPORT_TIMEOUT_S):
+            try:
+                attempt = await self.store.get_attempt(rollout_id, attempt_id)
+            except Exception:
+                return "lost"
+            if attempt.status is AttemptStatus.TIMEOUT:
+                return "timeout"
+        return "lost"
 
     def _first_failure(self, rollout_id: str, attempt_id: str, error: ErrorInfo) -> None:
         """The first failure of each kind (type, first line) in a run, as a warning with the traceback

@@ -359,6 +359,32 @@ async def _attempt_ended_by_store_is_abandoned(store: Store) -> None:
     assert (await store.get_rollout(ro.rollout_id)).status is RolloutStatus.CANCELLED
 
 
+class WatchdogFirst(MemoryStore):
+    """A store whose watchdog times an attempt out just before the runner reports the timeout itself
+    (what a loaded machine does: both use timeout_s): the runner's own report is then refused."""
+
+    async def update_attempt(self, rollout_id: str, attempt_id: str, **fields: Any) -> Any:
+        if fields.get("status") is AttemptStatus.TIMEOUT:
+            await super().update_attempt(rollout_id, attempt_id, status=AttemptStatus.TIMEOUT)
+        return await super().update_attempt(rollout_id, attempt_id, **fields)
+
+
+async def test_a_timeout_the_stores_watchdog_reported_first_counts_as_a_timeout_not_lost() -> None:
+    """tests/reliability's retry test saw (failed, timeout, succeeded) = (1, 0, 2) with lost 1 under load."""
+
+    @rollout
+    async def hangs(task: dict[str, Any], llm: Any) -> float:
+        await anyio.sleep(3600)
+        return 1.0
+
+    store = WatchdogFirst()
+    ro = await store.enqueue_rollout({}, config=RolloutConfig(timeout_s=0.2, max_attempts=1))
+    with anyio.fail_after(10):
+        stats = await Runner(hangs, store).run(max_rollouts=1)
+    assert (stats.timeout, stats.lost) == (1, 0)
+    assert [a.status for a in await store.list_attempts(ro.rollout_id)] == [AttemptStatus.TIMEOUT]
+
+
 async def test_runner_rejects_bad_arguments() -> None:
     store = MemoryStore()
 
