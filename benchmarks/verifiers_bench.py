@@ -50,7 +50,7 @@ def mean(xs: list[float]) -> float:
 def train_rewards(run_dir: Path) -> dict[int, list[float]]:
     """Each training step's episode rewards (the metrics' step numbers), read from the run's store.db: the
     reward spans of each finished training rollout's latest attempt, summed (as the trainer sums them)."""
-    from agentloop.commands.inspect import ReadOnlyStore
+    from agentloop.commands.inspect_store import ReadOnlyStore
     from agentloop.types import Reward, RolloutStatus
 
     async def read() -> dict[int, list[float]]:

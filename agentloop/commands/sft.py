@@ -151,7 +151,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from agentloop.commands.inspect import InspectError, ReadOnlyStore, locate
+    from agentloop.commands.inspect_store import InspectError, ReadOnlyStore, locate
     from agentloop.errors import ConfigError, EmptyBatchError, ModelResolutionError
     from trainer.sft import run_sft
 

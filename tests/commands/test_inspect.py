@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from agentloop.commands import inspect as inspect_cmd
+from agentloop.commands.inspect_text import printable
 from agentloop.proxy.server import Proxy
 from agentloop.proxy.sessions import read_saved_sessions
 from agentloop.store.sqlite import SQLiteStore
@@ -269,7 +270,7 @@ def test_model_text_is_printed_with_its_control_characters_escaped(
         assert raw not in out
     assert "[model]4\\x1b[2J\\x1b]0;pwned\\x07 done\\x0d\\u202eevil" in out
     # tab and newline stay; an 8-bit CSI does not
-    assert inspect_cmd.printable("a\tb\nc\x9bd") == "a\tb\nc\\x9bd"
+    assert printable("a\tb\nc\x9bd") == "a\tb\nc\\x9bd"
 
 
 def test_inspect_reads_a_store_that_a_running_trainer_holds_locked(
