@@ -497,7 +497,7 @@ async def run_burst(args: argparse.Namespace) -> dict[str, Any]:
 # roughly doubles it: compare phases with each other, not with the unprofiled CPU figures)
 PHASES = {
     "http_parse_and_dispatch (uvicorn)": ("httptools_impl.py", "data_received"),
-    "read_json": ("app.py", "read_json"),
+    "read_json": ("routes.py", "read_json"),
     "parse_model (pydantic request)": ("schemas.py", "parse_model"),
     "check_live (store reads)": ("service.py", "check_live"),
     "ledger.plan (template + tokens)": ("ledger.py", "plan"),

@@ -2,7 +2,7 @@
 
 The app-facing routes are the session routes (``/v1/...``, ``/v1/sessions...``) and the admin routes
 of ``agentloop serve --train`` (``/v1/admin/...``). The per-attempt routes (``/rollout/.../v1``) are
-the trainer's and keep their own key (app.py).
+the trainer's and keep their own key (bearer_auth.py).
 
 Keys (``AppKeys``):
 

@@ -59,7 +59,7 @@ _REQUEST_KEYS = ("model", "temperature", "top_p", "top_k", "max_tokens", "stop",
 
 
 class ProxyService:
-    """The proxy's logic; the FastAPI app (app.py) only parses HTTP and writes responses."""
+    """The proxy's logic; the Starlette app (app.py, routes.py) only parses HTTP and writes responses."""
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from pydantic import SecretStr
 import agentloop as al
 from agentloop.errors import ConfigError
 from agentloop.keys import read_key
-from agentloop.proxy.app import BearerAuth
+from agentloop.proxy.bearer_auth import BearerAuth
 from agentloop.resources import LLM, ProxyLLM, Resources
 from agentloop.runner import Runner
 from agentloop.store.client import StoreClient
